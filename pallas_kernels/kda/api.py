@@ -1,0 +1,75 @@
+"""`chunk_kda`: input validation and backend dispatch (ARCHITECTURE.md §2.5)."""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kda import reference
+
+BACKENDS = ("auto", "xla", "reference", "pallas_tpu", "pallas_gpu")
+
+
+def _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size, backend):
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  if backend not in BACKENDS:
+    raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
+  if k.shape != q.shape or g.shape != q.shape:
+    raise ValueError(f"q {q.shape}, k {k.shape}, g {g.shape} must all be [B, T, H, K]")
+  if v.shape[:3] != (B, T, H):
+    raise ValueError(f"v {v.shape} must be [B, T, H, V] with B, T, H = {(B, T, H)}")
+  if beta.shape != (B, T, H):
+    raise ValueError(f"beta {beta.shape} must be [B, T, H] = {(B, T, H)}")
+  if K > 256:
+    raise ValueError(f"K={K} > 256 is not supported (head key dim); split heads")
+  for name, x in (("q", q), ("k", k), ("v", v), ("g", g), ("beta", beta)):
+    if x.dtype not in (jnp.float32, jnp.bfloat16, jnp.float64):
+      raise ValueError(f"{name} dtype {x.dtype}: expected float32, bfloat16 (or float64)")
+  if initial_state is not None and initial_state.shape != (B, H, K, V):
+    raise ValueError(f"initial_state {initial_state.shape} must be [B, H, K, V] = {(B, H, K, V)}")
+  if segment_ids is not None and segment_ids.shape != (B, T):
+    raise ValueError(f"segment_ids {segment_ids.shape} must be [B, T] = {(B, T)}")
+  if chunk_size not in (16, 32, 64):
+    raise ValueError(f"chunk_size={chunk_size}: expected 64 (default), 32 or 16")
+
+
+def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
+              segment_ids=None, chunk_size=64, backend="auto", interpret=False):
+  """Chunkwise-parallel KDA (Kimi Linear, arXiv 2510.26692; ARCHITECTURE.md §2.4).
+
+  Args:
+    q, k: [B, T, H, K] (K <= 256); v: [B, T, H, V]; g: [B, T, H, K] log-decay after the gate;
+      beta: [B, T, H]. float32 or bfloat16; accumulation and state are fp32.
+    scale: query scale (default K ** -0.5).
+    initial_state: [B, H, K, V] fp32 or None.
+    output_final_state: return the final state [B, H, K, V] fp32 (else None).
+    segment_ids: [B, T] int32 packed-document ids, 0 = padding.
+    chunk_size: 64 (default) or 32.
+    backend: "auto" | "xla" | "reference" | "pallas_tpu" | "pallas_gpu".
+    interpret: run Pallas kernels in interpret mode (CPU tests).
+
+  Returns:
+    (o [B, T, H, V] in q's dtype, final_state or None).
+
+  Raises:
+    ValueError: mismatched shapes, K > 256, unsupported dtypes, unknown backend/chunk size.
+  """
+  _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size, backend)
+  if backend == "auto":
+    platform = jax.default_backend()
+    backend = "pallas_tpu" if platform == "tpu" else "xla"
+  kwargs = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
+                segment_ids=segment_ids, chunk_size=chunk_size)
+  if backend == "reference":
+    return reference.recurrent_kda(q, k, v, g, beta, **kwargs)
+  if backend == "xla":
+    from pallas_kernels.kda import xla
+    return xla.chunk_kda_xla(q, k, v, g, beta, **kwargs)
+  if backend == "pallas_tpu":
+    from pallas_kernels.kda import pallas_tpu
+    return pallas_tpu.chunk_kda_pallas_tpu(q, k, v, g, beta, interpret=interpret, **kwargs)
+  if backend == "pallas_gpu":
+    from pallas_kernels.kda import pallas_gpu
+    return pallas_gpu.chunk_kda_pallas_gpu(q, k, v, g, beta, interpret=interpret, **kwargs)
+  raise AssertionError(backend)
