@@ -1,0 +1,236 @@
+"""Model configuration: one frozen dataclass and the three presets (ARCHITECTURE.md §1).
+
+`get_preset("full")` reproduces the 2.8T / 104B-active configuration; `small` fits one GPU;
+`tiny` runs forward+backward in seconds on a laptop CPU.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Literal
+
+ResidualKind = Literal["attnres_block", "attnres_full", "standard"]
+BalancerKind = Literal["quantile", "bias_sign", "aux_loss", "none"]
+RematPolicy = Literal["none", "full", "save_dots", "save_qkv_proj", "minimal"]
+
+RESIDUAL_KINDS = ("attnres_block", "attnres_full", "standard")
+BALANCER_KINDS = ("quantile", "bias_sign", "aux_loss", "none")
+REMAT_POLICIES = ("none", "full", "save_dots", "save_qkv_proj", "minimal")
+KDA_BACKENDS = ("auto", "xla", "reference", "pallas_tpu", "pallas_gpu")
+GMM_BACKENDS = ("auto", "ragged_dot", "tokamax", "megablox", "dense")
+ATTENTION_BACKENDS = ("auto", "xla_chunked", "xla", "tokamax", "cudnn", "splash")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Every architecture field of the model (ARCHITECTURE.md §1-§7).
+
+  Layer layout: layer i is Gated MLA when (i + 1) % mla_every == 0 or i == num_layers - 1
+  (the last layer is MLA), else KDA. Layer 0 uses the dense SiTU-GLU FFN; all others LatentMoE.
+  """
+
+  name: str = "custom"
+  vocab_size: int = 163_840
+  d_model: int = 7168
+  num_layers: int = 93
+  mla_every: int = 4
+  num_dense_layers: int = 1
+
+  # KDA (§2)
+  kda_num_heads: int = 96
+  kda_head_dim: int = 128  # K
+  kda_value_dim: int = 128  # V
+  kda_conv_size: int = 4
+  kda_gate_lower_bound: float | None = -5.0  # None = unbounded softplus gate
+  kda_chunk_size: int = 64
+  kda_backend: str = "auto"
+
+  # Gated MLA (§3), NoPE: the "rope" part is never rotated.
+  mla_num_heads: int = 96
+  q_lora_rank: int = 1536
+  kv_lora_rank: int = 512
+  qk_nope_head_dim: int = 128
+  qk_rope_head_dim: int = 64
+  v_head_dim: int = 128
+  attention_backend: str = "auto"
+  attention_chunk_size: int = 512  # query/key block of the memory-efficient XLA path
+
+  # Dense FFN (layer 0) and SiTU-GLU (§5)
+  dense_hidden: int = 33_792
+  situ_beta1: float = 4.0
+  situ_beta2: float = 25.0
+
+  # Stable LatentMoE (§5)
+  num_experts: int = 896
+  experts_per_token: int = 16
+  moe_latent_dim: int = 3584
+  expert_hidden: int = 3072
+  num_shared_experts: int = 2
+  shared_expert_hidden: int = 3072
+  route_scale: float = 1.0
+  capacity_factor: float | None = None  # None = dropless
+  gmm_backend: str = "auto"
+
+  # Balancing (§6)
+  balancer: str = "quantile"
+  balancer_bins: int = 1000
+  bias_sign_rate: float = 1e-3
+  aux_loss_coef: float = 1e-2
+
+  # Residual stream (§4)
+  residual: str = "attnres_block"
+  attnres_block_layers: int = 12
+
+  # Vision (§7)
+  vision: bool = False
+  vision_patch_size: int = 14
+  vision_width: int = 1152
+  vision_layers: int = 27
+  vision_heads: int = 16
+  vision_mlp: int = 4304
+
+  # Numerics and memory
+  norm_eps: float = 1e-6
+  dtype: str = "bfloat16"  # compute dtype
+  param_dtype: str = "float32"  # master weights
+  remat_policy: str = "full"
+  scan_layers: bool = True
+  loss_chunk_size: int = 2048  # tokens per chunk of the chunked cross-entropy
+  init_std: float = 0.02
+
+  def __post_init__(self):
+    self.validate()
+
+  # ---------------------------------------------------------------- layout helpers
+  @property
+  def layer_types(self) -> tuple[str, ...]:
+    """'kda' or 'mla' per layer."""
+    return tuple(
+        "mla" if ((i + 1) % self.mla_every == 0 or i == self.num_layers - 1) else "kda"
+        for i in range(self.num_layers))
+
+  @property
+  def num_kda_layers(self) -> int:
+    return self.layer_types.count("kda")
+
+  @property
+  def num_mla_layers(self) -> int:
+    return self.layer_types.count("mla")
+
+  @property
+  def num_moe_layers(self) -> int:
+    return self.num_layers - self.num_dense_layers
+
+  @property
+  def qk_head_dim(self) -> int:
+    return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+  @property
+  def num_attnres_blocks(self) -> int:
+    return -(-self.num_layers // self.attnres_block_layers)
+
+  # ---------------------------------------------------------------- validation
+  def validate(self) -> None:
+    """Raise ValueError naming the offending fields."""
+    def bad(msg):
+      raise ValueError(f"ModelConfig({self.name}): {msg}")
+
+    for f in ("vocab_size", "d_model", "num_layers", "kda_num_heads", "kda_head_dim",
+              "kda_value_dim", "mla_num_heads", "q_lora_rank", "kv_lora_rank",
+              "qk_nope_head_dim", "v_head_dim", "dense_hidden", "num_experts",
+              "experts_per_token", "moe_latent_dim", "expert_hidden", "mla_every",
+              "attnres_block_layers", "kda_conv_size", "balancer_bins", "loss_chunk_size"):
+      if getattr(self, f) <= 0:
+        bad(f"{f}={getattr(self, f)} must be > 0")
+    if self.qk_rope_head_dim < 0 or self.num_shared_experts < 0:
+      bad("qk_rope_head_dim and num_shared_experts must be >= 0")
+    if self.experts_per_token > self.num_experts:
+      bad(f"experts_per_token={self.experts_per_token} > num_experts={self.num_experts}; "
+          "top-k cannot exceed the number of routed experts")
+    if self.num_dense_layers < 0 or self.num_dense_layers >= self.num_layers:
+      bad(f"num_dense_layers={self.num_dense_layers} must be in [0, num_layers)")
+    if self.kda_gate_lower_bound is not None and not -5.0 <= self.kda_gate_lower_bound < 0:
+      bad(f"kda_gate_lower_bound={self.kda_gate_lower_bound} must be in [-5, 0) or None "
+          "(unbounded gate); below -5 a 16-token tile can overflow fp32")
+    if self.kda_head_dim > 256:
+      bad(f"kda_head_dim={self.kda_head_dim} > 256 is not supported by the KDA kernels")
+    if self.kda_chunk_size not in (16, 32, 64):
+      bad(f"kda_chunk_size={self.kda_chunk_size} must be 64, 32 or 16")
+    if self.residual not in RESIDUAL_KINDS:
+      bad(f"residual={self.residual!r} must be one of {RESIDUAL_KINDS}")
+    if self.balancer not in BALANCER_KINDS:
+      bad(f"balancer={self.balancer!r} must be one of {BALANCER_KINDS}")
+    if self.remat_policy not in REMAT_POLICIES:
+      bad(f"remat_policy={self.remat_policy!r} must be one of {REMAT_POLICIES}")
+    if self.kda_backend not in KDA_BACKENDS:
+      bad(f"kda_backend={self.kda_backend!r} must be one of {KDA_BACKENDS}")
+    if self.gmm_backend not in GMM_BACKENDS:
+      bad(f"gmm_backend={self.gmm_backend!r} must be one of {GMM_BACKENDS}")
+    if self.attention_backend not in ATTENTION_BACKENDS:
+      bad(f"attention_backend={self.attention_backend!r} must be one of {ATTENTION_BACKENDS}")
+    if self.capacity_factor is not None and self.capacity_factor <= 0:
+      bad(f"capacity_factor={self.capacity_factor} must be > 0 or None (dropless)")
+    if self.dtype not in ("bfloat16", "float32") or self.param_dtype not in ("bfloat16",
+                                                                             "float32"):
+      bad(f"dtype={self.dtype!r}, param_dtype={self.param_dtype!r}: use bfloat16 or float32")
+    if self.layer_types[-1] != "mla" or self.layer_types[0] != "kda":
+      bad(f"num_layers={self.num_layers}, mla_every={self.mla_every}: the first layer must be "
+          "KDA and the last MLA")
+    if self.num_layers % self.mla_every != 1:
+      bad(f"num_layers={self.num_layers} must be 1 mod mla_every={self.mla_every} (groups of "
+          f"{self.mla_every - 1} KDA + 1 MLA, plus a final MLA layer), e.g. 93 or 9")
+    if self.residual == "attnres_block" and self.attnres_block_layers % self.mla_every:
+      bad(f"attnres_block_layers={self.attnres_block_layers} must be a multiple of "
+          f"mla_every={self.mla_every} so blocks align with the scanned layer groups")
+    if self.vision and self.d_model % 2:
+      bad("vision requires an even d_model")
+
+
+def _full() -> ModelConfig:
+  return ModelConfig(name="full")
+
+
+def _small() -> ModelConfig:
+  # ~1.6B total, ~0.3B active: fits one 80-141 GB GPU with AdamW at 8K tokens.
+  return ModelConfig(
+      name="small", vocab_size=32_768, d_model=1024, num_layers=17,
+      kda_num_heads=8, kda_head_dim=128, kda_value_dim=128,
+      mla_num_heads=8, q_lora_rank=512, kv_lora_rank=256, qk_nope_head_dim=128,
+      qk_rope_head_dim=64, v_head_dim=128,
+      dense_hidden=4096, num_experts=64, experts_per_token=4, moe_latent_dim=512,
+      expert_hidden=1024, num_shared_experts=1, shared_expert_hidden=2048,
+      attnres_block_layers=4, remat_policy="save_dots")
+
+
+def _tiny() -> ModelConfig:
+  # Seconds per forward+backward on 2 CPU cores; every code path of `full` is exercised.
+  return ModelConfig(
+      name="tiny", vocab_size=512, d_model=64, num_layers=9,
+      kda_num_heads=2, kda_head_dim=32, kda_value_dim=32, kda_chunk_size=16,
+      mla_num_heads=2, q_lora_rank=32, kv_lora_rank=16, qk_nope_head_dim=16,
+      qk_rope_head_dim=8, v_head_dim=16,
+      dense_hidden=128, num_experts=8, experts_per_token=2, moe_latent_dim=32,
+      expert_hidden=64, num_shared_experts=1, shared_expert_hidden=64,
+      attnres_block_layers=4, balancer_bins=256, dtype="float32", remat_policy="none",
+      loss_chunk_size=256, attention_chunk_size=64)
+
+
+PRESETS = {"tiny": _tiny, "small": _small, "full": _full}
+
+
+def get_preset(name: str, **overrides) -> ModelConfig:
+  """A preset by name ("tiny", "small", "full"), with optional field overrides.
+
+  Raises:
+    ValueError: unknown preset name or unknown override field.
+  """
+  if name not in PRESETS:
+    raise ValueError(f"unknown preset {name!r}; choose one of {sorted(PRESETS)}")
+  cfg = PRESETS[name]()
+  if overrides:
+    fields = {f.name for f in dataclasses.fields(ModelConfig)}
+    unknown = sorted(set(overrides) - fields)
+    if unknown:
+      raise ValueError(f"unknown ModelConfig field(s) {unknown}; valid: {sorted(fields)}")
+    cfg = dataclasses.replace(cfg, **overrides)
+  return cfg
