@@ -1,0 +1,95 @@
+"""SiTU-GLU: the bounded gated FFN of the experts, shared experts and dense layer 0.
+
+    SiTU-GLU(x) = W_d [ b1 tanh(g / b1) * sigmoid(g) ]  (.)  [ b2 tanh(u / b2) ],
+    g = x W_g,  u = x W_u,  b1 = 4, b2 = 25            (ARCHITECTURE.md §5)
+
+Both factors are soft-clipped, so every element of the hidden activation h satisfies
+|h| < b1 * b2 = 100 whatever the input; as b1, b2 -> inf it is SwiGLU (silu(g) * u), and for
+|g|, |u| << b1 it agrees with SwiGLU to O(g^3 / b1^2).
+
+The math is in pure functions (`situ_activation`, `situ_glu`); `SiTUGLU` holds the params.
+"""
+
+from __future__ import annotations
+
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sparse_lm.config import ModelConfig
+
+
+def situ_activation(g: jax.Array, u: jax.Array, beta1: float = 4.0,
+                    beta2: float = 25.0) -> jax.Array:
+  """Hidden activation h = [b1 tanh(g/b1) sigmoid(g)] * [b2 tanh(u/b2)], computed in fp32.
+
+  Args:
+    g, u: gate and up pre-activations, same shape, any float dtype.
+    beta1, beta2: soft-clip levels of the gate and the up branch (ARCHITECTURE §5).
+
+  Returns:
+    h, same shape, float32; |h| < beta1 * beta2 elementwise.
+  """
+  g = g.astype(jnp.float32)
+  u = u.astype(jnp.float32)
+  gate = beta1 * jnp.tanh(g / beta1) * jax.nn.sigmoid(g)
+  return gate * (beta2 * jnp.tanh(u / beta2))
+
+
+def situ_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
+             beta1: float = 4.0, beta2: float = 25.0) -> jax.Array:
+  """SiTU-GLU FFN y = W_d situ_activation(x W_g, x W_u) (ARCHITECTURE §5).
+
+  Args:
+    x: [..., D_in] activations; the matmuls run in x's dtype.
+    w_gate, w_up: [D_in, F]; w_down: [F, D_out] (cast to x's dtype).
+    beta1, beta2: soft-clip levels.
+
+  Returns:
+    y: [..., D_out] in x's dtype.
+  """
+  dt = x.dtype
+  g = jnp.dot(x, w_gate.astype(dt))
+  u = jnp.dot(x, w_up.astype(dt))
+  h = situ_activation(g, u, beta1, beta2).astype(dt)
+  return jnp.dot(h, w_down.astype(dt))
+
+
+def make_param(rngs: nnx.Rngs, shape: Sequence[int], names: Sequence[str | None], *,
+               std: float, dtype) -> nnx.Param:
+  """A normal(0, std) nnx.Param carrying logical axis names as `out_sharding` metadata.
+
+  The names are logical (`embed`, `exp`, ...), resolved to mesh axes by the rules table of
+  `sparse_lm.sharding`, so eager sharding is off here: the train code shards the state
+  (e.g. from `nnx.get_partition_spec`) once the mesh exists. Layers stacked with nnx.vmap /
+  nnx.scan get their leading axis name through `transform_metadata`.
+  """
+  value = std * jax.random.normal(rngs.params(), tuple(shape), jnp.float32)
+  return nnx.Param(value.astype(dtype), out_sharding=tuple(names), eager_sharding=False)
+
+
+class SiTUGLU(nnx.Module):
+  """SiTU-GLU FFN D_in -> hidden -> D_in: the dense layer-0 FFN and the shared experts.
+
+  Params (param_dtype): w_gate, w_up [d_in, hidden] with axes (in_axis, hidden_axis);
+  w_down [hidden, d_in] with axes (hidden_axis, in_axis). Compute in cfg.dtype.
+  """
+
+  def __init__(self, d_in: int, hidden: int, *, cfg: ModelConfig, rngs: nnx.Rngs,
+               in_axis: str = "embed", hidden_axis: str = "mlp"):
+    self.beta1 = cfg.situ_beta1
+    self.beta2 = cfg.situ_beta2
+    self.dtype = jnp.dtype(cfg.dtype)
+    pdt = jnp.dtype(cfg.param_dtype)
+    std = cfg.init_std
+    self.w_gate = make_param(rngs, (d_in, hidden), (in_axis, hidden_axis), std=std, dtype=pdt)
+    self.w_up = make_param(rngs, (d_in, hidden), (in_axis, hidden_axis), std=std, dtype=pdt)
+    self.w_down = make_param(rngs, (hidden, d_in), (hidden_axis, in_axis), std=std, dtype=pdt)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """x [..., d_in] -> y [..., d_in] in x's dtype (matmuls in cfg.dtype)."""
+    y = situ_glu(x.astype(self.dtype), self.w_gate[...], self.w_up[...], self.w_down[...],
+                 self.beta1, self.beta2)
+    return y.astype(x.dtype)
