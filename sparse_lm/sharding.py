@@ -1,21 +1,43 @@
-"""Mesh axes and the one table of logical-axis rules (ARCHITECTURE.md §9).
+"""Mesh axes, the one table of logical-axis rules, meshes and state shardings (ARCHITECTURE §9).
 
 Every parameter is created with logical axis names (`embed`, `heads`, `exp`, ...) and every
 large activation is constrained with `constrain(x, names)`. This file is the only place those
 names meet mesh axes. Without an active mesh (`use_mesh`), `constrain` is the identity, so the
 model runs unchanged on one CPU.
+
+Typical use (a train script):
+
+    layout = MeshLayout.parse("fsdp=-1,expert=8,context=2")
+    mesh = make_mesh(layout)
+    validate_layout(cfg, layout, mesh, global_batch=256, seq_len=8192)
+    with use_mesh(mesh):
+      abstract = nnx.eval_shape(lambda: make_state(cfg))
+      shardings = state_shardings(nnx.state(abstract), mesh)
+      ...jax.jit(step, in_shardings=(shardings, batch_sharding(mesh)), ...)
+
+Mesh axes, outermost (slowest network) first:
+  data    - pure data parallel (replicated params); across slices (DCN) usually.
+  fsdp    - data parallel with parameters / optimizer state sharded (ZeRO-3).
+  expert  - routed experts sharded; tokens exchanged by all-to-all (moe/expert_parallel.py).
+            Also a batch axis for everything outside the routed experts.
+  tensor  - Megatron-style head / hidden sharding.
+  context - sequence sharding for the 256K and 1M stages (model/context_parallel.py).
 """
 
 from __future__ import annotations
 
 import contextlib
 import contextvars
-from typing import Sequence
+import dataclasses
+import math
+from typing import Any, Mapping, Sequence
 
 import jax
-from jax.sharding import NamedSharding, PartitionSpec as P
+import numpy as np
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor", "context")
+BATCH_AXES = ("data", "fsdp", "expert")  # mesh axes a global batch is split over
 
 # logical axis -> mesh axis (or tuple of mesh axes, or None = replicated).
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
@@ -37,7 +59,9 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("kv_lora", None),
     ("mlp", "tensor"),
     ("exp", "expert"),
-    ("latent", None),
+    # The expert weights [exp, latent, expert_mlp] hold 98% of the full model's parameters:
+    # their latent dim is sharded over fsdp as well, or they would be replicated over it.
+    ("latent", "fsdp"),
     ("expert_mlp", "tensor"),
     ("layers", None),
     ("conv", None),
@@ -50,32 +74,61 @@ _RULES: contextvars.ContextVar[tuple] = contextvars.ContextVar(
     "sparse_lm_rules", default=LOGICAL_AXIS_RULES)
 
 
-def logical_to_spec(names: Sequence[str | None], rules=None, mesh=None) -> P:
-  """PartitionSpec for logical axis names; mesh axes of size 1 or absent are dropped.
+# ------------------------------------------------------------------------------ rules
 
-  A mesh axis is used at most once per spec (the first logical axis that claims it wins).
+
+def logical_to_spec(names: Sequence[str | None] | P, rules=None, mesh=None,
+                    shape: Sequence[int] | None = None) -> P:
+  """PartitionSpec for logical axis names.
+
+  Mesh axes of size 1 or absent from the mesh are dropped. A mesh axis is used at most once
+  per spec (the first logical axis that claims it wins). A name that is itself a mesh axis
+  (e.g. "fsdp") maps to itself. With `shape`, a mesh axis that does not divide its dimension
+  is dropped (that dimension is replicated over it) so small presets run on any mesh;
+  `validate_layout` is where divisibility is enforced for the dimensions that matter.
   """
   rules = dict(_RULES.get() if rules is None else rules)
   mesh = _MESH.get() if mesh is None else mesh
   used: set[str] = set()
   out = []
-  for name in names:
-    target = rules.get(name) if name is not None else None
-    if target is None:
+  for i, name in enumerate(names):
+    if name is None:
       out.append(None)
       continue
-    axes = (target,) if isinstance(target, str) else tuple(target)
+    if isinstance(name, (tuple, list)):  # already a tuple of names
+      target = tuple(a for n in name for a in _as_tuple(rules.get(n, n if n in MESH_AXES
+                                                                  else None)))
+    else:
+      target = rules.get(name, name if name in MESH_AXES else None)
+    axes = _as_tuple(target)
     if mesh is not None:
       axes = tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1)
     axes = tuple(a for a in axes if a not in used)
+    if shape is not None and mesh is not None:
+      kept, size = [], 1
+      for a in axes:
+        if shape[i] % (size * mesh.shape[a]) == 0:
+          kept.append(a)
+          size *= mesh.shape[a]
+      axes = tuple(kept)
     used.update(axes)
     out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
   return P(*out)
 
 
+def _as_tuple(target) -> tuple[str, ...]:
+  if target is None:
+    return ()
+  return (target,) if isinstance(target, str) else tuple(target)
+
+
 @contextlib.contextmanager
-def use_mesh(mesh: jax.sharding.Mesh, rules=None):
-  """Activate `mesh` (and optionally other rules) for `constrain` and parameter shardings."""
+def use_mesh(mesh: jax.sharding.Mesh | None, rules=None):
+  """Activate `mesh` (and optionally other rules) for `constrain` and parameter shardings.
+
+  `use_mesh(None)` deactivates: used inside `shard_map` bodies, where the axes are manual and
+  sharding constraints must not be emitted.
+  """
   tok_m = _MESH.set(mesh)
   tok_r = _RULES.set(LOGICAL_AXIS_RULES if rules is None else tuple(rules))
   try:
@@ -89,9 +142,329 @@ def current_mesh() -> jax.sharding.Mesh | None:
   return _MESH.get()
 
 
+def axis_size(name: str, mesh: jax.sharding.Mesh | None = None) -> int:
+  """Size of mesh axis `name` in `mesh` (default: the active mesh); 1 without a mesh."""
+  mesh = _MESH.get() if mesh is None else mesh
+  if mesh is None:
+    return 1
+  return int(mesh.shape.get(name, 1))
+
+
 def constrain(x: jax.Array, names: Sequence[str | None]) -> jax.Array:
-  """`with_sharding_constraint` by logical names; identity when no mesh is active."""
+  """`with_sharding_constraint` by logical names; identity when no mesh is active.
+
+  Axes that do not divide the corresponding dimension are dropped (see `logical_to_spec`).
+  """
   mesh = _MESH.get()
   if mesh is None:
     return x
-  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, logical_to_spec(names)))
+  if len(names) != x.ndim:
+    raise ValueError(f"constrain: {len(names)} names {tuple(names)} for an array of rank "
+                     f"{x.ndim} {x.shape}")
+  spec = logical_to_spec(names, mesh=mesh, shape=x.shape)
+  return jax.lax.with_sharding_constraint(x, NamedSharding(mesh, spec))
+
+
+# ------------------------------------------------------------------------------ layout
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshLayout:
+  """Per-axis device counts. ICI sizes within a slice (one may be -1 = "the rest"); DCN sizes
+  across slices (multislice; their product is the number of slices, -1 allowed likewise).
+
+  The mesh axis `a` has ici_a * dcn_a devices in total.
+  """
+
+  data: int = 1
+  fsdp: int = -1
+  expert: int = 1
+  tensor: int = 1
+  context: int = 1
+  dcn_data: int = 1
+  dcn_fsdp: int = 1
+  dcn_expert: int = 1
+  dcn_tensor: int = 1
+  dcn_context: int = 1
+
+  @property
+  def ici(self) -> dict[str, int]:
+    return {a: getattr(self, a) for a in MESH_AXES}
+
+  @property
+  def dcn(self) -> dict[str, int]:
+    return {a: getattr(self, "dcn_" + a) for a in MESH_AXES}
+
+  @classmethod
+  def parse(cls, text: str) -> "MeshLayout":
+    """From "fsdp=-1,expert=8,dcn_data=2" (empty string = all devices on fsdp).
+
+    Raises:
+      ValueError: unknown axis name or a non-integer size.
+    """
+    kwargs = {}
+    fields = {f.name for f in dataclasses.fields(cls)}
+    for item in filter(None, (s.strip() for s in text.split(","))):
+      key, _, val = item.partition("=")
+      key = key.strip()
+      if key not in fields:
+        raise ValueError(f"mesh layout {text!r}: unknown axis {key!r}; valid: {sorted(fields)}")
+      try:
+        kwargs[key] = int(val)
+      except ValueError:
+        raise ValueError(f"mesh layout {text!r}: size of {key!r} must be an int, got {val!r}")
+    # fsdp keeps its default "-1 = the rest" only when no other axis claims the rest.
+    if "fsdp" not in kwargs and -1 in [kwargs.get(a) for a in MESH_AXES]:
+      kwargs["fsdp"] = 1
+    return cls(**kwargs)
+
+  def resolve(self, num_devices: int, num_slices: int = 1) -> tuple[dict, dict]:
+    """Concrete (ici, dcn) sizes: replaces the -1s.
+
+    Raises:
+      ValueError: more than one -1 per group, or sizes that do not multiply to the devices.
+    """
+    if num_devices % num_slices:
+      raise ValueError(f"{num_devices} devices do not split into {num_slices} slices")
+    dcn = _fill(self.dcn, num_slices, "dcn_", "slices")
+    ici = _fill(self.ici, num_devices // num_slices, "", "devices per slice")
+    return ici, dcn
+
+  def __str__(self) -> str:
+    parts = [f"{a}={v}" for a, v in self.ici.items() if v != 1]
+    parts += [f"dcn_{a}={v}" for a, v in self.dcn.items() if v != 1]
+    return ",".join(parts) or "single-device"
+
+
+def _fill(sizes: dict[str, int], total: int, prefix: str, what: str) -> dict[str, int]:
+  rest = [a for a, v in sizes.items() if v == -1]
+  if len(rest) > 1:
+    raise ValueError(f"only one axis may be -1 ('the rest'); got {[prefix + a for a in rest]}")
+  for a, v in sizes.items():
+    if v == 0 or v < -1:
+      raise ValueError(f"{prefix}{a}={v}: sizes must be positive or -1")
+  known = math.prod(v for v in sizes.values() if v != -1)
+  out = dict(sizes)
+  if rest:
+    if total % known:
+      raise ValueError(f"{total} {what} are not divisible by the product {known} of the fixed "
+                       f"sizes {({prefix + a: v for a, v in sizes.items() if v != -1})}")
+    out[rest[0]] = total // known
+  elif known != total:
+    raise ValueError(f"the sizes {({prefix + a: v for a, v in sizes.items()})} multiply to "
+                     f"{known}, but there are {total} {what}; set one axis to -1")
+  return out
+
+
+def _num_slices(devices) -> int:
+  ids = {getattr(d, "slice_index", 0) for d in devices}
+  return max(len(ids), 1)
+
+
+def make_mesh(layout: MeshLayout, devices: Sequence[Any] | None = None) -> jax.sharding.Mesh:
+  """A `Mesh` over MESH_AXES with Auto axis types (GSPMD propagates shardings).
+
+  Multislice (any dcn size > 1): a hybrid mesh, each axis = (dcn part) x (ici part), so the
+  DCN-crossing collectives are only those of the dcn axes (usually `data`).
+
+  Args:
+    layout: per-axis sizes.
+    devices: default `jax.devices()`; may be AOT topology devices
+      (`jax.experimental.topologies.get_topology_desc(...).devices`).
+  Raises:
+    ValueError: the layout does not match the device count.
+  """
+  from jax.experimental import mesh_utils
+
+  devices = list(jax.devices() if devices is None else devices)
+  num_slices = _num_slices(devices)
+  if num_slices == 1 and -1 not in layout.dcn.values():
+    # Devices without slice ids (CPU, GPU, tests): the dcn sizes say how to split them.
+    num_slices = math.prod(layout.dcn.values())
+  ici, dcn = layout.resolve(len(devices), num_slices)
+  ici_shape = [ici[a] for a in MESH_AXES]
+  dcn_shape = [dcn[a] for a in MESH_AXES]
+  if num_slices > 1:
+    if _num_slices(devices) == num_slices:
+      arr = mesh_utils.create_hybrid_device_mesh(ici_shape, dcn_shape, devices,
+                                                 allow_split_physical_axes=True)
+    else:  # devices without slice_index (CPU, tests): slices = consecutive device blocks
+      arr = _manual_hybrid(ici_shape, dcn_shape, devices)
+  else:
+    try:
+      arr = mesh_utils.create_device_mesh(ici_shape, devices, allow_split_physical_axes=True)
+    except (ValueError, NotImplementedError, AssertionError):
+      arr = np.asarray(devices, dtype=object).reshape(ici_shape)
+  return jax.sharding.Mesh(arr, MESH_AXES, axis_types=(AxisType.Auto,) * len(MESH_AXES))
+
+
+def _manual_hybrid(ici_shape, dcn_shape, devices) -> np.ndarray:
+  n = len(ici_shape)
+  per = math.prod(ici_shape)
+  blocks = np.asarray(devices, dtype=object).reshape([math.prod(dcn_shape), per])
+  arr = blocks.reshape(list(dcn_shape) + list(ici_shape))
+  # interleave: axis a = (dcn_a, ici_a)
+  arr = arr.transpose([j for i in range(n) for j in (i, n + i)])
+  return arr.reshape([d * i for d, i in zip(dcn_shape, ici_shape)])
+
+
+def mesh_sizes(mesh: jax.sharding.Mesh | Mapping[str, int] | MeshLayout) -> dict[str, int]:
+  """{axis: size} for a Mesh, a dict, or a fully resolved MeshLayout (ici * dcn)."""
+  if isinstance(mesh, jax.sharding.Mesh):
+    return {a: int(mesh.shape.get(a, 1)) for a in MESH_AXES}
+  if isinstance(mesh, MeshLayout):
+    if -1 in mesh.ici.values() or -1 in mesh.dcn.values():
+      raise ValueError(f"layout {mesh} has -1 sizes; pass the mesh made from it")
+    return {a: mesh.ici[a] * mesh.dcn[a] for a in MESH_AXES}
+  return {a: int(mesh.get(a, 1)) for a in MESH_AXES}
+
+
+def validate_layout(model_cfg, layout: MeshLayout | None = None,
+                    mesh: jax.sharding.Mesh | Mapping[str, int] | None = None, *,
+                    global_batch: int, seq_len: int, num_microbatches: int = 1) -> None:
+  """Check at start-up that the model, batch and sequence divide over the mesh.
+
+  Args:
+    model_cfg: a `sparse_lm.config.ModelConfig`.
+    layout: the requested layout (only used in messages; may be None).
+    mesh: the mesh (or {axis: size}); default the mesh made from `layout` on all devices.
+    global_batch: sequences per optimizer step (all micro-batches).
+    seq_len: tokens per sequence.
+    num_microbatches: gradient-accumulation steps per optimizer step.
+  Raises:
+    ValueError: listing every violated constraint, each naming the field and a fix.
+  """
+  if mesh is None:
+    if layout is None:
+      raise ValueError("validate_layout needs a layout or a mesh")
+    mesh = make_mesh(layout)
+  s = mesh_sizes(mesh)
+  c = model_cfg
+  errs: list[str] = []
+
+  def need(value: int, field: str, axes: tuple[str, ...], what: str):
+    n = math.prod(s[a] for a in axes)
+    if n > 1 and value % n:
+      ax = "*".join(f"{a}={s[a]}" for a in axes)
+      errs.append(f"{field}={value} is not divisible by {ax}{' (= ' + str(n) + ')' if len(axes) > 1 else ''}"
+                  f" ({what}); change {field} or the {'/'.join(axes)} mesh size")
+
+  need(c.kda_num_heads, "kda_num_heads", ("tensor",), "KDA heads are sharded over tensor")
+  need(c.mla_num_heads, "mla_num_heads", ("tensor",), "MLA heads are sharded over tensor")
+  need(c.vocab_size, "vocab_size", ("tensor",), "the LM head is sharded over tensor")
+  need(c.expert_hidden, "expert_hidden", ("tensor",), "expert FFN hidden is sharded over tensor")
+  need(c.dense_hidden, "dense_hidden", ("tensor",), "dense FFN hidden is sharded over tensor")
+  need(c.num_experts, "num_experts", ("expert",), "routed experts are sharded over expert")
+  need(c.d_model, "d_model", ("fsdp",), "parameters are sharded over fsdp along d_model")
+  need(c.moe_latent_dim, "moe_latent_dim", ("fsdp",), "expert weights are sharded over fsdp "
+       "along the latent width")
+  if num_microbatches < 1 or global_batch % num_microbatches:
+    errs.append(f"global_batch={global_batch} is not divisible by num_microbatches="
+                f"{num_microbatches}")
+  else:
+    need(global_batch // num_microbatches, "global_batch/num_microbatches" if
+         num_microbatches > 1 else "global_batch", BATCH_AXES,
+         "each micro-batch is split over data*fsdp*expert")
+  if s["context"] > 1:
+    need(seq_len, "seq_len", ("context",), "the sequence is sharded over context")
+    if seq_len % s["context"] == 0 and (seq_len // s["context"]) < c.kda_conv_size - 1:
+      errs.append(f"seq_len={seq_len} over context={s['context']} leaves fewer than "
+                  f"{c.kda_conv_size - 1} tokens per shard (the short-conv halo)")
+  if s["expert"] > 1 and c.num_experts < s["expert"]:
+    errs.append(f"num_experts={c.num_experts} < expert={s['expert']}: every expert rank needs "
+                "at least one expert")
+  if errs:
+    where = f" on mesh {s}" + (f" (layout {layout})" if layout is not None else "")
+    raise ValueError(f"ModelConfig({c.name}){where}:\n  " + "\n  ".join(errs))
+
+
+# ------------------------------------------------------------------------------ shardings
+
+
+def _logical_names(var) -> tuple | None:
+  meta = var.get_metadata() if hasattr(var, "get_metadata") else {}
+  for key in ("out_sharding", "sharding_names", "sharding"):
+    names = meta.get(key)
+    if names:
+      if isinstance(names, NamedSharding):
+        names = tuple(names.spec)
+      return tuple(names)
+  return None
+
+
+def spec_for(var_or_array, mesh: jax.sharding.Mesh, rules=None) -> P:
+  """PartitionSpec of one nnx Variable (from its logical names) or array (replicated)."""
+  from flax import nnx
+
+  if isinstance(var_or_array, nnx.Variable):
+    names = _logical_names(var_or_array)
+    value = var_or_array.get_value() if hasattr(var_or_array, "get_value") else var_or_array
+    shape = getattr(value, "shape", None)
+    if names is None or shape is None:
+      return P()
+    if len(names) != len(shape):
+      raise ValueError(f"variable of shape {shape} has {len(names)} logical names {names}")
+    return logical_to_spec(names, rules=rules, mesh=mesh, shape=shape)
+  return P()
+
+
+def state_shardings(tree, mesh: jax.sharding.Mesh, rules=None):
+  """NamedShardings for a (possibly abstract) nnx state / graph / pytree of Variables.
+
+  Each `nnx.Variable` leaf maps its logical names (the `out_sharding` metadata set by
+  `nnx.Param(..., out_sharding=names)` / `nnx.with_partitioning`, which `nnx.Optimizer` copies
+  onto the Adam moments, and which scanned layers extend with "layers") through the rules table;
+  other array leaves (step counters, RNG keys) are replicated. The result has the tree's
+  structure with each Variable's value replaced by a NamedSharding, ready for `jax.jit`
+  in/out_shardings or `jax.device_put`.
+  """
+  from flax import nnx
+
+  def one(x):
+    if isinstance(x, nnx.Variable):
+      return x.replace(NamedSharding(mesh, spec_for(x, mesh, rules)))
+    if hasattr(x, "shape"):
+      return NamedSharding(mesh, P())
+    return x
+
+  return jax.tree.map(one, tree, is_leaf=lambda x: isinstance(x, nnx.Variable))
+
+
+def with_shardings(abstract_tree, shardings):
+  """Attach shardings to an abstract tree: ShapeDtypeStruct leaves with `.sharding` set."""
+  return jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s), abstract_tree, shardings)
+
+
+def batch_spec(mesh: jax.sharding.Mesh | None = None, ndim: int = 2) -> P:
+  """Spec of a [B, T, ...] batch: B over data*fsdp*expert, T over context."""
+  mesh = _MESH.get() if mesh is None else mesh
+  return logical_to_spec(("activation_batch", "activation_length") + (None,) * (ndim - 2),
+                         mesh=mesh)
+
+
+def batch_sharding(mesh: jax.sharding.Mesh, ndim: int = 2) -> NamedSharding:
+  """NamedSharding of a [B, T(, ...)] batch: B over data*fsdp*expert, T over context."""
+  return NamedSharding(mesh, batch_spec(mesh, ndim))
+
+
+def batch_shardings(batch, mesh: jax.sharding.Mesh):
+  """A pytree of batch shardings: rank >= 2 leaves as [B, T, ...], rank 1 over B, scalars
+  replicated."""
+  def one(x):
+    nd = getattr(x, "ndim", len(getattr(x, "shape", ())))
+    if nd >= 2:
+      return batch_sharding(mesh, nd)
+    if nd == 1:
+      return NamedSharding(mesh, logical_to_spec(("activation_batch",), mesh=mesh))
+    return NamedSharding(mesh, P())
+  return jax.tree.map(one, batch)
+
+
+def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
+  return NamedSharding(mesh, P())
+
+
+def shard_pytree(tree, shardings):
+  """`jax.device_put` each leaf onto its sharding (trees of Variables are unwrapped)."""
+  return jax.device_put(tree, shardings)
