@@ -1,0 +1,83 @@
+"""Sigmoid top-k router with a balancing bias (ARCHITECTURE.md §5, §6 steps 1-3).
+
+Pure functions of arrays. Sign convention everywhere: the biased score is z = s + b; the bias
+only chooses experts, the gates use the unbiased scores, and no gradient flows through b.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+class Routing(NamedTuple):
+  """Result of `route` for N tokens, E experts, top-k.
+
+  expert_ids: [N, k] int32, the selected experts in decreasing order of z = s + b.
+  gates: [N, k] fp32, s_sel / sum(s_sel) * route_scale (differentiable w.r.t. the scores).
+  cutoff: [N] fp32, alpha_i = the (k+1)-th largest z_i (the lowest z among the unselected);
+    when k == E no expert is left out and alpha_i = min_j z_ij - 1.
+  margin: [N, k] fp32, z_sel - alpha (> 0 up to ties): how decisively each pair was chosen.
+  """
+  expert_ids: jax.Array
+  gates: jax.Array
+  cutoff: jax.Array
+  margin: jax.Array
+
+
+def router_scores(x: jax.Array, w_router: jax.Array) -> jax.Array:
+  """s = sigmoid(x W_r) in fp32 (ARCHITECTURE §5; §6 step 1).
+
+  Args:
+    x: [..., D] full-width activations (any float dtype; upcast to fp32).
+    w_router: [D, E] (upcast to fp32).
+
+  Returns:
+    s: [..., E] fp32 in (0, 1).
+  """
+  logits = jnp.dot(x.astype(jnp.float32), w_router.astype(jnp.float32),
+                   precision=jax.lax.Precision.HIGHEST)
+  return jax.nn.sigmoid(logits)
+
+
+def route(scores: jax.Array, bias: jax.Array, k: int, route_scale: float = 1.0) -> Routing:
+  """Top-k of s + b, gates from the unbiased scores, and the QB cutoff (§5, §6 step 2).
+
+  Args:
+    scores: [N, E] fp32 sigmoid scores s.
+    bias: [E] fp32 balancing bias b (treated as a constant: stop_gradient).
+    k: experts per token, 1 <= k <= E.
+    route_scale: multiplies the normalised gates.
+
+  Returns:
+    Routing(expert_ids [N, k] int32, gates [N, k] fp32, cutoff [N] fp32, margin [N, k] fp32).
+  """
+  num_experts = scores.shape[-1]
+  z = scores + jax.lax.stop_gradient(bias.astype(jnp.float32))[None, :]
+  z = jax.lax.stop_gradient(z)
+  top_vals, top_ids = jax.lax.top_k(z, min(k + 1, num_experts))
+  expert_ids = top_ids[:, :k].astype(jnp.int32)
+  if k < num_experts:
+    cutoff = top_vals[:, k]
+  else:
+    cutoff = jnp.min(z, axis=-1) - 1.0
+  s_sel = jnp.take_along_axis(scores, expert_ids, axis=-1)
+  gates = s_sel / jnp.sum(s_sel, axis=-1, keepdims=True) * route_scale
+  margin = top_vals[:, :k] - cutoff[:, None]
+  return Routing(expert_ids, gates, cutoff, margin)
+
+
+def required_bias(scores: jax.Array, cutoff: jax.Array) -> jax.Array:
+  """r_ij = alpha_i - s_ij: the bias expert j would need for token i to pick it (§6 step 3).
+
+  Token i selects j (alpha_i held fixed) iff s_ij + b_j > alpha_i, i.e. iff b_j > r_ij.
+
+  Args:
+    scores: [N, E] fp32; cutoff: [N] fp32.
+
+  Returns:
+    r: [N, E] fp32, no gradient.
+  """
+  return jax.lax.stop_gradient(cutoff[:, None] - scores)
