@@ -1,0 +1,285 @@
+"""Grain input pipeline: documents -> tokens -> packed rows -> per-host batches.
+
+Training stream, per host (``process_index`` of ``process_count``)::
+
+  train-split document indices [process_index::process_count]   disjoint across hosts
+    -> shuffle(seed), reshuffled every epoch; repeat(num_epochs)  grain.MapDataset
+    -> load + tokenize: <bos> text <eos> as int32                reader threads, lazily
+    -> split into chunks of at most seq_len tokens               grain FlatMap
+    -> first-fit / best-fit packing into rows of seq_len         grain.experimental packing
+    -> batch(batch_size) -> numpy dict -> thread prefetch
+
+Each batch is a dict of numpy arrays, ``b = batch_size`` rows of ``T = seq_len`` tokens:
+
+  tokens       int32   [b, T]  token ids; 0 (= <pad>) in padding
+  segment_ids  int32   [b, T]  1, 2, ... for the documents (chunks) packed in a row; 0 = padding
+  positions    int32   [b, T]  position of the token within its document (a chunk of a long
+                               document continues from where the previous chunk stopped); 0 in
+                               padding
+  loss_mask    float32 [b, T]  1.0 on real tokens, 0.0 on padding
+
+Next-token targets are the caller's business: within a segment, ``tokens[t + 1]`` follows
+``tokens[t]``; the model must not attend or carry state across segment boundaries.
+
+The iterator is a ``grain.DatasetIterator``: ``get_state()`` returns a small JSON-serializable
+dict, and ``set_state(state)`` on a fresh iterator built with the same arguments continues with
+exactly the batches the original would have produced (packing is replayed from the start of the
+last emitted pack, so the state stays small).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import os
+import time
+from typing import Any
+
+import grain
+import numpy as np
+from grain import experimental as grain_exp
+
+from sparse_lm.data import sources
+from sparse_lm.data.tokenizer import Tokenizer
+
+_log = logging.getLogger(__name__)
+
+PACKING = ("first_fit", "best_fit")
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """What to read and how to batch it.
+
+  Attributes:
+    source: ``stdlib`` (default), ``text:PATH_OR_GLOB``, ``jsonl:...``, ``parquet:...`` or
+      ``arrayrecord:...`` (see ``sparse_lm.data.sources``).
+    long_documents: the long-document view (``stdlib``: one document per package directory),
+      for the 64K+ stages.
+    eval_fraction: fraction of documents held out, chosen by a hash of the document id.
+    packing: ``first_fit`` or ``best_fit``.
+    seed: shuffling and bin-order seed.
+    tokenizer: path to a ``tokenizer.json`` or SentencePiece ``.model``; None trains a
+      byte-level BPE on the source and caches it in the run directory.
+    prefetch: batches prepared ahead in a background thread (0 = none).
+  """
+  source: str = "stdlib"
+  long_documents: bool = False
+  eval_fraction: float = 0.02
+  packing: str = "first_fit"
+  seed: int = 0
+  tokenizer: str | None = None
+  prefetch: int = 2
+
+  def __post_init__(self):
+    if not isinstance(self.source, str) or not self.source:
+      raise ValueError(f"DataConfig.source must be a non-empty string, got {self.source!r}")
+    sources.parse_source(self.source)
+    if not 0.0 <= self.eval_fraction < 1.0:
+      raise ValueError(f"DataConfig.eval_fraction must be in [0, 1), got {self.eval_fraction}")
+    if self.packing not in PACKING:
+      raise ValueError(f"DataConfig.packing must be one of {PACKING}, got {self.packing!r}")
+    if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
+      raise ValueError(f"DataConfig.seed must be an int in [0, 2**32), got {self.seed!r}")
+    if not isinstance(self.prefetch, int) or self.prefetch < 0:
+      raise ValueError(f"DataConfig.prefetch must be an int >= 0, got {self.prefetch!r}")
+    if self.tokenizer is not None and not isinstance(self.tokenizer, str):
+      raise ValueError(f"DataConfig.tokenizer must be a path or None, got {self.tokenizer!r}")
+
+
+def _open(data_cfg: DataConfig, split: str) -> sources.Source:
+  source = sources.open_source(data_cfg.source, split=split,
+                               eval_fraction=data_cfg.eval_fraction,
+                               long_documents=data_cfg.long_documents)
+  if len(source) == 0:
+    stats = source.stats
+    raise ValueError(
+        f"data source {data_cfg.source!r} has no {split} documents ({stats.files} files, "
+        f"{stats.skipped_binary} skipped as binary, eval_fraction={data_cfg.eval_fraction}). "
+        + ("Lower eval_fraction or add documents." if split == "train" else
+           "Raise DataConfig.eval_fraction or add documents."))
+  return source
+
+
+class _Tokenize:
+  """Document index -> int32 array ``<bos> tokens <eos>`` (None for an empty document)."""
+
+  def __init__(self, source: sources.Source, tokenizer: Tokenizer):
+    self._source = source
+    self._tokenizer = tokenizer
+
+  def __call__(self, index) -> np.ndarray | None:
+    text = self._source.load(int(index))
+    if text is None:
+      return None
+    ids = self._tokenizer.encode(text)
+    out = np.empty(len(ids) + 2, np.int32)
+    out[0], out[1:-1], out[-1] = self._tokenizer.bos_id, ids, self._tokenizer.eos_id
+    return out
+
+
+class _Chunk(grain_exp.FlatMapTransform):
+  """Token array -> chunks of at most ``seq_len`` tokens, with their in-document positions."""
+
+  max_fan_out = 1 << 30  # Unused by the iterator flat map; documents may be arbitrarily long.
+
+  def __init__(self, seq_len: int):
+    self._seq_len = seq_len
+
+  def flat_map(self, element: np.ndarray) -> list[dict[str, np.ndarray]]:
+    positions = np.arange(len(element), dtype=np.int32)
+    return [{"tokens": element[s:s + self._seq_len], "doc_positions": positions[s:s + self._seq_len]}
+            for s in range(0, len(element), self._seq_len)]
+
+
+def _finalize(rows: dict[str, np.ndarray], batch_size: int | None = None) -> dict[str, np.ndarray]:
+  segment_ids = rows["tokens_segment_ids"].astype(np.int32)
+  batch = {
+      "tokens": rows["tokens"].astype(np.int32),
+      "segment_ids": segment_ids,
+      "positions": rows["doc_positions"].astype(np.int32),
+      "loss_mask": (segment_ids > 0).astype(np.float32),
+  }
+  if batch_size is not None and segment_ids.shape[0] < batch_size:
+    pad = batch_size - segment_ids.shape[0]
+    batch = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in batch.items()}
+  return batch
+
+
+def _num_bins(seq_len: int, batch_size: int) -> int:
+  # More bins pack tighter; bound the packing buffers to ~8M tokens per feature.
+  return max(batch_size, min(16, max(1, (1 << 23) // seq_len)))
+
+
+def _packed_rows(ds: grain.IterDataset, data_cfg: DataConfig, seq_len: int, num_bins: int,
+                 shuffle_bins: bool) -> grain.IterDataset:
+  ds = grain_exp.FlatMapIterDataset(ds, _Chunk(seq_len))
+  pack_cls = {"first_fit": grain_exp.FirstFitPackIterDataset,
+              "best_fit": grain_exp.BestFitPackIterDataset}[data_cfg.packing]
+  return pack_cls(ds, length_struct={"tokens": seq_len, "doc_positions": seq_len},
+                  num_packing_bins=num_bins, seed=data_cfg.seed, shuffle_bins=shuffle_bins)
+
+
+def _read_options() -> grain.ReadOptions:
+  threads = max(1, min(4, os.cpu_count() or 1))
+  return grain.ReadOptions(num_threads=threads, prefetch_buffer_size=4 * threads)
+
+
+def _check_shape_args(seq_len: int, batch_size: int) -> None:
+  if not isinstance(seq_len, int) or seq_len < 2:
+    raise ValueError(f"seq_len must be an int >= 2, got {seq_len!r}")
+  if not isinstance(batch_size, int) or batch_size < 1:
+    raise ValueError(f"batch_size must be an int >= 1, got {batch_size!r}")
+
+
+def make_train_iterator(data_cfg: DataConfig, tokenizer: Tokenizer, *, seq_len: int,
+                        batch_size: int, process_index: int = 0, process_count: int = 1,
+                        num_epochs: int | None = None) -> grain.DatasetIterator:
+  """This host's stream of packed training batches (see the module docstring for the fields).
+
+  Args:
+    data_cfg: the data config.
+    tokenizer: from ``load_or_train_tokenizer``.
+    seq_len: tokens per row, T.
+    batch_size: rows per batch on this host, b.
+    process_index, process_count: this host's shard; hosts read disjoint documents.
+    num_epochs: passes over this host's documents; None repeats forever (reshuffled each epoch).
+
+  Returns:
+    A ``grain.DatasetIterator`` with ``get_state()`` / ``set_state(state)``, yielding dicts of
+    ``tokens``/``segment_ids``/``positions`` int32 [b, T] and ``loss_mask`` float32 [b, T].
+    Deterministic given ``data_cfg.seed``; with finite ``num_epochs`` a last partial batch is
+    dropped.
+
+  Raises:
+    ValueError: bad shapes or shard, or a split with no documents (or fewer than hosts).
+    FileNotFoundError: the source path matches no file (the message lists what was searched).
+  """
+  _check_shape_args(seq_len, batch_size)
+  if not 0 <= process_index < process_count:
+    raise ValueError(f"process_index={process_index} must be in [0, process_count={process_count})")
+  if num_epochs is not None and num_epochs < 1:
+    raise ValueError(f"num_epochs must be >= 1 or None, got {num_epochs}")
+  source = _open(data_cfg, "train")
+  shard = np.arange(len(source), dtype=np.int64)[process_index::process_count]
+  if shard.size == 0:
+    raise ValueError(f"data source {data_cfg.source!r} has {len(source)} training documents, "
+                     f"fewer than process_count={process_count}; every host needs one")
+  ds = grain.MapDataset.source(shard).shuffle(seed=data_cfg.seed).repeat(num_epochs)
+  ds = ds.map(_Tokenize(source, tokenizer)).to_iter_dataset(_read_options())
+  ds = _packed_rows(ds, data_cfg, seq_len, _num_bins(seq_len, batch_size), shuffle_bins=True)
+  ds = ds.batch(batch_size, drop_remainder=True).map(_finalize)
+  if data_cfg.prefetch:
+    ds = grain_exp.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=data_cfg.prefetch)
+  return iter(ds)
+
+
+def make_eval_batches(data_cfg: DataConfig, tokenizer: Tokenizer, *, seq_len: int,
+                      batch_size: int, num_batches: int) -> list[dict[str, np.ndarray]]:
+  """The first ``num_batches`` batches of the held-out split, in a fixed order.
+
+  Same fields and shapes as ``make_train_iterator``. Documents are read in id order and packed
+  without bin shuffling, so the batches depend only on the source, tokenizer and shapes (not on
+  the seed or the host). If the held-out split runs out, fewer batches are returned (a warning is
+  logged) and the last one is padded with empty rows (``loss_mask`` 0).
+
+  Raises:
+    ValueError: bad shapes, ``num_batches`` < 1, or an empty held-out split.
+  """
+  _check_shape_args(seq_len, batch_size)
+  if num_batches < 1:
+    raise ValueError(f"num_batches must be >= 1, got {num_batches}")
+  source = _open(data_cfg, "eval")
+  ds = grain.MapDataset.source(np.arange(len(source), dtype=np.int64))
+  ds = ds.map(_Tokenize(source, tokenizer)).to_iter_dataset(_read_options())
+  ds = _packed_rows(ds, data_cfg, seq_len, _num_bins(seq_len, batch_size), shuffle_bins=False)
+  batches = []
+  for rows in ds.batch(batch_size):
+    batches.append(_finalize(rows, batch_size))
+    if len(batches) == num_batches:
+      break
+  if len(batches) < num_batches:
+    _log.warning("held-out split of %s has only %d batches of %dx%d tokens (asked for %d)",
+                 data_cfg.source, len(batches), batch_size, seq_len, num_batches)
+  return batches
+
+
+def describe(data_cfg: DataConfig) -> str:
+  """One line for the run log: source, documents and bytes per split, skipped/repaired files."""
+  train, held_out = _open(data_cfg, "train"), _open(data_cfg, "eval")
+
+  def size(s: sources.Source) -> str:
+    return "?" if s.num_bytes is None else f"{s.num_bytes / 1e6:.1f} MB"
+
+  if isinstance(train, sources.FileSource):
+    sizes = f"train {len(train)} docs / {size(train)}, eval {len(held_out)} docs / {size(held_out)}"
+  else:
+    sizes = f"train {len(train)} docs, eval {len(held_out)} docs, {size(train)} of files"
+  skipped = train.stats.skipped_binary
+  repaired = train.stats.repaired_files + held_out.stats.repaired_files
+  return (f"data: {data_cfg.source}{' (long documents)' if data_cfg.long_documents else ''}: "
+          f"{sizes}; held-out fraction {data_cfg.eval_fraction}; packing {data_cfg.packing}"
+          + (f"; skipped {skipped} binary file(s)" if skipped else "")
+          + (f"; repaired {repaired} non-UTF-8 file(s) so far" if repaired else ""))
+
+
+def time_to_first_batch(data_cfg: DataConfig, tokenizer: Tokenizer, *, seq_len: int,
+                        batch_size: int) -> float:
+  """Seconds from building the training iterator to holding its first batch."""
+  start = time.perf_counter()
+  it = make_train_iterator(data_cfg, tokenizer, seq_len=seq_len, batch_size=batch_size)
+  next(it)
+  elapsed = time.perf_counter() - start
+  it.close()
+  return elapsed
+
+
+def state_to_json_compatible(state: Any) -> Any:
+  """Converts numpy scalars in an iterator state to Python ints (for JSON checkpoints)."""
+  if isinstance(state, dict):
+    return {k: state_to_json_compatible(v) for k, v in state.items()}
+  if isinstance(state, (list, tuple)):
+    return type(state)(state_to_json_compatible(v) for v in state)
+  if isinstance(state, np.generic):
+    return state.item()
+  return state
