@@ -1,0 +1,153 @@
+"""What every stage file shares: `StageConfig` and the command line.
+
+  python -m experiments.stage_8k --preset=tiny --workdir=runs/tiny --steps=50 \
+      --set optim.peak_lr=1e-3 --set model.num_layers=5 --set data.source=text:corpus/
+
+`--set key=value` replaces one field of the stage's `StageConfig`; nested fields are reached
+with a dot (`optim.*`, `data.*`, `mesh.*`, and `model.*` for the preset's `ModelConfig`). The
+value is parsed to the field's type ("None" for optional fields; `mesh=fsdp=-1,context=4`).
+An unknown key is an error that lists the valid ones, raised before anything is compiled.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import sys
+import types
+import typing
+from typing import Any, Mapping, Sequence
+
+from sparse_lm.config import ModelConfig
+from sparse_lm.data import DataConfig
+from sparse_lm.sharding import MeshLayout
+from sparse_lm.train.config import StageConfig
+from sparse_lm.train.optimizer import OptimizerConfig
+
+__all__ = ["StageConfig", "OptimizerConfig", "DataConfig", "MeshLayout", "apply_overrides",
+           "main", "valid_keys"]
+
+_NESTED = {"optim": OptimizerConfig, "data": DataConfig, "mesh": MeshLayout}
+_NOT_SETTABLE = {"model_overrides", "optim", "data"}  # set their fields: model.x, optim.x
+
+
+def valid_keys() -> list[str]:
+  """Every key `--set` accepts."""
+  keys = [f.name for f in dataclasses.fields(StageConfig)
+          if f.name not in _NOT_SETTABLE]
+  for prefix, cls in list(_NESTED.items()) + [("model", ModelConfig)]:
+    keys += [f"{prefix}.{f.name}" for f in dataclasses.fields(cls)]
+  return keys
+
+
+def _parse(text: str, tp: Any, key: str) -> Any:
+  """`text` as a value of type `tp` (int, float, bool, str, Optional, MeshLayout, literal)."""
+  origin, args = typing.get_origin(tp), typing.get_args(tp)
+  if origin in (typing.Union, types.UnionType):
+    if text.strip().lower() in ("none", "null") and type(None) in args:
+      return None
+    errors = []
+    for a in args:
+      if a is type(None):
+        continue
+      try:
+        return _parse(text, a, key)
+      except ValueError as e:
+        errors.append(str(e))
+    raise ValueError(f"--set {key}={text!r}: " + "; ".join(errors))
+  if tp is bool:
+    low = text.strip().lower()
+    if low in ("1", "true", "yes", "on"):
+      return True
+    if low in ("0", "false", "no", "off"):
+      return False
+    raise ValueError(f"--set {key}={text!r}: expected a bool (true/false)")
+  if tp is int:
+    try:
+      return int(text.replace("_", ""))
+    except ValueError:
+      raise ValueError(f"--set {key}={text!r}: expected an int") from None
+  if tp is float:
+    try:
+      return float(text)
+    except ValueError:
+      raise ValueError(f"--set {key}={text!r}: expected a float") from None
+  if tp is str:
+    return text
+  if tp is MeshLayout:
+    return MeshLayout.parse(text)
+  raise ValueError(f"--set {key}: fields of type {tp} cannot be set from the command line")
+
+
+def _hints(cls) -> Mapping[str, Any]:
+  return typing.get_type_hints(cls)
+
+
+def apply_overrides(stage: StageConfig, sets: Sequence[str]) -> StageConfig:
+  """`stage` with each "key=value" of `sets` applied (see the module docstring).
+
+  Raises:
+    ValueError: a malformed item, an unknown key (the message lists the valid keys) or a value
+      that does not parse to the field's type.
+  """
+  top: dict[str, Any] = {}
+  nested: dict[str, dict[str, Any]] = {p: {} for p in _NESTED}
+  model: dict[str, Any] = dict(stage.model_overrides)
+  valid = valid_keys()
+  for item in sets:
+    key, sep, text = item.partition("=")
+    key = key.strip()
+    if not sep or not key:
+      raise ValueError(f"--set expects key=value, got {item!r}")
+    if key not in valid:
+      raise ValueError(f"unknown --set key {key!r}; valid keys:\n  " + "\n  ".join(valid))
+    prefix, _, field = key.partition(".")
+    if not field:
+      top[key] = _parse(text, _hints(StageConfig)[key], key)
+    elif prefix == "model":
+      model[field] = _parse(text, _hints(ModelConfig)[field], key)
+    else:
+      nested[prefix][field] = _parse(text, _hints(_NESTED[prefix])[field], key)
+  for prefix, changes in nested.items():
+    if changes:
+      top[prefix] = dataclasses.replace(top.get(prefix, getattr(stage, prefix)), **changes)
+  if model:
+    top["model_overrides"] = tuple(sorted(model.items()))
+  out = dataclasses.replace(stage, **top)
+  out.validate()
+  return out
+
+
+def build_stage(stages: Mapping[str, StageConfig], argv: Sequence[str] | None = None
+                ) -> tuple[StageConfig, str, argparse.Namespace]:
+  """Parse the command line into (stage config, workdir, args); errors exit with a message."""
+  name = next(iter(stages.values())).name
+  parser = argparse.ArgumentParser(prog=f"python -m experiments.{name}",
+                                   description=f"Train {name} (see experiments/{name}.py).")
+  parser.add_argument("--preset", default="tiny", choices=sorted(stages))
+  parser.add_argument("--workdir", default=None, help="default ./runs/<preset>")
+  parser.add_argument("--steps", type=int, default=None, help="optimizer steps of this stage")
+  parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
+                      help="override a StageConfig field (model.*, optim.*, data.*, mesh.*)")
+  parser.add_argument("--no-progress", action="store_true", help="no progress bar")
+  args = parser.parse_args(argv)
+  stage = stages[args.preset]
+  try:
+    if args.steps is not None:
+      stage = dataclasses.replace(stage, steps=args.steps)
+    stage = apply_overrides(stage, args.sets)
+  except ValueError as e:
+    parser.error(str(e))
+  return stage, args.workdir or f"runs/{args.preset}", args
+
+
+def main(stages: Mapping[str, StageConfig], argv: Sequence[str] | None = None) -> int:
+  """Entry point of `python -m experiments.<stage>`; returns the exit status."""
+  stage, workdir, args = build_stage(stages, argv)
+  from sparse_lm.train.loop import NonFiniteLossError, run  # after the CLI is validated
+  try:
+    result = run(stage, workdir, progress=not args.no_progress)
+  except (NonFiniteLossError, FileNotFoundError, ValueError) as e:
+    print(f"error: {e}", file=sys.stderr)
+    return 1
+  return 0  # a preempted run saved its state and said so; rerunning resumes it

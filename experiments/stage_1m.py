@@ -1,0 +1,34 @@
+"""stage_1m: stage_256k with 4x the length (1,048,576 tokens), a wider `context` axis.
+
+The last stage reaches the full context of §1. It starts from stage_256k's final checkpoint in
+the same workdir. Full scale: 32 sequences x 1M = 33.5M tokens per step on fsdp=2 x expert=16
+x context=16 (512 chips), 1,000 steps (34B tokens), a 200-step re-warmup to 7e-5 and a decay
+over the last 30% to the end of pretraining. `small` keeps one sequence per step, all devices
+on `context`. `tiny` doubles its length once more (1,024 -> 2,048 tokens, 2 sequences per
+step, 80 steps). Passkey retrieval beyond the trained length is the check that follows.
+"""
+
+import dataclasses
+
+from experiments import stage_256k
+from experiments.base import MeshLayout, OptimizerConfig, main
+
+
+def _next(prev, **changes):
+  return dataclasses.replace(prev, name="stage_1m", init_from="stage_256k", **changes)
+
+
+FULL = _next(stage_256k.FULL, seq_len=1_048_576, reference_seq_len=1_048_576, steps=1000,
+             optim=OptimizerConfig(peak_lr=7e-5, warmup_steps=200, decay_fraction=0.3),
+             eval_batch_size=4, mesh=MeshLayout(fsdp=-1, expert=16, context=16))
+SMALL = _next(stage_256k.SMALL, seq_len=1_048_576, reference_seq_len=1_048_576,
+              tokens_per_batch=1_048_576, steps=500,
+              optim=OptimizerConfig(peak_lr=1e-4, warmup_steps=50, decay_fraction=0.3))
+TINY = _next(stage_256k.TINY, seq_len=2048, reference_seq_len=1_048_576, steps=80,
+             optim=OptimizerConfig(peak_lr=7e-4, warmup_steps=8, decay_fraction=0.3,
+                                   weight_decay=0.01))
+
+STAGES = {"full": FULL, "small": SMALL, "tiny": TINY}
+
+if __name__ == "__main__":
+  raise SystemExit(main(STAGES))

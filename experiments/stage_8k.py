@@ -1,0 +1,37 @@
+"""stage_8k: pretraining from scratch at 8,192 tokens per sequence (ARCHITECTURE.md §8).
+
+The first stage of the context curriculum trains the model from a fresh initialisation on
+packed short documents. At full scale (`full`, 2.8T total / 104B active parameters) each step
+sees 4,096 sequences x 8K = 33.5M tokens, warms the learning rate up over 2,000 steps to 2e-4,
+holds it, and decays it to a tenth over the last 10% of 120,000 steps: 4.0T tokens, about
+6 x 104B x 4.0T = 2.5e24 FLOPs. The mesh puts the experts on a 16-way `expert` axis and
+shards the rest over `fsdp` (512 chips: fsdp=32 x expert=16). The `small` preset (1.6B total,
+0.3B active) takes 32 x 8K = 262K tokens per step for 20,000 steps (5.2B tokens) on the
+devices it finds. The `tiny` preset scales the stage down to 256 tokens per sequence and
+16 sequences per step, 400 steps, so it finishes on two CPU cores in a few minutes.
+"""
+
+import dataclasses
+
+from experiments.base import DataConfig, MeshLayout, OptimizerConfig, StageConfig, main
+
+FULL = StageConfig(
+    name="stage_8k", preset="full", seq_len=8192, tokens_per_batch=4096 * 8192, steps=120_000,
+    optim=OptimizerConfig(peak_lr=2e-4, warmup_steps=2000, decay_fraction=0.1),
+    eval_every=1000, eval_batches=8, eval_batch_size=512, checkpoint_every=1000,
+    mesh=MeshLayout(fsdp=-1, expert=16), data=DataConfig(), reference_seq_len=8192)
+
+SMALL = dataclasses.replace(
+    FULL, preset="small", tokens_per_batch=32 * 8192, steps=20_000,
+    optim=OptimizerConfig(peak_lr=3e-4, warmup_steps=1000, decay_fraction=0.1),
+    eval_every=500, eval_batch_size=None, checkpoint_every=1000, mesh=MeshLayout(fsdp=-1))
+
+TINY = dataclasses.replace(
+    SMALL, preset="tiny", seq_len=256, tokens_per_batch=16 * 256, steps=400,
+    optim=OptimizerConfig(peak_lr=3e-3, warmup_steps=40, decay_fraction=0.2, weight_decay=0.01),
+    eval_every=100, eval_batches=4, checkpoint_every=100)
+
+STAGES = {"full": FULL, "small": SMALL, "tiny": TINY}
+
+if __name__ == "__main__":
+  raise SystemExit(main(STAGES))

@@ -1,0 +1,87 @@
+"""The configuration of one training stage (ARCHITECTURE.md §8): a frozen dataclass.
+
+Experiments (`experiments/stage_*.py`) declare one `StageConfig` per preset, each derived from
+the previous stage with `dataclasses.replace`; `sparse_lm.train.loop.run` executes one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+from sparse_lm.config import ModelConfig, get_preset
+from sparse_lm.data import DataConfig
+from sparse_lm.sharding import MeshLayout
+from sparse_lm.train.optimizer import OptimizerConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class StageConfig:
+  """One stage of the context curriculum.
+
+  Attributes:
+    name: the stage's directory under the workdir (`<workdir>/<name>/`).
+    preset: model preset ("tiny", "small", "full"); `model_overrides` replace its fields.
+    seq_len: tokens per packed training row.
+    tokens_per_batch: tokens per optimizer step (all micro-batches, all hosts); the global
+      batch is tokens_per_batch // seq_len sequences.
+    micro_batches: gradient-accumulation steps per optimizer step.
+    steps: optimizer steps of this stage (the schedule's length).
+    optim: AdamW and its warmup-stable-decay schedule.
+    eval_every / eval_batches: held-out evaluation period (steps) and size (batches of
+      `eval_batch_size` rows, default the global batch).
+    checkpoint_every / keep_checkpoints: save period (steps) and how many to keep.
+    mesh: device-mesh layout (a `context` axis for the long stages).
+    init_from: the stage (by name, in the same workdir) whose final checkpoint initialises
+      this one when it has no checkpoint of its own; None = from scratch.
+    keep_optimizer_state: carry the AdamW moments over from `init_from` (§8: by default yes).
+    reference_seq_len: the length the stage has at full scale (printed when a preset scales
+      it down).
+    nan_at_step: fault injection for tests; makes that step's loss NaN.
+  """
+
+  name: str
+  preset: str = "tiny"
+  model_overrides: tuple[tuple[str, Any], ...] = ()
+  seq_len: int = 8192
+  tokens_per_batch: int = 8192 * 64
+  micro_batches: int = 1
+  steps: int = 1000
+  optim: OptimizerConfig = OptimizerConfig()
+  z_loss_coef: float = 1e-4
+  eval_every: int = 250
+  eval_batches: int = 4
+  eval_batch_size: int | None = None
+  checkpoint_every: int = 500
+  keep_checkpoints: int = 3
+  mesh: MeshLayout = MeshLayout()
+  data: DataConfig = DataConfig()
+  init_from: str | None = None
+  keep_optimizer_state: bool = True
+  seed: int = 0
+  sample_tokens: int = 48
+  sample_prompt: str = "def "
+  reference_seq_len: int | None = None
+  nan_at_step: int | None = None
+
+  @property
+  def global_batch(self) -> int:
+    """Sequences per optimizer step."""
+    return max(1, self.tokens_per_batch // self.seq_len)
+
+  def model_config(self) -> ModelConfig:
+    return get_preset(self.preset, **dict(self.model_overrides))
+
+  def validate(self) -> None:
+    """Raise ValueError naming the offending field."""
+    for f in ("seq_len", "tokens_per_batch", "micro_batches", "steps", "eval_every",
+              "checkpoint_every", "keep_checkpoints"):
+      if getattr(self, f) <= 0:
+        raise ValueError(f"StageConfig({self.name}): {f}={getattr(self, f)} must be > 0")
+    if self.tokens_per_batch % self.seq_len:
+      raise ValueError(f"StageConfig({self.name}): tokens_per_batch={self.tokens_per_batch} "
+                       f"is not a multiple of seq_len={self.seq_len}")
+    if self.global_batch % self.micro_batches:
+      raise ValueError(f"StageConfig({self.name}): global batch {self.global_batch} sequences "
+                       f"does not divide into micro_batches={self.micro_batches}")
+    self.model_config()  # validates the overrides

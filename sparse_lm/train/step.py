@@ -1,0 +1,123 @@
+"""The pure train and eval steps (jit them with shardings and donation in the loop).
+
+`train_step(state, batch) -> (state, metrics)`:
+  1. split the global batch [micro_batches * b, T] into micro-batches and scan over them,
+     summing fp32 gradients and threading the model's non-Param variables (the Quantile
+     Balancing histograms accumulate over all micro-batches, ARCHITECTURE.md §6 step 4);
+  2. clip + AdamW (optimizer.py) on the averaged gradient;
+  3. after the optimizer step, `update_balancers` turns the histograms into new biases (§6
+     step 5) on the merged model.
+A step whose loss or gradient norm is not finite leaves the state unchanged and reports
+`finite = False`; the loop stops on it (it never saves such a state).
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from flax import nnx
+
+from sparse_lm.train.state import TrainState
+
+Batch = dict[str, jax.Array]
+LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
+
+
+def _mean_metrics(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """Average per-micro-batch metrics over the leading (micro-batch) axis."""
+  return {k: jnp.mean(jnp.asarray(v, jnp.float32), axis=0) for k, v in metrics.items()}
+
+
+def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
+                    schedule: optax.Schedule, loss_fn: LossFn, *, micro_batches: int = 1,
+                    z_loss_coef: float = 0.0,
+                    balance_fn: Callable[[nnx.Module], dict[str, Any]] | None = None,
+                    nan_at_step: int | None = None):
+  """Build `train_step(state, batch) -> (state, metrics)`.
+
+  Args:
+    graphdef: the static model graph (state.py).
+    tx: the optimizer (optimizer.py); `schedule` its learning rate, reported as a metric.
+    loss_fn: `loss_fn(model, batch, *, train, z_loss_coef) -> (loss, metrics)`, mean nats
+      per predicted token.
+    micro_batches: gradient-accumulation factor; the batch's leading size must divide by it.
+    balance_fn: `update_balancers(model) -> metrics`, applied after the optimizer update.
+    nan_at_step: fault injection for tests: the loss of this step is made NaN.
+
+  Batch: int32 [B, T] arrays `tokens`, `segment_ids`, `positions`, `loss_mask` (any extra
+  keys pass through to `loss_fn`).
+  Metrics: float32 scalars `loss`, `grad_norm`, `lr`, `finite`, the loss function's own
+  metrics, and the balancer's (possibly per-layer arrays).
+  """
+
+  def micro_loss(params, model_vars, micro_batch):
+    model = nnx.merge(graphdef, params, model_vars)
+    loss, metrics = loss_fn(model, micro_batch, train=True, z_loss_coef=z_loss_coef)
+    _, _, new_vars = nnx.split(model, nnx.Param, ...)
+    return loss, (metrics, new_vars)
+
+  grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+
+  def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
+    def split(x):
+      if x.shape[0] % micro_batches:
+        raise ValueError(f"batch size {x.shape[0]} does not divide into {micro_batches} "
+                         "micro-batches")
+      return x.reshape((micro_batches, x.shape[0] // micro_batches) + x.shape[1:])
+
+    def accumulate(carry, micro_batch):
+      grads_sum, model_vars = carry
+      (loss, (metrics, model_vars)), grads = grad_fn(state.params, model_vars, micro_batch)
+      grads_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_sum, grads)
+      return (grads_sum, model_vars), (loss, metrics)
+
+    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+    (grads, model_vars), (losses, loss_metrics) = jax.lax.scan(
+        accumulate, (zeros, state.model_vars), jax.tree.map(split, batch))
+    grads = jax.tree.map(lambda g, p: (g / micro_batches).astype(p.dtype), grads, state.params)
+    loss = jnp.mean(losses)
+    if nan_at_step is not None:
+      loss = jnp.where(state.step == nan_at_step, jnp.nan, loss)
+
+    grad_norm = optax.global_norm(grads)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+
+    balance_metrics = {}
+    if balance_fn is not None:
+      model = nnx.merge(graphdef, params, model_vars)
+      balance_metrics = balance_fn(model) or {}
+      _, params, model_vars = nnx.split(model, nnx.Param, ...)
+
+    finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
+    keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
+    new_state = state.replace(
+        step=state.step + jnp.where(finite, 1, 0).astype(state.step.dtype),
+        params=keep(params, state.params), model_vars=keep(model_vars, state.model_vars),
+        opt_state=keep(opt_state, state.opt_state),
+        rng=jnp.where(finite, jax.random.fold_in(state.rng, state.step), state.rng))
+    metrics = {**_mean_metrics(loss_metrics), **balance_metrics, "loss": loss,
+               "grad_norm": grad_norm, "lr": schedule(state.step),
+               "finite": finite.astype(jnp.float32)}
+    return new_state, metrics
+
+  return train_step
+
+
+def make_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn):
+  """Build `eval_step(state, batch) -> {"loss_sum", "tokens"}` (nats summed, token count).
+
+  The model runs with train=False, so balancer buffers are read, never written (§6 step 6).
+  Sum these over batches and divide for the mean held-out loss in nats per token.
+  """
+
+  def eval_step(state: TrainState, batch: Batch) -> dict[str, jax.Array]:
+    model = nnx.merge(graphdef, state.params, state.model_vars)
+    loss, _ = loss_fn(model, batch, train=False)
+    tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
+    return {"loss_sum": loss.astype(jnp.float32) * tokens, "tokens": tokens}
+
+  return eval_step
