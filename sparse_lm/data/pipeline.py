@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import os
+import sys
 import time
 from typing import Any
 
@@ -146,6 +147,25 @@ def _finalize(rows: dict[str, np.ndarray], batch_size: int | None = None) -> dic
   return batch
 
 
+class _PrefetchIterator(grain_exp.ThreadPrefetchDatasetIterator):
+  """Grain's thread-prefetch iterator, minus its noisy ``__del__`` at interpreter exit (it
+  touches module globals that are already gone)."""
+
+  def __del__(self):
+    if not sys.is_finalizing():
+      super().__del__()
+
+
+class _Prefetch(grain_exp.ThreadPrefetchIterDataset):
+
+  def __init__(self, parent: grain.IterDataset, prefetch: int):
+    super().__init__(parent, prefetch_buffer_size=prefetch)
+    self._prefetch = prefetch
+
+  def __iter__(self) -> grain.DatasetIterator:
+    return _PrefetchIterator(self._parent.__iter__(), self._prefetch)
+
+
 def _num_bins(seq_len: int, batch_size: int) -> int:
   # More bins pack tighter; bound the packing buffers to ~8M tokens per feature.
   return max(batch_size, min(16, max(1, (1 << 23) // seq_len)))
@@ -210,7 +230,7 @@ def make_train_iterator(data_cfg: DataConfig, tokenizer: Tokenizer, *, seq_len: 
   ds = _packed_rows(ds, data_cfg, seq_len, _num_bins(seq_len, batch_size), shuffle_bins=True)
   ds = ds.batch(batch_size, drop_remainder=True).map(_finalize)
   if data_cfg.prefetch:
-    ds = grain_exp.ThreadPrefetchIterDataset(ds, prefetch_buffer_size=data_cfg.prefetch)
+    ds = _Prefetch(ds, data_cfg.prefetch)
   return iter(ds)
 
 

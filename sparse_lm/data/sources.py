@@ -119,6 +119,10 @@ class FileSource(Source):
     self.num_bytes = num_bytes
     self.stats = stats
 
+  def member_files(self, index: int) -> tuple[str, ...]:
+    """Paths (relative to the source root) of the files that make up document ``index``."""
+    return self._groups[index][1]
+
   def load(self, index: int) -> str | None:
     parts = []
     for rel in self._groups[index][1]:
@@ -225,14 +229,15 @@ class ArrayRecordSource(Source):
 
   def __init__(self, name: str, root: str, files: Sequence[str], eval_fraction: float,
                split: str):
-    from array_record.python import array_record_data_source  # pylint: disable=g-import-not-at-top
+    # pylint: disable=g-import-not-at-top
+    from array_record.python import array_record_data_source, array_record_module
+    # pylint: enable=g-import-not-at-top
     self.name = name
     self.stats = SourceStats(files=len(files))
     paths = [os.path.join(root, rel) for rel in files]
     self._reader = array_record_data_source.ArrayRecordDataSource(paths)
     doc_ids, keys, key = [], [], 0
     for rel, path in zip(files, paths):
-      from array_record.python import array_record_module  # pylint: disable=g-import-not-at-top
       reader = array_record_module.ArrayRecordReader(path)
       count = reader.num_records()
       reader.close()
