@@ -1,0 +1,282 @@
+"""Expert parallelism for LatentMoE: experts sharded over the `expert` mesh axis (ARCHITECTURE §5, §9).
+
+`ep_dispatch_and_compute` is the multi-device version of the single-device "sort, grouped
+matmul, unsort, combine" dispatch: it computes, for latent tokens z [N, L] routed to k experts,
+
+    u[t] = sum_j gates[t, j] * E_{ids[t, j]}(z[t])        (fp32 accumulation)
+
+with E_e the SiTU-GLU expert FFN L -> F -> L. Only latent-width (L, not D) tokens cross the
+network. Inside one `jax.shard_map` over the whole mesh, each device holds N / (data * fsdp *
+expert * context) tokens and E / expert experts; the exchange runs along `expert` only:
+
+  1. The device sorts its (token, expert) pairs by destination rank (= expert // E_local), then
+     by descending gate, and all-gathers its per-destination counts -> a [P, P] count matrix C
+     (P = expert axis size), identical on every rank of the group.
+  2. Optional receive cap R (rows per rank): where a rank would receive sum_i C[i, j] > R rows,
+     every sender keeps floor(C[i, j] * R / sum_i C[i, j]) of its rows to j, the highest gates
+     (lowest-margin assignments are dropped); the drop rate is returned as a metric. Default:
+     dropless (the receive buffer has the worst-case size P * n * k).
+  3. Exchange, one of
+       "ragged":    jax.lax.ragged_all_to_all (GPU, TPU): exactly the kept rows move.
+       "dense":     jax.lax.all_to_all of fixed-size [P, cap, L] blocks, padded (runs
+                    everywhere, incl. XLA:CPU, which has no ragged all-to-all).
+       "allgather": all-gather the tokens of the group, compute the local experts on the pairs
+                    that chose them, reduce-scatter the combined outputs. Used when P < k: then
+                    a token goes to ~min(k, P) ranks anyway, and the all-gather moves no more
+                    data than the all-to-all while needing no counts or ragged buffers.
+  4. The receiver sorts its rows by local expert and runs the grouped matmuls
+     (`sparse_lm.moe.gmm`); with `tensor` > 1 the hidden F is sharded and the partial outputs
+     are summed over `tensor`. The results travel back by the inverse exchange and are combined
+     with the gates at the sender.
+
+A rank (or expert) that receives no rows works: its grouped matmuls see zero-size groups.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from typing import Any, Callable, Mapping
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from sparse_lm import sharding as shd
+from sparse_lm.moe.gmm import gmm
+from sparse_lm.moe.situ_glu import situ_activation
+
+EP_IMPLS = ("auto", "ragged", "dense", "allgather")
+TOKEN_AXES = ("data", "fsdp", "expert", "context")  # mesh axes the flattened tokens span
+
+
+def resolve_impl(impl: str, ep_size: int, top_k: int) -> str:
+  """Concrete exchange for `impl` ("auto": allgather when ep_size < top_k, else ragged on
+  GPU/TPU and dense on CPU)."""
+  if impl not in EP_IMPLS:
+    raise ValueError(f"unknown expert-parallel impl {impl!r}; choose one of {EP_IMPLS}")
+  if impl != "auto":
+    return impl
+  if ep_size < top_k:
+    return "allgather"
+  return "dense" if jax.default_backend() == "cpu" else "ragged"
+
+
+def expert_ffn_local(x: jax.Array, local_ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
+                     w_down: jax.Array, *, beta1: float, beta2: float,
+                     gmm_backend: str = "auto") -> jax.Array:
+  """SiTU-GLU experts on rows x [R, L] with local expert ids [R] (id >= G marks an empty row).
+
+  w_gate, w_up: [G, L, F]; w_down: [G, F, L]. Returns [R, L] in x's dtype; empty rows give 0.
+  """
+  G = w_gate.shape[0]
+  order = jnp.argsort(local_ids, stable=True)
+  xs = x[order]
+  sizes = jax.ops.segment_sum(jnp.ones_like(local_ids), local_ids, num_segments=G)
+  g = gmm(xs, w_gate, sizes, backend=gmm_backend)
+  u = gmm(xs, w_up, sizes, backend=gmm_backend)
+  h = situ_activation(g, u, beta1, beta2).astype(x.dtype)
+  ys = gmm(h, w_down, sizes, backend=gmm_backend)
+  valid = (jnp.arange(x.shape[0]) < jnp.sum(sizes))[:, None]
+  ys = jnp.where(valid, ys, 0)  # rows past the groups: zero whatever the backend returns
+  return jnp.zeros_like(ys).at[order].set(ys)
+
+
+def _exclusive_cumsum(x, axis=-1):
+  return jnp.cumsum(x, axis=axis) - x
+
+
+def _keep_plan(dest, gates, num_ranks, me, axis, recv_cap):
+  """Sort pairs by (dest, -gate); counts, kept counts and the kept mask (see module doc)."""
+  order = jnp.lexsort((-gates.astype(jnp.float32), dest))
+  dest_s = dest[order]
+  counts = jax.ops.segment_sum(jnp.ones_like(dest_s), dest_s, num_segments=num_ranks)
+  C = jax.lax.all_gather(counts, axis)  # [P_src, P_dst]
+  if recv_cap is None:
+    S = C
+  else:
+    tot = jnp.sum(C, axis=0, keepdims=True)
+    frac = jnp.float32(recv_cap) / jnp.maximum(tot, 1).astype(jnp.float32)
+    quota = jnp.floor(C.astype(jnp.float32) * frac * (1 - 1e-6)).astype(C.dtype)
+    S = jnp.where(tot > recv_cap, quota, C)
+  starts = _exclusive_cumsum(counts)  # my block starts in the sorted order
+  pos = jnp.arange(dest.shape[0]) - starts[dest_s]
+  keep_s = pos < S[me][dest_s]
+  return order, dest_s, pos, keep_s, C, S
+
+
+def _local_ids(ids_s, me, num_local, keep_s):
+  lid = ids_s - me * num_local
+  return jnp.where(keep_s, lid, num_local).astype(jnp.int32)
+
+
+def _ep_body(z, ids, gates, w_gate, w_up, w_down, *, axis, impl, recv_cap, beta1, beta2,
+             gmm_backend, tensor_axis):
+  n, L = z.shape
+  k = ids.shape[-1]
+  num_ranks = jax.lax.axis_size(axis)
+  me = jax.lax.axis_index(axis)
+  num_local = w_gate.shape[0]
+  ids_f = ids.reshape(-1).astype(jnp.int32)
+  gates_f = gates.reshape(-1)
+  dest = ids_f // num_local
+  order, dest_s, pos, keep_s, C, S = _keep_plan(dest, gates_f, num_ranks, me, axis, recv_cap)
+  ids_s = ids_f[order]
+  tok_s = order // k
+  ffn = functools.partial(expert_ffn_local, w_gate=w_gate, w_up=w_up, w_down=w_down,
+                          beta1=beta1, beta2=beta2, gmm_backend=gmm_backend)
+
+  def tensor_sum(y):
+    return y if tensor_axis is None else jax.lax.psum(y, tensor_axis)
+
+  if impl == "allgather":
+    z_all = jax.lax.all_gather(z, axis, tiled=True)  # [P n, L]
+    keep_pairs = jnp.zeros_like(keep_s).at[order].set(keep_s)
+    ids_all = jax.lax.all_gather(ids_f, axis, tiled=True)  # [P n k]
+    keep_all = jax.lax.all_gather(keep_pairs, axis, tiled=True)
+    gates_all = jax.lax.all_gather(gates_f, axis, tiled=True)
+    mine = keep_all & (ids_all // num_local == me)
+    lid = jnp.where(mine, ids_all - me * num_local, num_local).astype(jnp.int32)
+    y = tensor_sum(ffn(z_all[jnp.arange(ids_all.shape[0]) // k], lid))
+    w = jnp.where(mine, gates_all, 0).astype(jnp.float32)
+    u_all = jnp.sum((y.astype(jnp.float32) * w[:, None]).reshape(-1, k, L), axis=1)
+    u = jax.lax.psum_scatter(u_all, axis, scatter_dimension=0, tiled=True)
+  else:
+    x_s = z[tok_s]  # [n k, L] rows sorted by destination
+    starts = _exclusive_cumsum(C[me])
+    if impl == "ragged":
+      cap_rows = num_ranks * n * k if recv_cap is None else int(recv_cap)
+      # forward: my block to j starts at starts[j] and lands at sum_{i<me} S[i, j] on j.
+      out_off = jnp.sum(jnp.where(jnp.arange(num_ranks)[:, None] < me, S, 0), axis=0)
+      recv_sizes = S[:, me]
+      recv_off = _exclusive_cumsum(recv_sizes)
+      send_sizes = S[me]
+      buf = jnp.zeros((cap_rows, L), z.dtype)
+      x_r = jax.lax.ragged_all_to_all(x_s, buf, starts, send_sizes, out_off, recv_sizes,
+                                      axis_name=axis)
+      lid_s = _local_ids(ids_s, dest_s, num_local, keep_s)
+      lid_r = jax.lax.ragged_all_to_all(lid_s[:, None], jnp.full((cap_rows, 1), num_local,
+                                                                 jnp.int32),
+                                        starts, send_sizes, out_off, recv_sizes,
+                                        axis_name=axis)[:, 0]
+      y_r = tensor_sum(ffn(x_r, lid_r))
+      # back: my received block from i (at recv_off[i]) returns to i's starts for me.
+      back_off = jnp.sum(jnp.where(jnp.arange(num_ranks)[None, :] < me, C, 0), axis=1)
+      y_s = jax.lax.ragged_all_to_all(y_r, jnp.zeros((n * k, L), y_r.dtype), recv_off,
+                                      recv_sizes, back_off, send_sizes, axis_name=axis)
+    else:  # dense: fixed-size blocks [P, cap, L]
+      cap = n * k if recv_cap is None else min(n * k, int(recv_cap))
+      slot = jnp.arange(cap)
+      src = starts[:, None] + slot[None, :]  # [P, cap] row of x_s for block (j, slot)
+      valid = slot[None, :] < S[me][:, None]
+      src = jnp.where(valid, src, 0)
+      x_blk = jnp.where(valid[..., None], x_s[src], 0)
+      lid_s = _local_ids(ids_s, dest_s, num_local, keep_s)
+      lid_blk = jnp.where(valid, lid_s[src], num_local)
+      x_r = jax.lax.all_to_all(x_blk, axis, 0, 0, tiled=True)  # block i: from rank i
+      lid_r = jax.lax.all_to_all(lid_blk, axis, 0, 0, tiled=True)
+      y_r = tensor_sum(ffn(x_r.reshape(-1, L), lid_r.reshape(-1)))
+      y_blk = jax.lax.all_to_all(y_r.reshape(num_ranks, cap, L), axis, 0, 0, tiled=True)
+      dst = jnp.where(valid, src, n * k)  # out of range -> dropped
+      y_s = jnp.zeros((n * k, L), y_blk.dtype).at[dst.reshape(-1)].add(
+          y_blk.reshape(-1, L), mode="drop")
+    y_pairs = jnp.zeros_like(y_s).at[order].set(y_s)
+    w = jnp.zeros_like(gates_f, jnp.float32).at[order].set(
+        jnp.where(keep_s, gates_f[order], 0).astype(jnp.float32))
+    u = jnp.sum((y_pairs.astype(jnp.float32) * w[:, None]).reshape(n, k, L), axis=1)
+
+  total = jnp.sum(C[me]).astype(jnp.float32)  # my pairs
+  dropped = total - jnp.sum(S[me]).astype(jnp.float32)
+  max_recv = jnp.max(jnp.sum(C, axis=0)).astype(jnp.float32)  # rows wanted, before the cap
+  return u, dropped[None], total[None], max_recv[None]
+
+
+def _present(mesh, axes):
+  return tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1)
+
+
+def ep_dispatch_and_compute(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
+                            expert_params: Mapping[str, jax.Array], *, mesh: jax.sharding.Mesh,
+                            axis: str = "expert", impl: str = "auto",
+                            recv_cap: int | None = None, capacity_factor: float | None = None,
+                            beta1: float = 4.0, beta2: float = 25.0,
+                            gmm_backend: str = "auto") -> tuple[jax.Array, dict[str, Any]]:
+  """Routed-expert output u = sum_j gates[:, j] E_{ids[:, j]}(z) with experts sharded over
+  `axis` (see the module docstring for the algorithm).
+
+  Args:
+    z: [N, L] latent tokens (the flattened [B, T] of the layer; N sharded over data, fsdp,
+      expert, context, in that order, as GSPMD lays out a reshaped [B, T] batch).
+    expert_ids: [N, k] int32 routed experts in [0, E).
+    gates: [N, k] combine weights (fp32; zero for an unused slot).
+    expert_params: {"w_gate": [E, L, F], "w_up": [E, L, F], "w_down": [E, F, L]}; E sharded
+      over `axis`, F over `tensor` (other axes are gathered before the shard_map).
+    mesh: the device mesh (MESH_AXES); `mesh.shape[axis]` must divide E.
+    impl: "auto" | "ragged" | "dense" | "allgather".
+    recv_cap: per-rank receive cap in (token, expert) rows; None = dropless.
+    capacity_factor: alternative to recv_cap: cap = ceil(factor * n * k), n tokens per device.
+    beta1, beta2: SiTU-GLU clip levels. gmm_backend: see `sparse_lm.moe.gmm`.
+
+  Returns:
+    (u [N, L] float32, metrics) with metrics: drop_rate (dropped / all pairs, global),
+    max_recv_rows and mean_recv_rows (per rank, before the cap), all fp32 scalars.
+
+  Raises:
+    ValueError: E not divisible by the axis size, or token count not divisible by the
+      token-sharding axes.
+  """
+  num_experts = expert_params["w_gate"].shape[0]
+  ep = int(mesh.shape.get(axis, 1))
+  N, k = expert_ids.shape
+  if num_experts % ep:
+    raise ValueError(f"num_experts={num_experts} is not divisible by {axis}={ep}")
+  tok_axes = _present(mesh, TOKEN_AXES)
+  n_shards = math.prod(mesh.shape[a] for a in tok_axes)
+  if N % n_shards:
+    raise ValueError(f"{N} tokens are not divisible by the token shards {tok_axes} "
+                     f"(= {n_shards})")
+  n = N // n_shards
+  if capacity_factor is not None and recv_cap is None:
+    recv_cap = int(math.ceil(capacity_factor * n * k))
+  impl = resolve_impl(impl, ep, k)
+  tensor_axis = "tensor" if "tensor" in _present(mesh, ("tensor",)) else None
+  tok = tok_axes if tok_axes else None
+  e_ax = axis if ep > 1 else None
+  w_in = P(e_ax, None, tensor_axis)
+  w_out = P(e_ax, tensor_axis, None)
+  tspec = P(tok, None)
+  scalar = P(_present(mesh, shd.MESH_AXES) or None)
+
+  body = functools.partial(_ep_body, axis=axis, impl=impl, recv_cap=recv_cap, beta1=beta1,
+                           beta2=beta2, gmm_backend=gmm_backend, tensor_axis=tensor_axis)
+
+  def wrapped(*args):
+    with shd.use_mesh(None):  # manual axes: no sharding constraints inside
+      return body(*args)
+
+  args = (z, expert_ids.astype(jnp.int32), gates, expert_params["w_gate"],
+          expert_params["w_up"], expert_params["w_down"])
+  specs = (tspec, tspec, tspec, w_in, w_in, w_out)
+  args = tuple(jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s))
+               for a, s in zip(args, specs))
+  u, dropped, total, max_recv = jax.shard_map(
+      wrapped, mesh=mesh, in_specs=specs,
+      out_specs=(tspec, scalar, scalar, scalar), check_vma=False)(*args)
+  metrics = dict(drop_rate=jnp.sum(dropped) / jnp.maximum(jnp.sum(total), 1.0),
+                 max_recv_rows=jnp.max(max_recv), mean_recv_rows=jnp.float32(n * k))
+  return u, metrics
+
+
+def reference_dispatch_and_compute(z, expert_ids, gates, expert_params, *, beta1=4.0,
+                                   beta2=25.0) -> jax.Array:
+  """Single-device definition: every expert on every token (dense), combined with gates.
+
+  Returns u [N, L] float32. For tests (O(N E L F) work).
+  """
+  from sparse_lm.moe.situ_glu import situ_glu
+  E = expert_params["w_gate"].shape[0]
+  y = jax.vmap(lambda wg, wu, wd: situ_glu(z, wg, wu, wd, beta1, beta2))(
+      expert_params["w_gate"], expert_params["w_up"], expert_params["w_down"])  # [E, N, L]
+  onehot = jax.nn.one_hot(expert_ids, E, dtype=jnp.float32) * gates[..., None].astype(
+      jnp.float32)  # [N, k, E]
+  return jnp.einsum("nke,enl->nl", onehot, y.astype(jnp.float32))
