@@ -266,7 +266,10 @@ def make_eval_batches(data_cfg: DataConfig, tokenizer: Tokenizer, *, seq_len: in
 
 def describe(data_cfg: DataConfig) -> str:
   """One line for the run log: source, documents and bytes per split, skipped/repaired files."""
-  train, held_out = _open(data_cfg, "train"), _open(data_cfg, "eval")
+  train = _open(data_cfg, "train")
+  held_out = sources.open_source(data_cfg.source, split="eval",
+                                 eval_fraction=data_cfg.eval_fraction,
+                                 long_documents=data_cfg.long_documents)
 
   def size(s: sources.Source) -> str:
     return "?" if s.num_bytes is None else f"{s.num_bytes / 1e6:.1f} MB"

@@ -67,16 +67,20 @@ class SourceStats:
   repaired_files: int = 0
   replaced_chars: int = 0
   _lock: threading.Lock = dataclasses.field(default_factory=threading.Lock, repr=False)
+  _repaired_ids: set[str] = dataclasses.field(default_factory=set, repr=False)
 
   def add_repaired(self, doc_id: str, replaced: int) -> None:
+    """Counts a repaired file once, however often it is read (epochs, tokenizer sampling)."""
     with self._lock:
+      if doc_id in self._repaired_ids:
+        return
+      self._repaired_ids.add(doc_id)
       self.repaired_files += 1
       self.replaced_chars += replaced
-      count = self.repaired_files
+      count, total = self.repaired_files, self.replaced_chars
     if count <= 5 or count & (count - 1) == 0:
       _log.warning("%s: undecodable bytes replaced by U+FFFD (%d chars); %d file(s) repaired so "
-                   "far, %d replacement chars in total", doc_id, replaced, count,
-                   self.replaced_chars)
+                   "far, %d replacement chars in total", doc_id, replaced, count, total)
 
 
 def decode_text(data: bytes, doc_id: str, stats: SourceStats) -> str:
