@@ -1,0 +1,285 @@
+"""Context parallelism: KDA and attention over a sequence sharded on the `context` mesh axis.
+
+Layout: plain contiguous sequence sharding. Shard r of P holds tokens [r T/P, (r+1) T/P) of
+every sequence. KDA needs contiguous shards (its state flows left to right), and every other
+sequence op of the model (short conv, packing masks, the loss shift, which the data pipeline
+precomputes as `targets`) then stays a plain shifted slice that GSPMD handles with a halo
+exchange. Attention uses the same layout with a causal mask on global positions (no striping:
+striping would need a token permutation before and after every KDA layer). With the XLA
+chunked attention every query block visits every key block, so the work per shard is
+balanced; the price is the 2x of not skipping fully masked blocks, as without CP.
+
+KDA (ARCHITECTURE §9). The recurrence is affine in the state entering a shard:
+S_out = M S_in + S_ext, with M = prod_t (I - beta_t k_t k_t^T) Diag(exp(g_t)) (K x K per head,
+later factors on the left) and S_ext the shard's final state from zero. Both come from ONE
+chunked KDA run with the value width extended by K: values [v | 0] and initial state [0 | I]
+give the final state [S_ext | M] (with v = 0 the delta rule is exactly the homogeneous step).
+A segment reset inside the shard zeroes the state, so M = 0 and S_ext restarts there, as
+required. Then (S_ext, M) are all-gathered over `context`; shard r folds its predecessors,
+S <- M_j (keep_j S) + S_ext_j for j < r, where keep_j = 0 when shard j's first token starts a
+new document (the reset the local kernel cannot see at its position 0); and the chunked kernel
+runs again from S_in = keep_r S. Backward is the autodiff of this (all-gather transposes to a
+reduce-scatter). Cost: two kernel passes, one of width V + K, plus P K x K matmuls per head.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import NamedSharding, PartitionSpec as P
+
+from pallas_kernels.kda import chunk_kda
+from sparse_lm import sharding as shd
+
+BATCH_AXES = shd.BATCH_AXES
+
+
+def _present(mesh, axes):
+  return tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1)
+
+
+def _specs(mesh, axis):
+  b = _present(mesh, BATCH_AXES) or None
+  c = axis if mesh.shape.get(axis, 1) > 1 else None
+  t = "tensor" if mesh.shape.get("tensor", 1) > 1 else None
+  return b, c, t
+
+
+def fold_states(S_ext: jax.Array, M: jax.Array, keep: jax.Array) -> jax.Array:
+  """Initial state of every shard from the all-gathered per-shard maps.
+
+  Args:
+    S_ext: [P, B, H, K, V] fp32 final states from a zero initial state.
+    M: [P, B, H, K, K] fp32 transition matrices.
+    keep: [P, B] fp32, 0 where the shard's first token starts a new document.
+  Returns:
+    (S_in [P, B, H, K, V]: the state entering each shard, already multiplied by keep;
+     S_final [B, H, K, V]: the state after the last shard).
+  """
+  def step(S, xs):
+    s_ext, m, kp = xs
+    S_in = kp[:, None, None, None] * S
+    S_out = jnp.einsum("bhij,bhjv->bhiv", m, S_in, precision="highest") + s_ext
+    return S_out, S_in
+
+  S_final, S_in = jax.lax.scan(step, jnp.zeros_like(S_ext[0]), (S_ext, M, keep))
+  return S_in, S_final
+
+
+def _kda_cp_body(q, k, v, g, beta, seg, *, axis, scale, chunk_size, backend, want_final):
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  r = jax.lax.axis_index(axis)
+  kw = dict(scale=scale, chunk_size=chunk_size, backend=backend)
+  # pass 1: [S_ext | M] from values [v | 0] and initial state [0 | I]
+  v_ext = jnp.concatenate([v, jnp.zeros((B, T, H, K), v.dtype)], axis=-1)
+  eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, H, K, K))
+  s0 = jnp.concatenate([jnp.zeros((B, H, K, V), jnp.float32), eye], axis=-1)
+  _, SM = chunk_kda(q, k, v_ext, g, beta, initial_state=s0, output_final_state=True,
+                    segment_ids=seg, **kw)
+  S_ext, M = SM[..., :V], SM[..., V:]
+  if seg is None:
+    keep = jnp.ones((B,), jnp.float32)
+  else:
+    last = jax.lax.all_gather(seg[:, -1], axis)  # [P, B]
+    prev = last[jnp.maximum(r - 1, 0)]
+    first = seg[:, 0]
+    keep = jnp.where((first != prev) & (first != 0), 0.0, 1.0).astype(jnp.float32)
+  all_S = jax.lax.all_gather(S_ext, axis)
+  all_M = jax.lax.all_gather(M, axis)
+  all_keep = jax.lax.all_gather(keep, axis)
+  S_in, S_final = fold_states(all_S, all_M, all_keep)
+  # pass 2: the real outputs from the true incoming state
+  o, _ = chunk_kda(q, k, v, g, beta, initial_state=S_in[r], output_final_state=False,
+                   segment_ids=seg, **kw)
+  if want_final:
+    return o, S_final
+  return o, jnp.zeros((), jnp.float32)
+
+
+def cp_chunk_kda(q, k, v, g, beta, *, mesh: jax.sharding.Mesh, axis: str = "context",
+                 scale: float | None = None, segment_ids: jax.Array | None = None,
+                 initial_state: jax.Array | None = None, output_final_state: bool = False,
+                 chunk_size: int = 64, backend: str = "auto"):
+  """`chunk_kda` with T sharded over mesh axis `axis` (see the module docstring).
+
+  Args and returns as `pallas_kernels.kda.chunk_kda` (global shapes: q, k, g [B, T, H, K],
+  v [B, T, H, V], beta [B, T, H], segment_ids [B, T]); B is sharded over data/fsdp/expert,
+  T over `axis`, H over tensor. The final state (if asked) is the state after the whole
+  sequence, replicated over `axis`.
+
+  Raises:
+    ValueError: T not divisible by the axis size; initial_state given (CP runs train/prefill
+      from the start of the sequence).
+  """
+  Pn = int(mesh.shape.get(axis, 1))
+  B, T, H, K = q.shape
+  if initial_state is not None:
+    raise ValueError("cp_chunk_kda: initial_state is not supported (sequences start at 0)")
+  if T % Pn:
+    raise ValueError(f"sequence length {T} is not divisible by {axis}={Pn}")
+  b, c, t = _specs(mesh, axis)
+  s4, s3, s2 = P(b, c, t, None), P(b, c, t), P(b, c)
+  sf = P(b, t, None, None)
+  body = functools.partial(_kda_cp_body, axis=axis, scale=scale, chunk_size=chunk_size,
+                           backend=backend, want_final=output_final_state)
+
+  def wrapped(q, k, v, g, beta, seg):
+    with shd.use_mesh(None):
+      return body(q, k, v, g, beta, seg)
+
+  args = [q, k, v, g, beta]
+  specs = [s4, s4, s4, s4, s3]
+  if segment_ids is not None:
+    args.append(segment_ids.astype(jnp.int32))
+    specs.append(s2)
+    fn = wrapped
+  else:
+    fn = lambda q, k, v, g, beta: wrapped(q, k, v, g, beta, None)
+  args = [jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s))
+          for a, s in zip(args, specs)]
+  o, S = jax.shard_map(fn, mesh=mesh, in_specs=tuple(specs),
+                       out_specs=(s4, sf if output_final_state else P()),
+                       check_vma=False)(*args)
+  return o, (S if output_final_state else None)
+
+
+def prev_shard_halo(x: jax.Array, size: int, axis: str, *, time_axis: int = 1,
+                    fill=0) -> jax.Array:
+  """Inside a shard_map over `axis`: the last `size` steps of the previous shard along
+  `time_axis` (shard 0 gets `fill`), e.g. the 3-token short-conv halo and its segment ids."""
+  n = jax.lax.axis_size(axis)
+  tail = jax.lax.slice_in_dim(x, x.shape[time_axis] - size, x.shape[time_axis], axis=time_axis)
+  got = jax.lax.ppermute(tail, axis, perm=[(i, i + 1) for i in range(n - 1)])
+  r = jax.lax.axis_index(axis)
+  return jnp.where(r == 0, jnp.full_like(got, fill), got)
+
+
+def cp_short_conv(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None, *,
+                  mesh: jax.sharding.Mesh, axis: str = "context") -> jax.Array:
+  """Causal depthwise conv y[t] = sum_i w[i] x[t - (W-1) + i] with T sharded over `axis`,
+  masked across documents (only taps of the same segment id contribute), by a halo of W - 1
+  tokens (and their segment ids) from the previous shard.
+
+  Args: x [B, T, C]; w [W, C]; segment_ids [B, T] int32 or None. Returns y [B, T, C].
+  """
+  W = w.shape[0]
+  b, c, _ = _specs(mesh, axis)
+
+  def body(x, w, seg):
+    halo = prev_shard_halo(x, W - 1, axis)
+    xp = jnp.concatenate([halo, x], axis=1)
+    if seg is not None:
+      sp = jnp.concatenate([prev_shard_halo(seg, W - 1, axis, fill=-1), seg], axis=1)
+    T = x.shape[1]
+    y = jnp.zeros(x.shape, jnp.float32)
+    for i in range(W):
+      tap = xp[:, i:i + T].astype(jnp.float32)
+      if seg is not None:
+        tap = jnp.where((sp[:, i:i + T] == seg)[..., None], tap, 0)
+      y = y + tap * w[i].astype(jnp.float32)
+    return y.astype(x.dtype)
+
+  seg_spec = P(b, c)
+  if segment_ids is None:
+    fn = lambda x, w: body(x, w, None)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(P(b, c, None), P()),
+                         out_specs=P(b, c, None), check_vma=False)(x, w)
+  return jax.shard_map(body, mesh=mesh, in_specs=(P(b, c, None), P(), seg_spec),
+                       out_specs=P(b, c, None), check_vma=False)(x, w, segment_ids)
+
+
+def _attn_cp_body(q, k, v, qseg, kseg, *, axis, scale, block):
+  """Local queries [B, Tq, H, Dk] against all-gathered keys/values (global causal mask)."""
+  B, Tq, H, Dk = q.shape
+  r = jax.lax.axis_index(axis)
+  k_all = jax.lax.all_gather(k, axis, axis=1, tiled=True)  # [B, T, Hk, Dk]
+  v_all = jax.lax.all_gather(v, axis, axis=1, tiled=True)
+  qpos = r * Tq + jnp.arange(Tq)
+  T = k_all.shape[1]
+  kseg_all = None if kseg is None else jax.lax.all_gather(kseg, axis, axis=1, tiled=True)
+  return attention_blocked(q, k_all, v_all, qpos, jnp.arange(T), qseg, kseg_all, scale=scale,
+                           block=block)
+
+
+def attention_blocked(q, k, v, qpos, kpos, qseg, kseg, *, scale, block):
+  """Memory-efficient causal attention (online softmax over key blocks), fp32 statistics.
+
+  q [B, Tq, H, Dk]; k [B, Tk, Hk, Dk]; v [B, Tk, Hk, Dv] with Hk in {1, H} (1 = MQA, e.g.
+  MLA's latent form); qpos [Tq], kpos [Tk] global positions; qseg [B, Tq], kseg [B, Tk] or
+  None. A key is visible when kpos <= qpos and (no segments or the same non-zero segment).
+  Returns [B, Tq, H, Dv] in q's dtype (zero rows for queries that see no key).
+  """
+  B, Tq, H, Dk = q.shape
+  Tk = k.shape[1]
+  block = min(block, Tk)
+  nb = -(-Tk // block)
+  pad = nb * block - Tk
+  if pad:
+    k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
+    kpos = jnp.pad(kpos, (0, pad), constant_values=jnp.iinfo(jnp.int32).max)
+    if kseg is not None:
+      kseg = jnp.pad(kseg, ((0, 0), (0, pad)))
+  Hk, Dv = k.shape[2], v.shape[-1]
+  kb = k.reshape(B, nb, block, Hk, Dk).swapaxes(0, 1)
+  vb = v.reshape(B, nb, block, Hk, Dv).swapaxes(0, 1)
+  pb = kpos.reshape(nb, block)
+  sb = None if kseg is None else kseg.reshape(B, nb, block).swapaxes(0, 1)
+  qf = q.astype(jnp.float32) * scale
+
+  def step(carry, xs):
+    m, l, acc = carry
+    kk, vv, pp, ss = xs
+    s = jnp.einsum("bqhd,bkhd->bhqk", qf, jnp.broadcast_to(
+        kk, (B, block, H, Dk)).astype(jnp.float32))
+    vis = pp[None, None, None, :] <= qpos[None, None, :, None]
+    if ss is not None:
+      vis = vis & (ss[:, None, None, :] == qseg[:, None, :, None]) & (
+          qseg[:, None, :, None] != 0)
+    s = jnp.where(vis, s, -jnp.inf)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+    p = jnp.exp(s - m_safe[..., None])
+    corr = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
+    l = l * corr + jnp.sum(p, axis=-1)
+    acc = acc * corr[..., None] + jnp.einsum(
+        "bhqk,bkhd->bhqd", p, jnp.broadcast_to(vv, (B, block, H, Dv)).astype(jnp.float32))
+    return (m_new, l, acc), None
+
+  init = (jnp.full((B, H, Tq), -jnp.inf, jnp.float32), jnp.zeros((B, H, Tq), jnp.float32),
+          jnp.zeros((B, H, Tq, Dv), jnp.float32))
+  xs = (kb, vb, pb, sb)
+  (m, l, acc), _ = jax.lax.scan(step, init, xs)
+  out = acc / jnp.maximum(l, 1e-30)[..., None]
+  return out.swapaxes(1, 2).astype(q.dtype)
+
+
+def cp_attention(q, k, v, *, mesh: jax.sharding.Mesh, axis: str = "context",
+                 segment_ids: jax.Array | None = None, scale: float, block: int = 512):
+  """Causal attention with T sharded over `axis`: keys/values all-gathered over `axis`
+  (pass MLA's latent [c_kv; k_rope] as a single MQA head, Hk = 1, so only 576 values per
+  token cross the network), queries stay local. Contiguous sharding (module docstring).
+
+  q [B, T, H, Dk]; k [B, T, Hk, Dk]; v [B, T, Hk, Dv]; segment_ids [B, T] or None.
+  Returns [B, T, H, Dv] in q's dtype.
+  """
+  b, c, t = _specs(mesh, axis)
+  Hk = k.shape[2]
+  kt = t if Hk > 1 else None
+  body = functools.partial(_attn_cp_body, axis=axis, scale=scale, block=block)
+
+  def wrapped(q, k, v, seg):
+    with shd.use_mesh(None):
+      return body(q, k, v, seg, seg)
+
+  qs, ks = P(b, c, t, None), P(b, c, kt, None)
+  if segment_ids is None:
+    fn = lambda q, k, v: wrapped(q, k, v, None)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(qs, ks, ks), out_specs=qs,
+                         check_vma=False)(q, k, v)
+  return jax.shard_map(wrapped, mesh=mesh, in_specs=(qs, ks, ks, P(b, c)), out_specs=qs,
+                       check_vma=False)(q, k, v, segment_ids.astype(jnp.int32))
