@@ -7,7 +7,8 @@ model state). The forward pass accumulates statistics only in training mode; `up
 turns them into a new bias after the optimizer step and resets them.
 
 Quantile Balancing (QB), per layer with m tokens, E experts, top-k:
-  r_ij = alpha_i - s_ij, alpha_i the (k+1)-th largest s_i + b (router.required_bias);
+  r_ij = alpha_i - s_ij, alpha_i token i's cutoff: the spec's (k+1)-th largest s_i + b, here by
+         default the midpoint of the k-th and (k+1)-th (router.route explains why);
   hist_j = histogram of r_{.,j} over all tokens since the last update (padding excluded),
            bins uniform over [min b - 1, max b + 1] (s in (0, 1) keeps r in that range);
   b_hat_j = the (k/E)-quantile of r_{.,j} (linear interpolation inside the bin);

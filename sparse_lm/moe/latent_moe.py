@@ -178,6 +178,7 @@ class LatentMoE(nnx.Module):
     self.beta1, self.beta2 = cfg.situ_beta1, cfg.situ_beta2
     self.norm_eps = cfg.norm_eps
     self.compute_dtype = cfg.dtype
+    self.qb_cutoff = "midpoint"  # router.route: alpha between z_(k) and z_(k+1)
 
     self.router = make_param(rngs, (d, e), ("embed", "exp"), std=std, dtype=jnp.float32)
     self.w_down = make_param(rngs, (d, lat), ("embed", "latent"), std=std, dtype=pdt)
@@ -239,7 +240,7 @@ class LatentMoE(nnx.Module):
 
     bias = self.balancer_bias[...]
     scores = router_lib.router_scores(xf, self.router[...])
-    routing = router_lib.route(scores, bias, k, self.route_scale)
+    routing = router_lib.route(scores, bias, k, self.route_scale, cutoff=self.qb_cutoff)
     ids = jnp.where(weight[:, None] > 0, routing.expert_ids, e)
     load = balancing.expert_load(ids, weight, e)
 

@@ -1,0 +1,66 @@
+"""SiTU-GLU: bounded activation, SwiGLU limit, module params (ARCHITECTURE §5)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sparse_lm.config import get_preset
+from sparse_lm.moe import SiTUGLU, situ_activation, situ_glu
+
+
+def test_activation_bounded_by_100_even_for_huge_inputs():
+  key = jax.random.key(np.random.randint(1 << 30))
+  kg, ku = jax.random.split(key)
+  for scale in (1.0, 1e2, 1e6, 1e30):
+    g = scale * jax.random.normal(kg, (4096,))
+    u = scale * jax.random.normal(ku, (4096,))
+    h = situ_activation(g, u)
+    assert bool(jnp.all(jnp.isfinite(h)))
+    assert float(jnp.max(jnp.abs(h))) <= 100.0
+  # The bound is approached (not a trivially small activation).
+  h = situ_activation(jnp.array([1e4]), jnp.array([1e4]))
+  assert float(h[0]) > 99.0
+
+
+def test_matches_swiglu_for_small_inputs():
+  key = jax.random.key(np.random.randint(1 << 30))
+  kx, kg, ku, kd = jax.random.split(key, 4)
+  d, f = 48, 96
+  # |x| < 0.1 and unit-variance weights keep |g|, |u| small.
+  x = jax.random.uniform(kx, (64, d), minval=-0.1, maxval=0.1)
+  w_g = jax.random.normal(kg, (d, f)) / np.sqrt(d)
+  w_u = jax.random.normal(ku, (d, f)) / np.sqrt(d)
+  w_d = jax.random.normal(kd, (f, d)) / np.sqrt(f)
+  y = situ_glu(x, w_g, w_u, w_d)
+  swiglu = (jax.nn.silu(x @ w_g) * (x @ w_u)) @ w_d
+  assert float(jnp.max(jnp.abs(y - swiglu))) < 1e-3
+  assert float(jnp.max(jnp.abs(y))) > 1e-3  # nonzero output
+  # Elementwise activation too, on |x| < 0.1 directly.
+  g = jax.random.uniform(kg, (1000,), minval=-0.1, maxval=0.1)
+  u = jax.random.uniform(ku, (1000,), minval=-0.1, maxval=0.1)
+  np.testing.assert_allclose(situ_activation(g, u), jax.nn.silu(g) * u, atol=1e-3)
+
+
+def test_large_beta_is_swiglu():
+  key = jax.random.key(np.random.randint(1 << 30))
+  kg, ku = jax.random.split(key)
+  g = 3 * jax.random.normal(kg, (512,))
+  u = 3 * jax.random.normal(ku, (512,))
+  np.testing.assert_allclose(situ_activation(g, u, 1e4, 1e4), jax.nn.silu(g) * u, rtol=1e-5,
+                             atol=1e-5)
+
+
+def test_module_shapes_axes_and_dtype():
+  cfg = get_preset("tiny", dtype="bfloat16")
+  m = SiTUGLU(cfg.d_model, cfg.dense_hidden, cfg=cfg, rngs=nnx.Rngs(0))
+  x = jax.random.normal(jax.random.key(1), (2, 5, cfg.d_model), jnp.bfloat16)
+  y = m(x)
+  assert y.shape == x.shape and y.dtype == jnp.bfloat16
+  assert m.w_gate[...].dtype == jnp.float32  # param_dtype
+  specs = nnx.get_partition_spec(nnx.state(m))
+  assert tuple(specs["w_gate"].value) == ("embed", "mlp")
+  assert tuple(specs["w_down"].value) == ("mlp", "embed")
+  ref = situ_glu(x.astype(jnp.float32), m.w_gate[...], m.w_up[...], m.w_down[...])
+  np.testing.assert_allclose(np.asarray(y, np.float32), ref, atol=3e-2 * float(
+      jnp.max(jnp.abs(ref))))
