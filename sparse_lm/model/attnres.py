@@ -1,0 +1,137 @@
+"""Attention Residuals: the residual stream of the decoder (ARCHITECTURE.md §4).
+
+Source: Attention Residuals (arXiv 2603.15031). Three kinds (cfg.residual):
+
+  "attnres_block"  Sources are b_0 (the token embedding), the sums b_1..b_{n-1} of the finished
+                   blocks, and the running sum b_n^{i-1} of the current block's sub-layer
+                   outputs (when it is non-empty). The input of sub-layer l is
+                       h_l = sum_j alpha_j s_j,   alpha = softmax_j( w_l · RMSNorm(s_j) )
+                   with one learned pseudo-query w_l [D] per sub-layer, zero-initialised (so
+                   alpha is uniform at init). A block of cfg.attnres_block_layers decoder
+                   layers = 2x as many sub-layers (attention and FFN each count).
+  "attnres_full"   Every sub-layer output is its own source (block size one sub-layer).
+  "standard"       h_l = running sum of all outputs (pre-norm residual stream).
+
+The stream is a pytree of arrays with static shapes so it can be a `lax.scan` carry: a fixed
+stack [N_max, B, T, D] of sources, a `count` of filled slots (unused slots get -inf logits), the
+partial block sum and a flag saying whether it is non-empty. All mixing is fp32.
+
+The RMSNorm on the keys has no learned scale: a per-channel scale would be redundant with w_l.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from sparse_lm.config import ModelConfig
+from sparse_lm.model.layers import rms_norm
+from sparse_lm.sharding import constrain
+
+_ACT = ("activation_batch", "activation_length", "activation_embed")
+_NEG_INF = -jnp.inf
+
+
+def attnres_mix(sources: jax.Array, valid: jax.Array, query: jax.Array,
+                partial: jax.Array | None = None, partial_valid: jax.Array | bool = False,
+                eps: float = 1e-6) -> jax.Array:
+  """One AttnRes read: softmax over sources of w · RMSNorm(s), applied to the raw sources.
+
+  Args:
+    sources: [N, B, T, D] stacked sources (any float dtype; math in fp32).
+    valid: [N] bool, which slots hold a source (others get -inf logits).
+    query: [D] pseudo-query w_l.
+    partial: optional [B, T, D] extra source (the running block sum), kept out of the stack
+      so that the stack is never copied.
+    partial_valid: bool scalar, whether `partial` takes part.
+    eps: RMSNorm epsilon.
+
+  Returns:
+    h [B, T, D] fp32. With a zero query: the uniform average of the valid sources.
+  """
+  w = query.astype(jnp.float32)
+  logits = jnp.einsum("nbtd,d->nbt", rms_norm(sources, eps=eps), w)
+  logits = jnp.where(valid[:, None, None], logits, _NEG_INF)
+  if partial is None:
+    m = jnp.max(logits, axis=0)
+  else:
+    lp = jnp.einsum("btd,d->bt", rms_norm(partial, eps=eps), w)
+    lp = jnp.where(partial_valid, lp, _NEG_INF)
+    m = jnp.maximum(jnp.max(logits, axis=0), lp)
+  m = jax.lax.stop_gradient(m)  # cancels in the softmax
+  e = jnp.exp(logits - m)
+  den = jnp.sum(e, axis=0)
+  h = jnp.einsum("nbt,nbtd->btd", e, sources.astype(jnp.float32))
+  if partial is not None:
+    ep = jnp.exp(lp - m)
+    den = den + ep
+    h = h + ep[..., None] * partial.astype(jnp.float32)
+  return h / den[..., None]
+
+
+def num_sources(cfg: ModelConfig) -> int:
+  """Stack size N_max: the embedding plus every committed block (the last block stays the
+  partial sum); for attnres_full, the embedding plus every sub-layer output."""
+  if cfg.residual == "attnres_full":
+    return 1 + 2 * cfg.num_layers
+  return cfg.num_attnres_blocks
+
+
+def init_stream(cfg: ModelConfig, emb: jax.Array) -> dict:
+  """The residual stream holding only the embedding b_0 [B, T, D] (made fp32)."""
+  emb = constrain(emb.astype(jnp.float32), _ACT)
+  if cfg.residual == "standard":
+    return {"h": emb}
+  n = num_sources(cfg)
+  stack = jnp.zeros((n,) + emb.shape, jnp.float32).at[0].set(emb)
+  return {"stack": stack, "count": jnp.ones((), jnp.int32),
+          "partial": jnp.zeros_like(emb), "has_partial": jnp.zeros((), bool)}
+
+
+def sublayer_input(cfg: ModelConfig, stream: dict, query: jax.Array) -> jax.Array:
+  """h_l [B, T, D] fp32, the (un-normalised) input of a sub-layer with pseudo-query w_l."""
+  if cfg.residual == "standard":
+    return stream["h"]
+  stack = stream["stack"]
+  valid = jnp.arange(stack.shape[0]) < stream["count"]
+  partial = stream["partial"] if cfg.residual == "attnres_block" else None
+  h = attnres_mix(stack, valid, query, partial, stream["has_partial"], cfg.norm_eps)
+  return constrain(h, _ACT)
+
+
+def _push(stream: dict, value: jax.Array, do: jax.Array) -> dict:
+  """Write `value` into slot `count` and increment count, where `do` (bool scalar)."""
+  stack, count = stream["stack"], stream["count"]
+  idx = jnp.minimum(count, stack.shape[0] - 1)
+  old = jax.lax.dynamic_index_in_dim(stack, idx, 0, keepdims=False)
+  new = jnp.where(do, value.astype(jnp.float32), old)
+  stack = jax.lax.dynamic_update_index_in_dim(stack, new, idx, 0)
+  return dict(stream, stack=stack, count=count + do.astype(jnp.int32))
+
+
+def add_output(cfg: ModelConfig, stream: dict, y: jax.Array) -> dict:
+  """Add a sub-layer output y [B, T, D] to the stream."""
+  y = constrain(y.astype(jnp.float32), _ACT)
+  if cfg.residual == "standard":
+    return {"h": stream["h"] + y}
+  if cfg.residual == "attnres_full":
+    return _push(stream, y, jnp.ones((), bool))
+  return dict(stream, partial=stream["partial"] + y, has_partial=jnp.ones((), bool))
+
+
+def open_block(cfg: ModelConfig, stream: dict, opens: jax.Array | bool) -> dict:
+  """At the first layer of a block: commit the previous block's sum b_{n-1} to the stack.
+
+  `opens` may be traced (inside the scan over layer groups). No-op for the other kinds.
+  """
+  if cfg.residual != "attnres_block":
+    return stream
+  do = jnp.asarray(opens) & stream["has_partial"]
+  stream = _push(stream, stream["partial"], do)
+  return dict(stream, partial=jnp.where(do, 0.0, stream["partial"]),
+              has_partial=stream["has_partial"] & ~do)
+
+
+def final_output(cfg: ModelConfig, stream: dict, query: jax.Array) -> jax.Array:
+  """The last AttnRes over all sources (its own pseudo-query), before the final norm."""
+  return sublayer_input(cfg, stream, query)

@@ -1,0 +1,184 @@
+"""Small building blocks: parameters with logical axes, RMSNorm, embeddings, remat policies.
+
+Every parameter is born with its logical axis names (MaxText style) stored as the
+`out_sharding` metadata of the `nnx.Param`; `sparse_lm.sharding` maps those names to mesh axes
+(`nnx.get_partition_spec(state)` then resolves them). Layers stacked with `nnx.vmap` get the
+leading `layers` axis through `transform_metadata`.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sparse_lm.config import ModelConfig
+
+Initializer = Callable[[jax.Array, tuple[int, ...]], jax.Array]
+
+
+def _concrete(key) -> bool:
+  return not isinstance(key, jax.core.Tracer)
+
+
+def numpy_rng(key: jax.Array) -> np.random.Generator:
+  """A NumPy generator seeded by a concrete jax key.
+
+  Eager `jax.random.normal` compiles one program per parameter shape, which made building the
+  tiny model take ~20 s of CPU; NumPy sampling costs nothing to compile. Under tracing
+  (`nnx.eval_shape`, `nnx.jit`) the initialisers use `jax.random` instead.
+  """
+  data = np.asarray(jax.random.key_data(key)).astype(np.uint64).ravel()
+  return np.random.default_rng([int(d) for d in data])
+
+
+def normal_init(std: float) -> Initializer:
+  def init(key, shape):
+    if _concrete(key):
+      return jnp.asarray(std * numpy_rng(key).standard_normal(shape, np.float32))
+    return std * jax.random.normal(key, shape, jnp.float32)
+  return init
+
+
+def uniform_init(lo: float, hi: float) -> Initializer:
+  def init(key, shape):
+    if _concrete(key):
+      return jnp.asarray(numpy_rng(key).uniform(lo, hi, shape).astype(np.float32))
+    return jax.random.uniform(key, shape, jnp.float32, lo, hi)
+  return init
+
+
+def zeros_init(key, shape):
+  del key
+  return jnp.zeros(shape, jnp.float32)
+
+
+def ones_init(key, shape):
+  del key
+  return jnp.ones(shape, jnp.float32)
+
+
+def param(rngs: nnx.Rngs, shape: Sequence[int], names: Sequence[str | None], *,
+          init: Initializer, dtype=jnp.float32, variable=nnx.Param) -> nnx.Variable:
+  """A parameter of `shape` created by `init` (fp32) and cast to `dtype`.
+
+  Args:
+    rngs: source of the `params` key.
+    shape: parameter shape.
+    names: one logical axis name per dimension (`embed`, `heads`, `kv`, ...).
+    init: `init(key, shape) -> fp32 array`.
+    dtype: storage dtype (cfg.param_dtype for weights; fp32 for gates/norms/pseudo-queries).
+    variable: the Variable class (nnx.Param by default).
+
+  Raises:
+    ValueError: len(names) != len(shape).
+  """
+  shape = tuple(int(s) for s in shape)
+  if len(names) != len(shape):
+    raise ValueError(f"param shape {shape} needs {len(shape)} axis names, got {tuple(names)}")
+  value = init(rngs.params(), shape).astype(dtype)
+  return variable(value, out_sharding=tuple(names), eager_sharding=False)
+
+
+def dense_param(rngs: nnx.Rngs, in_shape: Sequence[int], out_shape: Sequence[int],
+                names: Sequence[str | None], cfg: ModelConfig, *, std: float | None = None):
+  """A projection kernel [*in_shape, *out_shape], normal(0, std) with std = cfg.init_std."""
+  std = cfg.init_std if std is None else std
+  return param(rngs, (*in_shape, *out_shape), names, init=normal_init(std),
+               dtype=jnp.dtype(cfg.param_dtype))
+
+
+def project(x: jax.Array, kernel: jax.Array, n_in: int = 1, *, dtype=None,
+            out_dtype=None) -> jax.Array:
+  """Contract the last `n_in` dims of x with the first `n_in` dims of kernel.
+
+  x [..., *in] @ kernel [*in, *out] -> [..., *out], computed in `dtype` (default x.dtype)
+  with fp32 accumulation; returned in `out_dtype` (default `dtype`).
+  """
+  dtype = x.dtype if dtype is None else dtype
+  out_dtype = dtype if out_dtype is None else out_dtype
+  nx = x.ndim
+  dims = ((tuple(range(nx - n_in, nx)), tuple(range(n_in))), ((), ()))
+  y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype), dims,
+                          preferred_element_type=jnp.float32)
+  return y.astype(out_dtype)
+
+
+def rms_norm(x: jax.Array, scale: jax.Array | None = None, eps: float = 1e-6) -> jax.Array:
+  """RMSNorm over the last axis in fp32: x / sqrt(mean(x^2) + eps) * scale.
+
+  Returns fp32 (callers cast to their compute dtype).
+  """
+  x = x.astype(jnp.float32)
+  y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+  if scale is not None:
+    y = y * scale.astype(jnp.float32)
+  return y
+
+
+def l2_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
+  """x / sqrt(sum(x^2) + eps) over the last axis, in fp32 (Kimi Linear's q/k L2Norm)."""
+  x = x.astype(jnp.float32)
+  return x * jax.lax.rsqrt(jnp.sum(x * x, axis=-1, keepdims=True) + eps)
+
+
+class RMSNorm(nnx.Module):
+  """RMSNorm with a learned per-channel scale (init 1, fp32, axis name `norm`)."""
+
+  def __init__(self, dim: int, *, cfg: ModelConfig, rngs: nnx.Rngs):
+    self.eps = cfg.norm_eps
+    self.scale = param(rngs, (dim,), ("norm",), init=ones_init, dtype=jnp.float32)
+
+  def __call__(self, x: jax.Array) -> jax.Array:
+    """x [..., dim] -> fp32 [..., dim]."""
+    return rms_norm(x, self.scale[...], self.eps)
+
+
+class Embed(nnx.Module):
+  """Token embedding table [vocab, embed] (axes `vocab`, `embed`), normal(0, 1) init.
+
+  Unit-variance embeddings so that the residual sources of AttnRes start at RMS ~1 (the sources
+  are RMS-normalised for the logits only, so the scale matters for the mixed values).
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.embedding = param(rngs, (cfg.vocab_size, cfg.d_model), ("vocab", "embed"),
+                           init=normal_init(1.0), dtype=jnp.dtype(cfg.param_dtype))
+
+  def __call__(self, tokens: jax.Array) -> jax.Array:
+    """tokens [B, T] int32 -> [B, T, D] fp32."""
+    return jnp.take(self.embedding[...], tokens, axis=0).astype(jnp.float32)
+
+
+def remat_policy(name: str):
+  """The `jax.checkpoint` policy for cfg.remat_policy, or None for "none" (no remat).
+
+  "full": save nothing, recompute the whole layer group in the backward pass.
+  "save_dots": save every matmul output (including batched ones such as attention scores).
+  "minimal": save matmuls without batch dims (the projections), recompute the rest.
+  "save_qkv_proj": save only the outputs tagged `query_proj`, `key_proj`, `value_proj`,
+    `out_proj` with `jax.ad_checkpoint.checkpoint_name`.
+
+  Raises:
+    ValueError: unknown policy name.
+  """
+  cp = jax.checkpoint_policies
+  if name == "none":
+    return None
+  if name == "full":
+    return cp.nothing_saveable
+  if name == "save_dots":
+    return cp.checkpoint_dots
+  if name == "minimal":
+    return cp.dots_with_no_batch_dims_saveable
+  if name == "save_qkv_proj":
+    return cp.save_only_these_names("query_proj", "key_proj", "value_proj", "out_proj")
+  raise ValueError(f"unknown remat_policy {name!r}")
+
+
+def fan_in_std(fan_in: int) -> float:
+  return 1.0 / math.sqrt(fan_in)

@@ -1,0 +1,238 @@
+"""The decoder: embeddings, KDA / Gated-MLA layers with MoE FFNs, AttnRes, LM head.
+
+Layer layout (ARCHITECTURE.md §1; cfg.layer_types): layer i is Gated MLA when
+(i + 1) % mla_every == 0 or i is the last layer, else KDA. With mla_every = 4 the layers form
+groups of 4 (KDA, KDA, KDA, MLA) plus one final MLA layer. Layer 0 (and any layer
+< num_dense_layers) uses the dense SiTU-GLU FFN; every other layer a Stable LatentMoE.
+
+How the stack runs:
+  - `head`:   the first group (layers 0 .. mla_every-1), unrolled, because layer 0 has the dense
+              FFN and so different parameters from the repeated groups.
+  - `groups`: groups 1 .. G-1 (layers mla_every .. num_layers-2), created with `nnx.vmap` so
+              every parameter has a leading `layers` axis [G-1, ...]. With cfg.scan_layers the
+              groups run as one `jax.lax.scan` (compile time independent of depth), otherwise a
+              Python loop over the same stacked parameters (same checkpoint layout, same
+              numbers). Each group is wrapped in `jax.checkpoint` per cfg.remat_policy.
+  - `last`:   the final MLA layer, outside the scan.
+
+Each decoder layer has two sub-layers (token mixer, FFN), each reading its input from the
+residual stream of `attnres.py` (pre-norm applied to that input) and adding its output back.
+Blocks of AttnRes open at layers 0, B, 2B, ... (B = cfg.attnres_block_layers, a multiple of
+mla_every, so a block always opens at the first layer of a group).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from sparse_lm import sharding
+from sparse_lm.config import ModelConfig
+from sparse_lm.model import attnres, layers
+from sparse_lm.model.kda import KDA
+from sparse_lm.model.mla import MLA
+from sparse_lm.moe import LatentMoE, SiTUGLU
+
+AUX_KEYS = ("max_violation", "dead_frac", "drop_rate", "load", "aux_loss")
+
+
+class DecoderLayer(nnx.Module):
+  """One decoder layer: token mixer (KDA or MLA) and FFN (dense SiTU-GLU or LatentMoE).
+
+  Params: mixer, ffn, attn_norm / ffn_norm (pre-norms, [D] fp32), attn_query / ffn_query
+  (AttnRes pseudo-queries [D] fp32, zero init, no weight decay).
+  """
+
+  def __init__(self, cfg: ModelConfig, *, mixer: str, dense_ffn: bool, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.mixer_kind = mixer
+    self.dense_ffn = dense_ffn
+    self.attn_norm = layers.RMSNorm(cfg.d_model, cfg=cfg, rngs=rngs)
+    self.mixer = KDA(cfg, rngs=rngs) if mixer == "kda" else MLA(cfg, rngs=rngs)
+    self.ffn_norm = layers.RMSNorm(cfg.d_model, cfg=cfg, rngs=rngs)
+    if dense_ffn:
+      self.ffn = SiTUGLU(cfg.d_model, cfg.dense_hidden, cfg=cfg, rngs=rngs)
+    else:
+      self.ffn = LatentMoE(cfg, rngs=rngs)
+    q = lambda: layers.param(rngs, (cfg.d_model,), ("norm",), init=layers.zeros_init)
+    self.attn_query = q()
+    self.ffn_query = q()
+
+  def __call__(self, stream: dict, *, opens_block, segment_ids, valid, train: bool
+               ) -> tuple[dict, dict | None]:
+    """stream -> (stream, MoE aux or None). `opens_block` may be a traced bool."""
+    cfg = self.cfg
+    dtype = jnp.dtype(cfg.dtype)
+    stream = attnres.open_block(cfg, stream, opens_block)
+    x = self.attn_norm(attnres.sublayer_input(cfg, stream, self.attn_query[...])).astype(dtype)
+    stream = attnres.add_output(cfg, stream, self.mixer(x, segment_ids=segment_ids))
+    x = self.ffn_norm(attnres.sublayer_input(cfg, stream, self.ffn_query[...])).astype(dtype)
+    if self.dense_ffn:
+      y, aux = self.ffn(x), None
+    else:
+      y, aux = self.ffn(x, valid=valid, train=train)
+    return attnres.add_output(cfg, stream, y), aux
+
+
+class LayerGroup(nnx.Module):
+  """mla_every consecutive layers: (mla_every - 1) KDA layers then one MLA layer."""
+
+  def __init__(self, cfg: ModelConfig, *, first_layer: int, rngs: nnx.Rngs):
+    types = cfg.layer_types[first_layer:first_layer + cfg.mla_every]
+    self.layers = nnx.List([
+        DecoderLayer(cfg, mixer=t, dense_ffn=first_layer + j < cfg.num_dense_layers, rngs=rngs)
+        for j, t in enumerate(types)])
+
+  def __call__(self, stream, *, opens_block, segment_ids, valid, train):
+    auxes = []
+    for j, layer in enumerate(self.layers):
+      stream, aux = layer(stream, opens_block=opens_block if j == 0 else False,
+                          segment_ids=segment_ids, valid=valid, train=train)
+      if aux is not None:
+        auxes.append(aux)
+    return stream, auxes
+
+
+def _stacked_groups(cfg: ModelConfig, n: int, rngs: nnx.Rngs) -> LayerGroup:
+  """n LayerGroups with every variable stacked on a leading `layers` axis.
+
+  Built eagerly one group at a time (cheap NumPy initialisers), stacked, and each variable's
+  logical axis names get "layers" prepended (what `nnx.vmap(transform_metadata=...)` would
+  do). Under tracing (eval_shape, jit) the same code runs abstractly.
+  """
+  groups = [LayerGroup(cfg, first_layer=cfg.mla_every, rngs=rngs) for _ in range(n)]
+  graphdef, state = nnx.split(groups[0])
+  states = [nnx.split(g)[1] for g in groups]
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
+
+  stacked_groups = nnx.merge(graphdef, stacked)
+  for _, node in nnx.iter_graph(stacked_groups):
+    if isinstance(node, nnx.Variable):
+      names = node.get_metadata().get("out_sharding")
+      if names is not None:
+        node.set_metadata(out_sharding=("layers", *names))
+  return stacked_groups
+
+
+def _stack_aux(auxes: list[dict]) -> dict:
+  return {k: jnp.stack([a[k] for a in auxes]) for k in AUX_KEYS}
+
+
+class Transformer(nnx.Module):
+  """The text decoder of ARCHITECTURE.md §1-§6 (see the module docstring for the layout).
+
+  Call: `model(tokens [B,T] int32, *, segment_ids=None, images=None, train=False)` -> fp32
+  logits [B, T, vocab]. `forward_hidden` returns the final normalised hidden states and the
+  per-MoE-layer aux metrics (what the chunked loss uses).
+
+  Params: embed [vocab, embed]; head, groups (stacked `layers` axis), last; final_query [D]
+  (AttnRes), final_norm [D]; lm_head [embed, vocab] (untied).
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    if cfg.num_dense_layers > cfg.mla_every:
+      raise NotImplementedError(
+          f"num_dense_layers={cfg.num_dense_layers} > mla_every={cfg.mla_every}: dense FFN "
+          "layers must all sit in the first (unrolled) layer group")
+    self.cfg = cfg
+    self.embed = layers.Embed(cfg, rngs=rngs)
+    self.head = LayerGroup(cfg, first_layer=0, rngs=rngs)
+    self.num_groups = (cfg.num_layers - 1) // cfg.mla_every  # including the head group
+    n = self.num_groups - 1
+    self.groups = _stacked_groups(cfg, n, rngs) if n > 0 else None
+    self.last = DecoderLayer(cfg, mixer="mla", dense_ffn=False, rngs=rngs)
+    self.final_query = layers.param(rngs, (cfg.d_model,), ("norm",), init=layers.zeros_init)
+    self.final_norm = layers.RMSNorm(cfg.d_model, cfg=cfg, rngs=rngs)
+    self.lm_head = layers.dense_param(rngs, (cfg.d_model,), (cfg.vocab_size,),
+                                      ("embed", "vocab"), cfg)
+
+  # ------------------------------------------------------------------ stack
+  def _run_groups(self, stream, *, segment_ids, valid, train):
+    """Groups 1..G-1 over the stacked params: lax.scan or a Python loop (cfg.scan_layers)."""
+    cfg = self.cfg
+    graphdef, params, rest = nnx.split(self.groups, nnx.Param, ...)
+    n = self.num_groups - 1
+    first_layers = cfg.mla_every * (1 + jnp.arange(n))
+    opens = (first_layers % cfg.attnres_block_layers) == 0
+
+    def body(stream, xs):
+      p, r, o = xs
+      group = nnx.merge(graphdef, p, r)
+      stream, auxes = group(stream, opens_block=o, segment_ids=segment_ids, valid=valid,
+                            train=train)
+      _, _, r_new = nnx.split(group, nnx.Param, ...)
+      return stream, (_stack_aux(auxes), r_new)
+
+    policy = layers.remat_policy(cfg.remat_policy)
+    if policy is not None:
+      body = jax.checkpoint(body, policy=policy, prevent_cse=not cfg.scan_layers)
+    if cfg.scan_layers:
+      stream, (aux, rest_new) = jax.lax.scan(body, stream, (params, rest, opens))
+    else:
+      outs = []
+      for g in range(n):
+        xs = jax.tree.map(lambda a: a[g], (params, rest, opens))
+        stream, out = body(stream, xs)
+        outs.append(out)
+      aux, rest_new = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+    nnx.update(self.groups, rest_new)
+    aux = {k: v.reshape((-1,) + v.shape[2:]) for k, v in aux.items()}  # [n * moe/group, ...]
+    return stream, aux
+
+  def forward_hidden(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+                     images=None, train: bool = False) -> tuple[jax.Array, dict]:
+    """Final hidden states and MoE metrics.
+
+    Args:
+      tokens: [B, T] int32.
+      segment_ids: [B, T] int32 packed-document ids (0 = padding) or None (one document).
+      images: must be None (the vision encoder is not part of this model yet).
+      train: accumulate the balancer statistics of the MoE layers.
+
+    Returns:
+      h: [B, T, D] in cfg.dtype, after the final AttnRes and RMSNorm (the LM head's input).
+      aux: dict of fp32 arrays stacked over the MoE layers in layer order
+        (num_layers - num_dense_layers): "max_violation", "dead_frac", "drop_rate" [L],
+        "load" [L, E], "aux_loss" [L].
+
+    Raises:
+      NotImplementedError: images is not None.
+    """
+    if images is not None:
+      raise NotImplementedError("image inputs need the vision encoder (ARCHITECTURE §7), which "
+                                "is not implemented yet; pass images=None")
+    cfg = self.cfg
+    valid = None if segment_ids is None else segment_ids != 0
+    stream = attnres.init_stream(cfg, self.embed(tokens))
+    kw = dict(segment_ids=segment_ids, valid=valid, train=train)
+    stream, auxes = self.head(stream, opens_block=True, **kw)
+    aux = [_stack_aux(auxes)] if auxes else []
+    if self.groups is not None:
+      stream, group_aux = self._run_groups(stream, **kw)
+      aux.append(group_aux)
+    last_first = cfg.num_layers - 1
+    stream, last_aux = self.last(stream, opens_block=last_first % cfg.attnres_block_layers == 0,
+                                 **kw)
+    aux.append(_stack_aux([last_aux]))
+    aux = {k: jnp.concatenate([a[k] for a in aux]) for k in AUX_KEYS}
+    h = attnres.final_output(cfg, stream, self.final_query[...])
+    h = self.final_norm(h).astype(jnp.dtype(cfg.dtype))
+    h = sharding.constrain(h, ("activation_batch", "activation_length", "activation_embed"))
+    return h, aux
+
+  def logits(self, h: jax.Array) -> jax.Array:
+    """LM head: h [..., D] -> fp32 logits [..., vocab] (matmul in cfg.dtype, fp32 accum)."""
+    return layers.project(h, self.lm_head[...], dtype=jnp.dtype(self.cfg.dtype),
+                          out_dtype=jnp.float32)
+
+  def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,
+               images=None, train: bool = False) -> jax.Array:
+    """tokens [B, T] int32 -> fp32 logits [B, T, vocab] (materialised: use the chunked loss
+    in `loss.py` for training)."""
+    h, _ = self.forward_hidden(tokens, segment_ids=segment_ids, images=images, train=train)
+    logits = self.logits(h)
+    return sharding.constrain(logits, ("activation_batch", "activation_length",
+                                       "activation_vocab"))
