@@ -89,8 +89,9 @@ def _exclusive_cumsum(x, axis=-1):
 def _keep_plan(dest, gates, num_ranks, me, axis, recv_cap):
   """Sort pairs by (dest, -gate); counts, kept counts and the kept mask (see module doc)."""
   order = jnp.lexsort((-gates.astype(jnp.float32), dest))
-  dest_s = dest[order]
-  counts = jax.ops.segment_sum(jnp.ones_like(dest_s), dest_s, num_segments=num_ranks)
+  dest_s = dest[order]  # == num_ranks for the sentinel (dropped / padding) assignments: last
+  counts = jax.ops.segment_sum(jnp.ones_like(dest_s), dest_s,
+                               num_segments=num_ranks + 1)[:num_ranks]
   C = jax.lax.all_gather(counts, axis)  # [P_src, P_dst]
   if recv_cap is None:
     S = C
@@ -100,8 +101,10 @@ def _keep_plan(dest, gates, num_ranks, me, axis, recv_cap):
     quota = jnp.floor(C.astype(jnp.float32) * frac * (1 - 1e-6)).astype(C.dtype)
     S = jnp.where(tot > recv_cap, quota, C)
   starts = _exclusive_cumsum(counts)  # my block starts in the sorted order
-  pos = jnp.arange(dest.shape[0]) - starts[dest_s]
-  keep_s = pos < S[me][dest_s]
+  real = dest_s < num_ranks
+  d = jnp.minimum(dest_s, num_ranks - 1)
+  pos = jnp.arange(dest.shape[0]) - starts[d]
+  keep_s = real & (pos < S[me][d])
   return order, dest_s, pos, keep_s, C, S
 
 
@@ -119,7 +122,7 @@ def _ep_body(z, ids, gates, w_gate, w_up, w_down, *, axis, impl, recv_cap, beta1
   num_local = w_gate.shape[0]
   ids_f = ids.reshape(-1).astype(jnp.int32)
   gates_f = gates.reshape(-1)
-  dest = ids_f // num_local
+  dest = jnp.minimum(ids_f // num_local, num_ranks)  # ids >= E: sentinel, never sent
   order, dest_s, pos, keep_s, C, S = _keep_plan(dest, gates_f, num_ranks, me, axis, recv_cap)
   ids_s = ids_f[order]
   tok_s = order // k
@@ -135,7 +138,7 @@ def _ep_body(z, ids, gates, w_gate, w_up, w_down, *, axis, impl, recv_cap, beta1
     ids_all = jax.lax.all_gather(ids_f, axis, tiled=True)  # [P n k]
     keep_all = jax.lax.all_gather(keep_pairs, axis, tiled=True)
     gates_all = jax.lax.all_gather(gates_f, axis, tiled=True)
-    mine = keep_all & (ids_all // num_local == me)
+    mine = keep_all & (ids_all // num_local == me) & (ids_all >= 0)
     lid = jnp.where(mine, ids_all - me * num_local, num_local).astype(jnp.int32)
     y = tensor_sum(ffn(z_all[jnp.arange(ids_all.shape[0]) // k], lid))
     w = jnp.where(mine, gates_all, 0).astype(jnp.float32)
@@ -207,7 +210,8 @@ def ep_dispatch_and_compute(z: jax.Array, expert_ids: jax.Array, gates: jax.Arra
   Args:
     z: [N, L] latent tokens (the flattened [B, T] of the layer; N sharded over data, fsdp,
       expert, context, in that order, as GSPMD lays out a reshaped [B, T] batch).
-    expert_ids: [N, k] int32 routed experts in [0, E).
+    expert_ids: [N, k] int32 routed experts in [0, E]; E (or more) is the sentinel of a
+      dropped / padding assignment: never sent, contributes 0, not counted in drop_rate.
     gates: [N, k] combine weights (fp32; zero for an unused slot).
     expert_params: {"w_gate": [E, L, F], "w_up": [E, L, F], "w_down": [E, F, L]}; E sharded
       over `axis`, F over `tensor` (other axes are gathered before the shard_map).
@@ -239,6 +243,8 @@ def ep_dispatch_and_compute(z: jax.Array, expert_ids: jax.Array, gates: jax.Arra
   if capacity_factor is not None and recv_cap is None:
     recv_cap = int(math.ceil(capacity_factor * n * k))
   impl = resolve_impl(impl, ep, k)
+  if gmm_backend == "dense":  # the MoE's dense reference is not a grouped matmul
+    gmm_backend = "auto"
   tensor_axis = "tensor" if "tensor" in _present(mesh, ("tensor",)) else None
   tok = tok_axes if tok_axes else None
   e_ax = axis if ep > 1 else None
@@ -265,6 +271,26 @@ def ep_dispatch_and_compute(z: jax.Array, expert_ids: jax.Array, gates: jax.Arra
   metrics = dict(drop_rate=jnp.sum(dropped) / jnp.maximum(jnp.sum(total), 1.0),
                  max_recv_rows=jnp.max(max_recv), mean_recv_rows=jnp.float32(n * k))
   return u, metrics
+
+
+def dispatch_and_compute(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
+                         params: Mapping[str, jax.Array], *, backend: str = "auto",
+                         beta1: float = 4.0, beta2: float = 25.0, impl: str = "auto",
+                         recv_cap: int | None = None) -> jax.Array:
+  """The seam `sparse_lm.moe.latent_moe.dispatch_and_compute` takes when the active mesh
+  (`sharding.use_mesh`) has expert > 1: same contract (u [N, L] fp32), experts sharded over
+  `expert` (see `ep_dispatch_and_compute`; `backend` is the grouped-matmul backend).
+
+  Raises:
+    ValueError: no active mesh.
+  """
+  mesh = shd.current_mesh()
+  if mesh is None:
+    raise ValueError("expert_parallel.dispatch_and_compute needs an active mesh (use_mesh)")
+  u, _ = ep_dispatch_and_compute(z, expert_ids, gates, params, mesh=mesh, impl=impl,
+                                 recv_cap=recv_cap, beta1=beta1, beta2=beta2,
+                                 gmm_backend=backend)
+  return u
 
 
 def reference_dispatch_and_compute(z, expert_ids, gates, expert_params, *, beta1=4.0,

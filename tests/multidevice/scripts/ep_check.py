@@ -21,7 +21,7 @@ def rel(a, b):
   return float(np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-30))
 
 
-def make_inputs(key, N, L, F, E, k, *, one_expert=None):
+def make_inputs(key, N, L, F, E, k, *, one_expert=None, sentinel=False):
   ks = jax.random.split(key, 6)
   z = jax.random.normal(ks[0], (N, L), jnp.float32)
   scores = jax.random.uniform(ks[1], (N, E))
@@ -29,6 +29,8 @@ def make_inputs(key, N, L, F, E, k, *, one_expert=None):
     scores = scores.at[:, one_expert].set(2.0)
   gates, ids = jax.lax.top_k(scores, k)
   gates = gates / jnp.sum(gates, -1, keepdims=True)
+  if sentinel:  # padding tokens / capacity-dropped assignments carry the id E
+    ids = jnp.where(jax.random.uniform(ks[5], ids.shape) < 0.25, E, ids)
   params = dict(w_gate=0.3 * jax.random.normal(ks[2], (E, L, F)),
                 w_up=0.3 * jax.random.normal(ks[3], (E, L, F)),
                 w_down=0.3 * jax.random.normal(ks[4], (E, F, L)))
@@ -72,10 +74,10 @@ FAILED = []
 
 
 def check(name, layout, impl, *, N=64, L=8, F=16, E=16, k=2, one_expert=None, cap=None,
-          tol=1e-5):
+          tol=1e-5, sentinel=False):
   mesh = shd.make_mesh(shd.MeshLayout.parse(layout))
   z, ids, gates, params = make_inputs(jax.random.key(sum(map(ord, name))), N, L, F, E, k,
-                                      one_expert=one_expert)
+                                      one_expert=one_expert, sentinel=sentinel)
   ep_size = mesh.shape["expert"]
   blocks = N // (mesh.shape["data"] * mesh.shape["fsdp"] * ep_size * mesh.shape["context"])
   ref_gates = gates
@@ -114,9 +116,9 @@ def main():
   cases = [
       ("ep2_dense", "expert=2,fsdp=4", "dense", {}),
       ("ep4_dense_tensor2", "expert=4,tensor=2", "dense", {}),
-      ("ep8_dense", "expert=8", "dense", {}),
+      ("ep8_dense_sentinel", "expert=8", "dense", dict(sentinel=True)),
       ("ep8_one_expert", "expert=8", "dense", dict(one_expert=5)),
-      ("ep4_allgather_k8", "expert=4,fsdp=2", "allgather", dict(k=8)),
+      ("ep4_allgather_k8", "expert=4,fsdp=2", "allgather", dict(k=8, sentinel=True)),
       ("ep2_allgather_ctx", "expert=2,context=2,data=2", "allgather", dict(k=4)),
       ("ep8_cap_one_expert", "expert=8", "dense", dict(one_expert=3, cap=12)),
       ("ep4_allgather_cap", "expert=4,fsdp=2", "allgather", dict(one_expert=0, cap=12, k=4)),
