@@ -127,85 +127,123 @@ def _row(x, i):
   return jnp.sum(jnp.where(_iota(x.shape, 0) == i, x, 0.0), axis=0, keepdims=True)
 
 
-def _pair_strip_operands(G, lo, dense):
+def _range_sum(g, lo_excl, hi_incl):
+  """Σ_{lo_excl[i] < m ≤ hi_incl[i]} g_m per row i, as a matmul with a 0/±1 matrix.
+
+  Every exponent is such a direct sum of g over a token range, never a difference of two
+  cumulative sums: that difference loses ~|G|·eps nats when a large-magnitude gate (unbounded
+  form, g in the hundreds) precedes both ends.
+  """
+  m = _iota((lo_excl.shape[0], g.shape[0]), 1)
+  return _dot(((m > lo_excl) & (m <= hi_incl)).astype(jnp.float32), g)
+
+
+def _pair_strip_operands(g, lo, dense):
   """Exponent factors for query sub-block rows [lo, lo + SUB): (e^(G_i − r), e^(r − G_j) masked).
 
-  The key-side factor covers every row j of the chunk: j < lo (≤ 1), the diagonal tile rows
-  (dense only; ≥ 1) and zero elsewhere, the exponent clamped to 0 before exp where masked.
+  r = G_lo. The query side is e^(Σ_{lo<m≤i} g_m) ≤ 1. The key side covers every row j of the
+  chunk: j < lo: e^(Σ_{j<m≤lo} g_m) ≤ 1; the diagonal tile rows (dense only):
+  e^(−Σ_{lo<m≤j} g_m) ≥ 1; zero elsewhere, the exponent clamped to 0 before exp where masked.
   """
-  C = G.shape[0]
-  Gs = G[lo:lo + SUB]
-  r = Gs[0:1]
-  fq = jnp.exp(Gs - r)
-  keep = _iota((C, 1), 0) < (lo + SUB if dense else lo)
-  fk = jnp.where(keep, jnp.exp(jnp.where(keep, r - G, 0.0)), 0.0)
+  C = g.shape[0]
+  i = _iota((SUB, 1), 0) + lo
+  fq = jnp.exp(_range_sum(g, jnp.full((SUB, 1), lo), i))
+  j = _iota((C, 1), 0)
+  keep = j < (lo + SUB if dense else lo)
+  ek = _range_sum(g, j, jnp.full((C, 1), lo))                          # j < lo
+  if dense:
+    ek = ek - _range_sum(g, jnp.full((C, 1), lo), jnp.where(j < lo + SUB, j, lo))
+  fk = jnp.where(keep, jnp.exp(jnp.where(keep, ek, 0.0)), 0.0)
   return fq, fk
 
 
-def _diag_tile_factor(Gt, jj):
-  """Safe path: e^(G_i − G_jj) for the rows i ≥ jj of a diagonal tile, 0 above (exponent ≤ 0)."""
-  causal = _iota((SUB, 1), 0) >= jj
-  return jnp.where(causal, jnp.exp(jnp.where(causal, Gt - _row(Gt, jj), 0.0)), 0.0)
+def _diag_tile_factor(gt, jj):
+  """Safe path: e^(G_i − G_jj) = e^(Σ_{jj<m≤i} g_m) for rows i ≥ jj of a diagonal tile, 0 above."""
+  i = _iota((SUB, 1), 0)
+  causal = i >= jj
+  E = _range_sum(gt, jnp.full((SUB, 1), jj), i)
+  return jnp.where(causal, jnp.exp(jnp.where(causal, E, 0.0)), 0.0)
 
 
-def _pair_scores(a_list, b, G, dense):
+def _pair_scores(a_list, b, g, dense):
   """P_n[i, j] = Σ_d a_n[i, d] b[j, d] e^(G_id − G_jd) for j ≤ i (zero for j > i).
 
   Args:
-    a_list: query-side operands, each [C, Kp] fp32; b: [C, Kp]; G: [C, Kp] fp32.
+    a_list: query-side operands, each [C, Kp] fp32; b: [C, Kp]; g: [C, Kp] fp32 log-decay
+      (G is its in-chunk cumsum).
     dense: diagonal tiles by the split matmul (bounded gate) or element-wise (safe).
 
   Returns:
     list of [C, C] fp32, one per a_n (entries j > i are zero; callers apply their own masks).
   """
-  C = G.shape[0]
+  C = g.shape[0]
   lane = _iota((SUB, C), 1)
   strips = [[] for _ in a_list]
   for lo in range(0, C, SUB):
-    fq, fk = _pair_strip_operands(G, lo, dense)
+    fq, fk = _pair_strip_operands(g, lo, dense)
     kb = b * fk
     for n, a in enumerate(a_list):
       strips[n].append(_dot_nt(a[lo:lo + SUB] * fq, kb))
     if not dense:
-      Gt, bt = G[lo:lo + SUB], b[lo:lo + SUB]
-      for jj in range(SUB):
-        w = _diag_tile_factor(Gt, jj) * _row(bt, jj)
-        for n, a in enumerate(a_list):
-          col = jnp.sum(a[lo:lo + SUB] * w, axis=1, keepdims=True)
-          strips[n][-1] = jnp.where(lane == lo + jj, col, strips[n][-1])
+      gt, bt = g[lo:lo + SUB], b[lo:lo + SUB]
+      ats = [a[lo:lo + SUB] for a in a_list]
+
+      def column(jj, acc, gt=gt, bt=bt, ats=ats, lo=lo):
+        w = _diag_tile_factor(gt, jj) * _row(bt, jj)
+        return tuple(jnp.where(lane == lo + jj, jnp.sum(at * w, axis=1, keepdims=True), s)
+                     for at, s in zip(ats, acc))
+
+      acc = jax.lax.fori_loop(0, SUB, column, tuple(s[-1] for s in strips))
+      for n in range(len(a_list)):
+        strips[n][-1] = acc[n]
   causal = _iota((C, C), 1) <= _iota((C, C), 0)
   return [jnp.where(causal, jnp.concatenate(s, axis=0), 0.0) for s in strips]
 
 
-def _pair_scores_bwd(a, b, G, dP, dense):
+def _pair_scores_bwd(a, b, g, dP, dense):
   """Vjp of P = _pair_scores([a], b, G)[0] given dP [C, C] (zero where P is masked).
 
   Returns (da, db), each [C, Kp] fp32; the gradient w.r.t. G is a ⊙ da − b ⊙ db.
   """
-  C = G.shape[0]
+  C = g.shape[0]
   lane = _iota((SUB, C), 1)
   da_strips, db_diag = [], []
   db = jnp.zeros(b.shape, jnp.float32)
   for lo in range(0, C, SUB):
-    fq, fk = _pair_strip_operands(G, lo, dense)
+    fq, fk = _pair_strip_operands(g, lo, dense)
     dPs = dP[lo:lo + SUB]
     da_s = _dot(dPs, b * fk) * fq
     db = db + _dot_tn(dPs, a[lo:lo + SUB] * fq) * fk
     if not dense:
-      Gt, at, bt = G[lo:lo + SUB], a[lo:lo + SUB], b[lo:lo + SUB]
-      db_t = jnp.zeros(bt.shape, jnp.float32)
+      gt, at, bt = g[lo:lo + SUB], a[lo:lo + SUB], b[lo:lo + SUB]
       rows = _iota((SUB, 1), 0)
-      for jj in range(SUB):
-        w = _diag_tile_factor(Gt, jj)
+
+      def column(jj, acc, gt=gt, at=at, bt=bt, dPs=dPs, lo=lo):
+        da_s, db_t = acc
+        w = _diag_tile_factor(gt, jj)
         c = jnp.sum(jnp.where(lane == lo + jj, dPs, 0.0), axis=1, keepdims=True)  # [SUB, 1]
         da_s = da_s + c * _row(bt, jj) * w
         db_t = jnp.where(rows == jj, jnp.sum(c * at * w, axis=0, keepdims=True), db_t)
+        return da_s, db_t
+
+      da_s, db_t = jax.lax.fori_loop(0, SUB, column,
+                                     (da_s, jnp.zeros(bt.shape, jnp.float32)))
       db_diag.append(db_t)
     da_strips.append(da_s)
   da = jnp.concatenate(da_strips, axis=0)
   if not dense:
     db = db + jnp.concatenate(db_diag, axis=0)
   return da, db
+
+
+def _eye(n):
+  return (_iota((n, n), 0) == _iota((n, n), 1)).astype(jnp.float32)
+
+
+def _cumsum(g):
+  """Inclusive cumsum over the chunk's rows as a matmul with a lower-triangular ones matrix."""
+  C = g.shape[0]
+  return _dot((_iota((C, C), 1) <= _iota((C, C), 0)).astype(jnp.float32), g)
 
 
 def _unit_lower_inverse(A):
@@ -225,15 +263,18 @@ def _unit_lower_inverse(A):
 class _Chunk:
   """Forward quantities of one chunk, shared by the forward and backward kernels."""
 
-  def __init__(self, q, k, v, G, tok, drow, ST, scale, dense):
+  def __init__(self, q, k, v, g, tok, ST, scale, dense):
     C = q.shape[0]
-    self.q, self.k, self.v, self.G = q, k, v, G
-    self.beta, doc, self.sv = tok[:, 0:1], tok[:, 1:2], tok[:, 2:3]
-    same = doc == drow                                              # [C, C]
+    G = _cumsum(g)
+    self.q, self.k, self.v, self.g, self.G = q, k, v, g, G
+    # tok rows: β, document index, state-valid flag. Columns via an identity matmul (exact).
+    cols = _dot_nt(_eye(C), tok)                                        # [C, 8]
+    self.beta, doc, self.sv = cols[:, 0:1], cols[:, 1:2], cols[:, 2:3]
+    same = doc == _row(tok, 1)                                          # [C, C]
     tri = _iota((C, C), 1) < _iota((C, C), 0)
     self.mask_qk = same & (tri | (_iota((C, C), 1) == _iota((C, C), 0)))
     self.mask_kk = same & tri
-    Pqk, Pkk = _pair_scores([q, k], k, G, dense)
+    Pqk, Pkk = _pair_scores([q, k], k, g, dense)
     self.Pkk = jnp.where(self.mask_kk, Pkk, 0.0)
     self.A_qk = jnp.where(self.mask_qk, scale * Pqk, 0.0)
     A_kk = self.beta * self.Pkk
@@ -248,7 +289,8 @@ class _Chunk:
     self.G_L = _row(G, C - 1)                                           # [1, Kp]
     self.sv_L = _row(self.sv, C - 1)                                    # [1, 1]
     self.m_L = doc == _row(doc, C - 1)                                  # [C, 1]
-    self.eL = jnp.exp(self.G_L - G)                                     # ≤ 1
+    j = _iota((C, 1), 0)
+    self.eL = jnp.exp(_range_sum(g, j, jnp.full((C, 1), C - 1)))       # e^(G_C − G_j) ≤ 1
     self.Kd = jnp.where(self.m_L, k * self.eL, 0.0)
 
   def next_state(self, ST):
@@ -257,7 +299,7 @@ class _Chunk:
 
 # ----------------------------------------------------------------------------- kernels
 
-def _fwd_kernel(q_ref, k_ref, v_ref, G_ref, tok_ref, drow_ref, h0_ref, *rest, scale, dense,
+def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, tok_ref, h0_ref, *rest, scale, dense,
                 save_states, num_poison):
   rest = rest[num_poison:]
   if save_states:
@@ -274,7 +316,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, G_ref, tok_ref, drow_ref, h0_ref, *rest, sc
   if save_states:
     states_ref[...] = ST
   f32 = lambda r: r[...].astype(jnp.float32)
-  ch = _Chunk(f32(q_ref), f32(k_ref), f32(v_ref), G_ref[...], tok_ref[...], drow_ref[...], ST,
+  ch = _Chunk(f32(q_ref), f32(k_ref), f32(v_ref), f32(g_ref), tok_ref[...], ST,
               scale, dense)
   o_ref[...] = ch.O.astype(o_ref.dtype)
   ST = ch.next_state(ST)
@@ -285,9 +327,9 @@ def _fwd_kernel(q_ref, k_ref, v_ref, G_ref, tok_ref, drow_ref, h0_ref, *rest, sc
     hT_ref[...] = ST
 
 
-def _bwd_kernel(q_ref, k_ref, v_ref, G_ref, tok_ref, drow_ref, states_ref, do_ref, dhT_ref,
+def _bwd_kernel(q_ref, k_ref, v_ref, g_ref, tok_ref, states_ref, do_ref, dhT_ref,
                 *rest, scale, dense, num_poison):
-  dq_ref, dk_ref, dv_ref, dG_ref, dbeta_ref, dh0_ref, dS_scr = rest[num_poison:]
+  dq_ref, dk_ref, dv_ref, dg_ref, dbeta_ref, dh0_ref, dS_scr = rest[num_poison:]
   c = pl.program_id(1)
 
   @pl.when(c == 0)
@@ -296,8 +338,8 @@ def _bwd_kernel(q_ref, k_ref, v_ref, G_ref, tok_ref, drow_ref, states_ref, do_re
 
   ST, dST = states_ref[...], dS_scr[...]
   f32 = lambda r: r[...].astype(jnp.float32)
-  q, k, v, G = f32(q_ref), f32(k_ref), f32(v_ref), G_ref[...]
-  ch = _Chunk(q, k, v, G, tok_ref[...], drow_ref[...], ST, scale, dense)
+  q, k, v, g = f32(q_ref), f32(k_ref), f32(v_ref), f32(g_ref)
+  ch = _Chunk(q, k, v, g, tok_ref[...], ST, scale, dense)
   dO = f32(do_ref)
   C = q.shape[0]
   beta, sv = ch.beta, ch.sv
@@ -339,11 +381,11 @@ def _bwd_kernel(q_ref, k_ref, v_ref, G_ref, tok_ref, drow_ref, states_ref, do_re
   dA = jnp.where(ch.mask_kk, -_dot_nt(_dot_tn(ch.X, dX), ch.X), 0.0)
   dbeta = dbeta + jnp.sum(dA * ch.Pkk, axis=1, keepdims=True)
   # Pairwise scores: A_qk = scale P(q, k), A_kk = β P(k, k).
-  da, db = _pair_scores_bwd(q, k, G, scale * dA_qk, dense)
+  da, db = _pair_scores_bwd(q, k, g, scale * dA_qk, dense)
   dq = dq + da
   dk = dk + db
   dG = dG + q * da - k * db
-  da, db = _pair_scores_bwd(k, k, G, beta * dA, dense)
+  da, db = _pair_scores_bwd(k, k, g, beta * dA, dense)
   dk = dk + da + db
   dG = dG + k * (da - db)
   dG = dG + jnp.where(_iota((C, 1), 0) == C - 1, dG_L, 0.0)
@@ -351,8 +393,11 @@ def _bwd_kernel(q_ref, k_ref, v_ref, G_ref, tok_ref, drow_ref, states_ref, do_re
   dq_ref[...] = dq.astype(dq_ref.dtype)
   dk_ref[...] = dk.astype(dk_ref.dtype)
   dv_ref[...] = dv.astype(dv_ref.dtype)
-  dG_ref[...] = dG
-  dbeta_ref[...] = dbeta
+  # G = L g (L lower-triangular ones) => dg = Lᵀ dG, the reverse cumsum within the chunk.
+  tril = (_iota((C, C), 1) <= _iota((C, C), 0)).astype(jnp.float32)
+  dg_ref[...] = _dot_tn(tril, dG).astype(dg_ref.dtype)
+  # Back to the row layout of tok: row 0 = dβ, the other rows (non-differentiable) zero.
+  dbeta_ref[...] = _dot_tn(jnp.where(_iota((C, 8), 1) == 0, dbeta, 0.0), _eye(C))
   dS_scr[...] = dST_in
 
   @pl.when(c == pl.num_programs(1) - 1)
@@ -367,8 +412,8 @@ def _specs(BH, NC, C, Kp, Vp, reverse):
   sq = pl.squeezed
   tok = lambda d: pl.BlockSpec((sq, C, d), lambda b, c: (b, ci(b, c), 0))
   return dict(
-      qk=tok(Kp), v=tok(Vp), tok=tok(4), col=tok(1),
-      drow=pl.BlockSpec((sq, 1, C), lambda b, c: (b * NC + ci(b, c), 0, 0)),
+      qk=tok(Kp), v=tok(Vp),
+      tok=pl.BlockSpec((sq, 8, C), lambda b, c: (b * NC + ci(b, c), 0, 0)),
       state=pl.BlockSpec((sq, Vp, Kp), lambda b, c: (b, 0, 0)),
       chunk_state=pl.BlockSpec((sq, sq, Vp, Kp), lambda b, c: (b, ci(b, c), 0, 0)),
   )
@@ -389,7 +434,7 @@ def _poison_args(out_shapes, poison, first_index):
   return args, specs, {first_index + i: i for i in range(len(out_shapes))}
 
 
-def _fwd_call(q, k, v, G, tok, drow, h0T, *, scale, C, dense, save_states, interpret, poison):
+def _fwd_call(q, k, v, g, tok, h0T, *, scale, C, dense, save_states, interpret, poison):
   BH, Tp, Kp = q.shape
   Vp = v.shape[-1]
   NC = Tp // C
@@ -400,63 +445,62 @@ def _fwd_call(q, k, v, G, tok, drow, h0T, *, scale, C, dense, save_states, inter
   if save_states:
     out_shape.append(jax.ShapeDtypeStruct((BH, NC, Vp, Kp), jnp.float32))
     out_specs.append(s["chunk_state"])
-  pargs, pspecs, aliases = _poison_args(out_shape, poison, 7)
+  pargs, pspecs, aliases = _poison_args(out_shape, poison, 6)
   kernel = functools.partial(_fwd_kernel, scale=scale, dense=dense, save_states=save_states,
                              num_poison=len(pargs))
   return pl.pallas_call(
       kernel, grid=(BH, NC),
-      in_specs=[s["qk"], s["qk"], s["v"], s["qk"], s["tok"], s["drow"], s["state"]] + pspecs,
+      in_specs=[s["qk"], s["qk"], s["v"], s["qk"], s["tok"], s["state"]] + pspecs,
       out_specs=out_specs, out_shape=out_shape,
       scratch_shapes=[pltpu.VMEM((Vp, Kp), jnp.float32)],
       input_output_aliases=aliases, compiler_params=_params(interpret), interpret=interpret,
       name="kda_fwd_dense" if dense else "kda_fwd_safe",
-  )(q, k, v, G, tok, drow, h0T, *pargs)
+  )(q, k, v, g, tok, h0T, *pargs)
 
 
-def _bwd_call(q, k, v, G, tok, drow, states, do, dhT, *, scale, C, dense, interpret, poison):
+def _bwd_call(q, k, v, g, tok, states, do, dhT, *, scale, C, dense, interpret, poison):
   BH, Tp, Kp = q.shape
   Vp = v.shape[-1]
   NC = Tp // C
   s = _specs(BH, NC, C, Kp, Vp, reverse=True)
   out_shape = [jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
-               jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(G.shape, jnp.float32),
-               jax.ShapeDtypeStruct((BH, Tp, 1), jnp.float32),
+               jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct(g.shape, g.dtype),
+               jax.ShapeDtypeStruct(tok.shape, jnp.float32),
                jax.ShapeDtypeStruct((BH, Vp, Kp), jnp.float32)]
-  out_specs = [s["qk"], s["qk"], s["v"], s["qk"], s["col"], s["state"]]
-  pargs, pspecs, aliases = _poison_args(out_shape, poison, 9)
+  out_specs = [s["qk"], s["qk"], s["v"], s["qk"], s["tok"], s["state"]]
+  pargs, pspecs, aliases = _poison_args(out_shape, poison, 8)
   kernel = functools.partial(_bwd_kernel, scale=scale, dense=dense, num_poison=len(pargs))
   return pl.pallas_call(
       kernel, grid=(BH, NC),
-      in_specs=[s["qk"], s["qk"], s["v"], s["qk"], s["tok"], s["drow"], s["chunk_state"],
+      in_specs=[s["qk"], s["qk"], s["v"], s["qk"], s["tok"], s["chunk_state"],
                 s["v"], s["state"]] + pspecs,
       out_specs=out_specs, out_shape=out_shape,
       scratch_shapes=[pltpu.VMEM((Vp, Kp), jnp.float32)],
       input_output_aliases=aliases, compiler_params=_params(interpret), interpret=interpret,
       name="kda_bwd_dense" if dense else "kda_bwd_safe",
-  )(q, k, v, G, tok, drow, states, do, dhT, *pargs)
+  )(q, k, v, g, tok, states, do, dhT, *pargs)
 
 
-@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9, 10, 11))
-def _kda_core(q, k, v, G, tok, drow, h0T, scale, C, dense, interpret, poison):
-  o, hT = _fwd_call(q, k, v, G, tok, drow, h0T, scale=scale, C=C, dense=dense,
+@functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10))
+def _kda_core(q, k, v, g, tok, h0T, scale, C, dense, interpret, poison):
+  o, hT = _fwd_call(q, k, v, g, tok, h0T, scale=scale, C=C, dense=dense,
                     save_states=False, interpret=interpret, poison=poison)
   return o, hT
 
 
-def _kda_core_fwd(q, k, v, G, tok, drow, h0T, scale, C, dense, interpret, poison):
-  o, hT, states = _fwd_call(q, k, v, G, tok, drow, h0T, scale=scale, C=C, dense=dense,
+def _kda_core_fwd(q, k, v, g, tok, h0T, scale, C, dense, interpret, poison):
+  o, hT, states = _fwd_call(q, k, v, g, tok, h0T, scale=scale, C=C, dense=dense,
                             save_states=True, interpret=interpret, poison=poison)
-  return (o, hT), (q, k, v, G, tok, drow, states)
+  return (o, hT), (q, k, v, g, tok, states)
 
 
 def _kda_core_bwd(scale, C, dense, interpret, poison, res, cts):
-  q, k, v, G, tok, drow, states = res
+  q, k, v, g, tok, states = res
   do, dhT = cts
-  dq, dk, dv, dG, dbeta, dh0T = _bwd_call(
-      q, k, v, G, tok, drow, states, do.astype(q.dtype), dhT.astype(jnp.float32), scale=scale,
+  dq, dk, dv, dg, dtok, dh0T = _bwd_call(
+      q, k, v, g, tok, states, do.astype(q.dtype), dhT.astype(jnp.float32), scale=scale,
       C=C, dense=dense, interpret=interpret, poison=poison)
-  dtok = jnp.concatenate([dbeta, jnp.zeros(dbeta.shape[:-1] + (3,), jnp.float32)], axis=-1)
-  return dq, dk, dv, dG, dtok, jnp.zeros_like(drow), dh0T
+  return dq, dk, dv, dg, dtok, dh0T
 
 
 _kda_core.defvjp(_kda_core_fwd, _kda_core_bwd)
@@ -511,7 +555,7 @@ def chunk_kda_pallas_tpu(
   else:
     doc = jnp.cumsum(segment_resets(segment_ids).astype(jnp.int32), axis=1)
     valid = segment_ids != 0
-  g = jnp.where(valid[..., None, None], g.astype(jnp.float32), 0.0)
+  g = jnp.where(valid[..., None, None], g, jnp.zeros((), g.dtype))
   beta = jnp.where(valid[..., None], beta.astype(jnp.float32), 0.0)
 
   def lay(x, d, dp):  # [B, T, H, d] -> [B·H, Tp, dp]
@@ -520,7 +564,6 @@ def chunk_kda_pallas_tpu(
 
   qf, kf, gf = lay(q, K, Kp), lay(k, K, Kp), lay(g, K, Kp)
   vf = lay(v, V, Vp)
-  G = jnp.cumsum(gf.reshape(BH, NC, C, Kp), axis=2).reshape(BH, Tp, Kp)
   # Document index per token (padded T repeats the last document) and the state-valid flag:
   # token i still belongs to the document open at the end of the previous chunk.
   doc = jnp.pad(doc, ((0, 0), (0, Tp - T)), mode="edge")
@@ -528,17 +571,17 @@ def chunk_kda_pallas_tpu(
   start = jnp.repeat(prev[:, ::C], C, axis=1)
   sv = (doc == start).astype(jnp.float32)
   docf = (doc % 4096).astype(jnp.float32)  # only compared within a chunk: exact in fp32
-  rep = lambda x: jnp.broadcast_to(x[:, None], (B, H, Tp)).reshape(BH, Tp)
+  rep = lambda x: jnp.broadcast_to(x[:, None], (B, H, Tp)).reshape(BH * NC, 1, C)
   betaf = jnp.pad(jnp.moveaxis(beta, 2, 1).reshape(BH, T), ((0, 0), (0, Tp - T)))
-  tok = jnp.stack([betaf, rep(docf), rep(sv), jnp.zeros((BH, Tp), jnp.float32)], axis=-1)
-  drow = rep(docf).reshape(BH * NC, 1, C)
+  tok = jnp.concatenate([betaf.reshape(BH * NC, 1, C), rep(docf), rep(sv),
+                         jnp.zeros((BH * NC, 5, C), jnp.float32)], axis=1)
   if initial_state is None:
     h0T = jnp.zeros((BH, Vp, Kp), jnp.float32)
   else:
     h0T = jnp.swapaxes(initial_state.astype(jnp.float32), -1, -2).reshape(BH, V, K)
     h0T = jnp.pad(h0T, ((0, 0), (0, Vp - V), (0, Kp - K)))
 
-  o, hT = _kda_core(qf, kf, vf, G, tok, drow, h0T, scale, C, dense, interpret, poison_outputs)
+  o, hT = _kda_core(qf, kf, vf, gf, tok, h0T, scale, C, dense, interpret, poison_outputs)
   o = jnp.moveaxis(o[:, :T, :V].reshape(B, H, T, V), 1, 2)
   o = jnp.where(valid[..., None, None], o, 0).astype(q.dtype)
   if not output_final_state:
