@@ -180,8 +180,16 @@ def _packed_rows(ds: grain.IterDataset, data_cfg: DataConfig, seq_len: int, num_
                   num_packing_bins=num_bins, seed=data_cfg.seed, shuffle_bins=shuffle_bins)
 
 
-def _read_options() -> grain.ReadOptions:
-  threads = max(1, min(4, os.cpu_count() or 1))
+def _read_options(long_documents: bool) -> grain.ReadOptions:
+  """Reader threads for loading + tokenizing documents (encode_batch releases the GIL).
+
+  Long documents are each split into many pieces that the tokenizer encodes in parallel
+  itself, so one reader thread with a short read-ahead gives the quickest first batch; short
+  documents are spread over several threads.
+  """
+  if long_documents:
+    return grain.ReadOptions(num_threads=1, prefetch_buffer_size=2)
+  threads = max(1, min(8, os.cpu_count() or 1))
   return grain.ReadOptions(num_threads=threads, prefetch_buffer_size=4 * threads)
 
 
@@ -226,7 +234,7 @@ def make_train_iterator(data_cfg: DataConfig, tokenizer: Tokenizer, *, seq_len: 
     raise ValueError(f"data source {data_cfg.source!r} has {len(source)} training documents, "
                      f"fewer than process_count={process_count}; every host needs one")
   ds = grain.MapDataset.source(shard).shuffle(seed=data_cfg.seed).repeat(num_epochs)
-  ds = ds.map(_Tokenize(source, tokenizer)).to_iter_dataset(_read_options())
+  ds = ds.map(_Tokenize(source, tokenizer)).to_iter_dataset(_read_options(data_cfg.long_documents))
   ds = _packed_rows(ds, data_cfg, seq_len, _num_bins(seq_len, batch_size), shuffle_bins=True)
   ds = ds.batch(batch_size, drop_remainder=True).map(_finalize)
   if data_cfg.prefetch:
@@ -251,7 +259,7 @@ def make_eval_batches(data_cfg: DataConfig, tokenizer: Tokenizer, *, seq_len: in
     raise ValueError(f"num_batches must be >= 1, got {num_batches}")
   source = _open(data_cfg, "eval")
   ds = grain.MapDataset.source(np.arange(len(source), dtype=np.int64))
-  ds = ds.map(_Tokenize(source, tokenizer)).to_iter_dataset(_read_options())
+  ds = ds.map(_Tokenize(source, tokenizer)).to_iter_dataset(_read_options(data_cfg.long_documents))
   ds = _packed_rows(ds, data_cfg, seq_len, _num_bins(seq_len, batch_size), shuffle_bins=False)
   batches = []
   for rows in ds.batch(batch_size):

@@ -24,6 +24,7 @@ import hashlib
 import json
 import logging
 import os
+import re
 import tempfile
 import time
 from collections.abc import Iterator, Sequence
@@ -36,6 +37,28 @@ _BYTE_ALPHABET = 256
 # Bytes of training text sampled to train the BPE: a few seconds on 2 cores for a 32K vocab.
 TOKENIZER_SAMPLE_BYTES = 8 << 20
 TOKENIZER_FILENAME = "tokenizer.json"
+# Long texts are encoded in pieces of about this many characters with ``encode_batch``, which
+# runs in parallel and releases the GIL (``encode`` holds it for the whole text).
+_PIECE_CHARS = 16384
+# Safe cut points for the GPT-2 byte-level pre-tokenizer: after a newline that follows a
+# non-space and precedes a non-space, the pre-tokenizer always ends a pre-token, so the pieces'
+# ids concatenate to exactly the ids of the whole text.
+_SAFE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
+
+
+def _pieces(text: str) -> list[str]:
+  if len(text) <= _PIECE_CHARS:
+    return [text]
+  out, current, size = [], [], 0
+  for part in _SAFE_CUT.split(text):
+    current.append(part)
+    size += len(part)
+    if size >= _PIECE_CHARS:
+      out.append("".join(current))
+      current, size = [], 0
+  if current:
+    out.append("".join(current))
+  return out
 
 
 class Tokenizer:
@@ -68,6 +91,9 @@ class Tokenizer:
     if missing:
       hf.add_special_tokens([tokenizers.AddedToken(t, special=True) for t in missing])
     self._hf = hf
+    pre = hf.pre_tokenizer
+    self._cuttable = (hf.normalizer is None and isinstance(pre, tokenizers.pre_tokenizers.ByteLevel)
+                      and getattr(pre, "use_regex", False))
     # A second instance that treats special-token strings in the input as plain text.
     self._hf_raw = tokenizers.Tokenizer.from_str(hf.to_str())
     self._hf_raw.encode_special_tokens = True
@@ -136,7 +162,8 @@ class Tokenizer:
     plain characters unless ``allow_special``."""
     if self._hf is not None:
       hf = self._hf if allow_special else self._hf_raw
-      return hf.encode(text, add_special_tokens=False).ids
+      pieces = _pieces(text) if self._cuttable else [text]
+      return [i for e in hf.encode_batch(pieces, add_special_tokens=False) for i in e.ids]
     if allow_special and self._extra:
       ids, rest = [], text
       while rest:

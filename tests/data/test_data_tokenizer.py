@@ -129,3 +129,18 @@ def test_given_sentencepiece_model(tmp_path):
 def test_missing_tokenizer_file_is_an_error(tmp_path):
   with pytest.raises(FileNotFoundError, match="does not exist"):
     load_or_train_tokenizer(DataConfig(tokenizer=str(tmp_path / "none.json")), None, 512)
+
+
+def test_long_texts_encoded_in_pieces_match_whole_text_encoding(stdlib_tokenizer):
+  """Long texts are cut at safe newlines and encoded in parallel; the ids must equal those of
+  encoding the whole text at once (whitespace runs, blank lines, indentation, CRLF, tabs)."""
+  import tokenizers
+  whole = tokenizers.Tokenizer.from_str(stdlib_tokenizer.to_json())
+  whole.encode_special_tokens = True
+  rng = np.random.default_rng(1)
+  fragments = ["def f(x):\n", "    return x\n", "\n", "\n\n", "  \n", "\t\tpass\n", "x = 1  \n",
+               "# comment <eos>\n", "class A:\r\n", "\u00e9t\u00e9 = '\u4e2d'\n", " ", "\n   \n"]
+  for _ in range(3):
+    text = "".join(rng.choice(fragments, 12000))
+    assert len(text) > 3 * tokenizer_lib._PIECE_CHARS
+    assert stdlib_tokenizer.encode(text) == whole.encode(text, add_special_tokens=False).ids
