@@ -129,8 +129,9 @@ class _Chunk(grain_exp.FlatMapTransform):
 
   def flat_map(self, element: np.ndarray) -> list[dict[str, np.ndarray]]:
     positions = np.arange(len(element), dtype=np.int32)
-    return [{"tokens": element[s:s + self._seq_len], "doc_positions": positions[s:s + self._seq_len]}
-            for s in range(0, len(element), self._seq_len)]
+    t = self._seq_len
+    return [{"tokens": element[s:s + t], "doc_positions": positions[s:s + t]}
+            for s in range(0, len(element), t)]
 
 
 def _finalize(rows: dict[str, np.ndarray], batch_size: int | None = None) -> dict[str, np.ndarray]:
@@ -143,7 +144,8 @@ def _finalize(rows: dict[str, np.ndarray], batch_size: int | None = None) -> dic
   }
   if batch_size is not None and segment_ids.shape[0] < batch_size:
     pad = batch_size - segment_ids.shape[0]
-    batch = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)]) for k, v in batch.items()}
+    batch = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)])
+             for k, v in batch.items()}
   return batch
 
 
@@ -164,6 +166,45 @@ class _Prefetch(grain_exp.ThreadPrefetchIterDataset):
 
   def __iter__(self) -> grain.DatasetIterator:
     return _PrefetchIterator(self._parent.__iter__(), self._prefetch)
+
+
+class _TrainIterator(grain.DatasetIterator):
+  """The training iterator: Grain's, with its state tagged by what produced it.
+
+  ``set_state`` refuses a state from a pipeline with another source, seed, shape, shard or
+  tokenizer: restoring it would silently feed different data, not resume.
+  """
+
+  def __init__(self, parent: grain.DatasetIterator, signature: dict[str, Any]):
+    super().__init__(parent)
+    self._signature = signature
+
+  def __next__(self) -> dict[str, np.ndarray]:
+    return next(self._parent)
+
+  def get_state(self) -> dict[str, Any]:
+    return {"pipeline": dict(self._signature), "grain": self._parent.get_state()}
+
+  def set_state(self, state: dict[str, Any]) -> None:
+    if not isinstance(state, dict) or "grain" not in state or "pipeline" not in state:
+      got = sorted(state) if isinstance(state, dict) else repr(state)
+      raise ValueError("not a data-iterator state from make_train_iterator (expected keys "
+                       f"'pipeline' and 'grain', got {got})")
+    saved = state["pipeline"]
+    diff = {k: (saved.get(k), v) for k, v in self._signature.items() if saved.get(k) != v}
+    if diff:
+      raise ValueError(
+          "the saved data-iterator state comes from a different input pipeline, so resuming "
+          "would not reproduce its data; differing settings (saved, now): "
+          + ", ".join(f"{k}: {a!r} vs {b!r}" for k, (a, b) in sorted(diff.items())))
+    self._parent.set_state(state["grain"])
+
+  def close(self) -> None:
+    self._parent.close()
+
+  def __del__(self):
+    if not sys.is_finalizing():
+      super().__del__()
 
 
 def _num_bins(seq_len: int, batch_size: int) -> int:
@@ -217,7 +258,9 @@ def make_train_iterator(data_cfg: DataConfig, tokenizer: Tokenizer, *, seq_len: 
     A ``grain.DatasetIterator`` with ``get_state()`` / ``set_state(state)``, yielding dicts of
     ``tokens``/``segment_ids``/``positions`` int32 [b, T] and ``loss_mask`` float32 [b, T].
     Deterministic given ``data_cfg.seed``; with finite ``num_epochs`` a last partial batch is
-    dropped.
+    dropped. The state is a small JSON-compatible dict (after ``state_to_json_compatible``)
+    that records the pipeline settings; ``set_state`` raises ValueError for a state from a
+    pipeline with other settings (source, seed, shapes, shard, tokenizer).
 
   Raises:
     ValueError: bad shapes or shard, or a split with no documents (or fewer than hosts).
@@ -239,7 +282,12 @@ def make_train_iterator(data_cfg: DataConfig, tokenizer: Tokenizer, *, seq_len: 
   ds = ds.batch(batch_size, drop_remainder=True).map(_finalize)
   if data_cfg.prefetch:
     ds = _Prefetch(ds, data_cfg.prefetch)
-  return iter(ds)
+  signature = {"source": data_cfg.source, "long_documents": data_cfg.long_documents,
+               "eval_fraction": data_cfg.eval_fraction, "packing": data_cfg.packing,
+               "seed": data_cfg.seed, "tokenizer": tokenizer.fingerprint, "seq_len": seq_len,
+               "batch_size": batch_size, "process_index": process_index,
+               "process_count": process_count, "num_epochs": num_epochs}
+  return _TrainIterator(iter(ds), signature)
 
 
 def make_eval_batches(data_cfg: DataConfig, tokenizer: Tokenizer, *, seq_len: int,

@@ -372,8 +372,9 @@ def parse_source(spec: str) -> tuple[str, str]:
   scheme, sep, path = spec.partition(":")
   if not sep or scheme not in SCHEMES or scheme == "stdlib":
     raise ValueError(
-        f"DataConfig.source={spec!r}: unknown source. Valid sources: 'stdlib', 'text:PATH_OR_GLOB', "
-        "'jsonl:PATH_OR_GLOB', 'parquet:PATH_OR_GLOB', 'arrayrecord:PATH_OR_GLOB' "
+        f"DataConfig.source={spec!r}: unknown source. Valid sources: 'stdlib', "
+        "'text:PATH_OR_GLOB', 'jsonl:PATH_OR_GLOB', 'parquet:PATH_OR_GLOB', "
+        "'arrayrecord:PATH_OR_GLOB' "
         f"(schemes: {', '.join(SCHEMES)}).")
   if not path:
     raise ValueError(f"DataConfig.source={spec!r}: the {scheme!r} source needs a path, "

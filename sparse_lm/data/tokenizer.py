@@ -247,8 +247,10 @@ def train_bpe(texts: Iterator[str], vocab_size: int) -> Tokenizer:
   Raises:
     ValueError: ``vocab_size`` < 264 (a byte-level vocabulary needs every byte).
   """
-  import tokenizers  # pylint: disable=g-import-not-at-top
-  from tokenizers import decoders, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  import tokenizers
+  from tokenizers import decoders, models, pre_tokenizers, trainers
+  # pylint: enable=g-import-not-at-top
   minimum = len(SPECIAL_TOKENS) + _BYTE_ALPHABET
   if vocab_size < minimum:
     raise ValueError(f"vocab_size={vocab_size}: a byte-level BPE needs at least {minimum} "

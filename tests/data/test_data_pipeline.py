@@ -210,3 +210,19 @@ def test_stdlib_default_source_first_batch_and_long_view(stdlib_tokenizer):
   assert eval_files == short_eval and not train_files & eval_files
   asyncio = [i for i, d in enumerate(long_train.doc_ids) if d.startswith("asyncio")]
   assert asyncio and len(long_train.member_files(asyncio[0])) > 10
+
+
+def test_state_from_another_pipeline_is_refused(corpus, corpus_tokenizer):
+  cfg = DataConfig(source=f"text:{corpus[0]}", prefetch=0)
+  it = make_train_iterator(cfg, corpus_tokenizer, seq_len=64, batch_size=2)
+  next(it)
+  state = it.get_state()
+  other = make_train_iterator(cfg, corpus_tokenizer, seq_len=64, batch_size=4)
+  with pytest.raises(ValueError, match="batch_size: 2 vs 4"):
+    other.set_state(state)
+  reseeded = make_train_iterator(DataConfig(source=cfg.source, seed=1), corpus_tokenizer,
+                                 seq_len=64, batch_size=2)
+  with pytest.raises(ValueError, match="seed: 0 vs 1"):
+    reseeded.set_state(state)
+  with pytest.raises(ValueError, match="not a data-iterator state"):
+    other.set_state({"next_index": 3})
