@@ -1,6 +1,12 @@
-"""`chunk_kda`: input validation and backend dispatch (ARCHITECTURE.md §2.5)."""
+"""`chunk_kda`: input validation and backend dispatch (ARCHITECTURE.md §2.5).
+
+Source: Kimi Linear (arXiv 2510.26692). Backends live in their own files and declare where they
+run: reference.py (everywhere), xla.py (everywhere), pallas_tpu.py (TPU; interpret mode on CPU).
+"""
 
 from __future__ import annotations
+
+import inspect
 
 import jax
 import jax.numpy as jnp
@@ -10,7 +16,8 @@ from pallas_kernels.kda import reference
 BACKENDS = ("auto", "xla", "reference", "pallas_tpu", "pallas_gpu")
 
 
-def _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size, backend):
+def _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size, backend,
+           gate_lower_bound=None):
   B, T, H, K = q.shape
   V = v.shape[-1]
   if backend not in BACKENDS:
@@ -32,10 +39,16 @@ def _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size, backend):
     raise ValueError(f"segment_ids {segment_ids.shape} must be [B, T] = {(B, T)}")
   if chunk_size not in (16, 32, 64):
     raise ValueError(f"chunk_size={chunk_size}: expected 64 (default), 32 or 16")
+  if gate_lower_bound is not None and not (-5.0 <= gate_lower_bound < 0.0):
+    raise ValueError(f"gate_lower_bound={gate_lower_bound} must be in [-5, 0) (the g_min of "
+                     "kda_gate) or None (gate not known to be bounded)")
+  if segment_ids is not None and not jnp.issubdtype(segment_ids.dtype, jnp.integer):
+    raise ValueError(f"segment_ids dtype {segment_ids.dtype}: expected an integer dtype")
 
 
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-              segment_ids=None, chunk_size=64, backend="auto", interpret=False):
+              segment_ids=None, chunk_size=64, backend="auto", interpret=False,
+              gate_lower_bound: float | None = None):
   """Chunkwise-parallel KDA (Kimi Linear, arXiv 2510.26692; ARCHITECTURE.md §2.4).
 
   Args:
@@ -48,14 +61,22 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     chunk_size: 64 (default) or 32.
     backend: "auto" | "xla" | "reference" | "pallas_tpu" | "pallas_gpu".
     interpret: run Pallas kernels in interpret mode (CPU tests).
+    gate_lower_bound: g_min of the gate that produced g, when known (the model passes
+      `cfg.kda_gate_lower_bound`: -5.0 for the default lower-bounded gate, None for the
+      unbounded softplus gate). A float promises g >= g_min and lets the chunked backends use
+      dense matmuls on the 16-token diagonal tiles (ARCHITECTURE §2.4: exponents <= 15 |g_min|
+      = 75 nats, inside fp32). None (default) is always safe: the diagonal tiles use the
+      element-wise path, correct for any g <= 0 (down to -1000s). Passing a bound that the
+      inputs violate by more than ~0.9 nats per token gives inf/NaN.
 
   Returns:
     (o [B, T, H, V] in q's dtype, final_state or None).
 
   Raises:
-    ValueError: mismatched shapes, K > 256, unsupported dtypes, unknown backend/chunk size.
+    ValueError: mismatched shapes, K > 256, unsupported dtypes (inputs not fp32/bf16/fp64,
+      segment_ids not integer), unknown backend or chunk size, gate_lower_bound outside [-5, 0).
   """
-  _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size, backend)
+  _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size, backend, gate_lower_bound)
   if backend == "auto":
     platform = jax.default_backend()
     backend = "pallas_tpu" if platform == "tpu" else "xla"
@@ -65,11 +86,23 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     return reference.recurrent_kda(q, k, v, g, beta, **kwargs)
   if backend == "xla":
     from pallas_kernels.kda import xla
-    return xla.chunk_kda_xla(q, k, v, g, beta, **kwargs)
+    return xla.chunk_kda_xla(q, k, v, g, beta, gate_lower_bound=gate_lower_bound, **kwargs)
   if backend == "pallas_tpu":
     from pallas_kernels.kda import pallas_tpu
-    return pallas_tpu.chunk_kda_pallas_tpu(q, k, v, g, beta, interpret=interpret, **kwargs)
+    fn = pallas_tpu.chunk_kda_pallas_tpu
+    if _accepts(fn, "gate_lower_bound"):
+      kwargs["gate_lower_bound"] = gate_lower_bound
+    return fn(q, k, v, g, beta, interpret=interpret, **kwargs)
   if backend == "pallas_gpu":
     from pallas_kernels.kda import pallas_gpu
     return pallas_gpu.chunk_kda_pallas_gpu(q, k, v, g, beta, interpret=interpret, **kwargs)
   raise AssertionError(backend)
+
+
+def _accepts(fn, name: str) -> bool:
+  """Whether `fn` takes keyword `name` (optional backend features, e.g. gate_lower_bound)."""
+  try:
+    params = inspect.signature(fn).parameters
+  except (TypeError, ValueError):
+    return False
+  return name in params or any(p.kind is p.VAR_KEYWORD for p in params.values())

@@ -1,10 +1,334 @@
-"""Chunked KDA in pure jax.numpy. PLACEHOLDER: delegates to the reference until written."""
+"""Chunked KDA in pure jax.numpy: runs everywhere (CPU, GPU, TPU), differentiable by autodiff.
 
-from pallas_kernels.kda import reference
+Source: Kimi Linear (arXiv 2510.26692) §3 (chunkwise WY form of the gated delta rule);
+ARCHITECTURE.md §2.4 (the algorithm, the exponent-safety argument) and §2.5 (the contract).
+
+Per chunk of C tokens (C in {16, 32, 64}), G = inclusive cumsum of g inside the chunk, Γ = e^G:
+
+    A_kk[i, j] = β_i Σ_d k_id k_jd e^(G_id − G_jd)      j < i, same document
+    A_qk[i, j] = scale Σ_d q_id k_jd e^(G_id − G_jd)    j ≤ i, same document
+    T_c = (I + A_kk)^(−1) diag(β),   W = T_c (K ⊙ Γ ⊙ m0),   U = T_c V
+    V'  = U − W S;   O = scale (Q ⊙ Γ ⊙ m0) S + A_qk V'
+    S'  = m0_C e^(G_C) ⊙ S + (K ⊙ e^(G_C − G) ⊙ m_C)ᵀ V'
+
+with m0_i = 1 where token i is still in the document that was open when the chunk began (the
+incoming state reaches it) and m_C,i = 1 where token i is in the chunk's last document (only that
+document's tokens survive into the outgoing state). Every exponent outside A_kk / A_qk is ≤ 0.
+
+The pairwise factors e^(G_i − G_j) are computed on 16-token sub-tiles (`_pairwise_scores`):
+off-diagonal sub-blocks as one matmul per query sub-block with the reference point r at the
+first row of that sub-block (e^(G_i − r) ≤ 1 and e^(r − G_j) ≤ 1); diagonal sub-tiles either
+  "dense": the same split, r at the tile's first row: e^(r − G_j) ≥ 1 reaches at most
+            e^(15·|g_min|) = e^75 for the lower-bounded gate (g ≥ −5), inside fp32 range. Wrong
+            (inf / NaN) for unbounded gates.
+  "safe":   element-wise [16, 16, K] tensor e^(G_i − G_j) with the anti-causal entries set to
+            −inf *before* exp (so no inf·0 in either direction); always finite.
+r never depends on a token later than the row it serves, so outputs are causal bit for bit.
+The triangular inverse is forward substitution with the closed-form derivative −X dA X. The state recurrence over chunks is a `lax.scan` with the fp32 state as carry.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kda.reference import segment_resets
+
+SUB = 16  # diagonal sub-tile size (tokens)
+DIAG_MODES = ("auto", "dense", "safe")
+# Largest |g_min| for which a dense diagonal tile of SUB tokens keeps every exponent below
+# log(float32 max) ≈ 88.7 nats with r at the tile's first row: (SUB − 1) · |g_min| < 88.
+DENSE_MAX_ABS_BOUND = 88.0 / (SUB - 1)
 
 
-def chunk_kda_xla(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
-                  segment_ids=None, chunk_size=64):
-  o, S = reference.recurrent_kda(q, k, v, g, beta, scale=scale, initial_state=initial_state,
-                                 segment_ids=segment_ids)
+def resolve_diag(diag: str, gate_lower_bound: float | None) -> str:
+  """Pick the diagonal-tile method: "auto" is dense only for a known lower-bounded gate.
+
+  Args:
+    diag: "auto" | "dense" | "safe".
+    gate_lower_bound: g_min of the gate that produced g (e.g. `cfg.kda_gate_lower_bound`, −5.0),
+      or None when g is not known to be bounded (unbounded softplus gate, foreign inputs).
+
+  Returns:
+    "dense" or "safe". "auto" gives "dense" iff gate_lower_bound is not None and
+    |gate_lower_bound| ≤ 88 / 15 ≈ 5.87 (every dense exponent stays inside fp32), else "safe".
+
+  Raises:
+    ValueError: unknown diag.
+  """
+  if diag not in DIAG_MODES:
+    raise ValueError(f"diag={diag!r}: expected one of {DIAG_MODES}")
+  if diag != "auto":
+    return diag
+  if gate_lower_bound is not None and -DENSE_MAX_ABS_BOUND <= gate_lower_bound < 0:
+    return "dense"
+  return "safe"
+
+
+def _mm(a, b, precision):
+  return jnp.matmul(a, b, precision=precision)
+
+
+def _rev_cumsum(x, axis=-2):
+  return jnp.flip(jnp.cumsum(jnp.flip(x, axis), axis), axis)
+
+
+def _shift_up(x, axis=-2):
+  """x[m + 1] at position m along `axis` (0 at the end)."""
+  x = jnp.moveaxis(x, axis, -1)
+  x = jnp.concatenate([x[..., 1:], jnp.zeros_like(x[..., :1])], axis=-1)
+  return jnp.moveaxis(x, -1, axis)
+
+
+def _pairwise_scores(q, k, g, *, diag: str, precision):
+  """Causal decayed scores of one chunk, for queries q and for keys-as-queries k.
+
+  Sub-tiles of `sub` tokens: query tile a, key tile b. The reference point of query tile a is
+  r_a = G at its first row s_a. Factors, each a direct sum of g over a token range (never a
+  difference of two cumulative sums, which loses |G|·eps nats after one large gate):
+    query:       e^(G_i − r_a)  = e^(Σ_{s_a<m≤i} g_m)          ≤ 1
+    key, b < a:  e^(r_a − G_j)  = e^(Σ_{j<m≤e_b} g_m) · e^(B_ba),  B_ba = Σ_{e_b<m≤s_a} g_m ≤ 0
+    key, b = a:  dense: e^(−Σ_{s_a<m≤j} g_m) ≥ 1 (≤ e^(15 |g_min|) for a bounded gate);
+                 safe: the element-wise e^(Σ_{j<m≤i} g_m), anti-causal set to −inf before exp.
+  r_a depends on no token after row i, so every row is causal bit for bit.
+
+  Args:
+    q, k, g: [..., C, K] fp32 (g: the per-token log-decay, not its cumsum).
+    diag: "dense" | "safe".
+
+  Returns:
+    (Sq, Sk), each [..., C, C] fp32: Sq[i, j] = Σ_d q_id k_jd e^(G_id − G_jd) and likewise Sk with
+    k on the query side, for j ≤ i, exactly 0 for j > i.
+  """
+  C, K = q.shape[-2:]
+  sub = min(SUB, C)
+  n = C // sub
+  lead = q.shape[:-2]
+  q, k, g = (x.reshape(lead + (n, sub, K)) for x in (q, k, g))
+  ii = jnp.arange(sub)
+  tri = ii[:, None] >= ii[None, :]  # causal inside a tile
+  Pf = jnp.cumsum(jnp.where((ii == 0)[:, None], 0.0, g), axis=-2)  # Σ_{s_a<m≤i} g_m
+  dq = jnp.exp(Pf)
+  qt, kt = q * dq, k * dq  # query-side operands [..., a, i, K]
+
+  if diag == "dense":
+    kd = k * jnp.exp(-Pf)  # positive exponents: the point of the lower-bounded gate
+    dq_, dk_ = (_mm(x, jnp.swapaxes(kd, -1, -2), precision) for x in (qt, kt))
+    Dq, Dk = jnp.where(tri, dq_, 0.0), jnp.where(tri, dk_, 0.0)  # [..., a, i, j]
+  else:
+    Dq, Dk = _diag_safe(q, k, g, tri)
+
+  if n == 1:
+    return Dq.reshape(lead + (C, C)), Dk.reshape(lead + (C, C))
+  # Off-diagonal tiles b < a.
+  tail = _rev_cumsum(_shift_up(g))  # Σ_{j<m≤e_b} g_m ≤ 0 inside key tile b
+  ko = k * jnp.exp(tail)  # [..., b, j, K]
+  tot = jnp.sum(g, axis=-2)  # [..., n, K] tile totals
+  aa = jnp.arange(n)
+  between = ((aa[:, None, None] < aa[None, None, :]) & (aa[None, None, :] < aa[None, :, None]))
+  # B[b, a] = Σ_{b<c<a} tot_c + g_{s_a}; −inf where b ≥ a so the factor is exactly 0.
+  B = jnp.einsum("bac,...cd->...bad", between.astype(g.dtype), tot, precision=precision)
+  B = B + g[..., None, :, 0, :]
+  B = jnp.where((aa[:, None] < aa[None, :])[:, :, None], B, -jnp.inf)
+  eB = jnp.exp(B)  # [..., b, a, K]
+
+  def off(x):  # [..., a, i, K] -> [..., a, i, b, j]
+    xb = x[..., None, :, :, :] * eB[..., :, :, None, :]  # [..., b, a, i, K]
+    return jnp.einsum("...baid,...bjd->...aibj", xb, ko, precision=precision)
+
+  eye = (aa[:, None] == aa[None, :])[:, None, :, None]  # [a, 1, b, 1]
+
+  def assemble(O, D):
+    full = jnp.where(eye, D[..., :, :, None, :], O)
+    return full.reshape(lead + (C, C))
+
+  return assemble(off(qt), Dq), assemble(off(kt), Dk)
+
+
+@jax.checkpoint
+def _diag_safe(q, k, g, tri):
+  """Element-wise diagonal tiles [..., a, i, j]: exponent Σ_{j<m≤i} g_m ≤ 0, −inf above.
+
+  Rematerialised in the backward pass so the [..., sub, sub, K] tensor is never stored.
+  """
+  sub = g.shape[-2]
+  ii = jnp.arange(sub)
+  later = (ii[None, :] > ii[:, None])[:, :, None]  # [j, m, 1]: m > j
+  E = jnp.cumsum(jnp.where(later, g[..., None, :, :], 0.0), axis=-2)  # [..., j, i, K]
+  E = jnp.swapaxes(E, -2, -3)  # [..., i, j, K]
+  D = jnp.exp(jnp.where(tri[:, :, None], E, -jnp.inf))
+  bq = jnp.einsum("...id,...jd,...ijd->...ij", q, k, D)
+  bk = jnp.einsum("...id,...jd,...ijd->...ij", k, k, D)
+  return bq, bk
+
+
+@jax.custom_jvp
+def _unit_lower_inverse(A):
+  """(I + A)^(−1) for strictly lower-triangular A [..., C, C] (fp32 or fp64).
+
+  Forward substitution, one row per step of a `fori_loop` (vectorised over the batch): row i is
+  −A[i, :] X with the rows ≥ i of X still exactly zero, so row i depends only on rows ≤ i of A
+  (causal) and the result is as accurate as a triangular solve. The derivative is the closed
+  form dX = −X dA X (custom_jvp), so autodiff stores nothing per step and costs two matmuls.
+  """
+  C = A.shape[-1]
+  hi = jax.lax.Precision.HIGHEST
+
+  def body(i, X):
+    a_i = jax.lax.dynamic_index_in_dim(A, i, axis=-2, keepdims=True)  # [..., 1, C]
+    row = -jnp.matmul(a_i, X, precision=hi)
+    row = jnp.where(jnp.arange(C) == i, 1.0, row)
+    return jax.lax.dynamic_update_index_in_dim(X, row.astype(X.dtype), i, axis=-2)
+
+  return jax.lax.fori_loop(0, C, body, jnp.zeros_like(A))
+
+
+@_unit_lower_inverse.defjvp
+def _unit_lower_inverse_jvp(primals, tangents):
+  (A,), (dA,) = primals, tangents
+  X = _unit_lower_inverse(A)
+  hi = jax.lax.Precision.HIGHEST
+  return X, -jnp.matmul(jnp.matmul(X, dA, precision=hi), X, precision=hi)
+
+
+def _chunk_masks(segment_ids, B, T, Tp, C):
+  """Document masks per chunk from segment ids (same semantics as `reference.segment_resets`).
+
+  Returns (valid [B, Tp], same [B, N, C, C], m0 [B, N, C], mlast [B, N, C]) as bool, or
+  (valid, None, None, None) when there are no segments.
+  """
+  N = Tp // C
+  if segment_ids is None:
+    valid = jnp.arange(Tp)[None, :] < T
+    return jnp.broadcast_to(valid, (B, Tp)), None, None, None
+  reset = segment_resets(segment_ids)
+  valid = segment_ids != 0
+  reset = jnp.pad(reset, ((0, 0), (0, Tp - T)))  # chunk padding: identity tokens, no reset
+  valid = jnp.pad(valid, ((0, 0), (0, Tp - T)))
+  doc = jnp.cumsum(reset.astype(jnp.int32), axis=1).reshape(B, N, C)
+  doc_in = doc[..., 0] - reset.reshape(B, N, C)[..., 0].astype(jnp.int32)
+  same = doc[..., :, None] == doc[..., None, :]
+  m0 = doc == doc_in[..., None]
+  mlast = doc == doc[..., -1:]
+  return valid, same, m0, mlast
+
+
+def chunk_kda_xla(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
+                  scale: float | None = None, initial_state: jax.Array | None = None,
+                  output_final_state: bool = False, segment_ids: jax.Array | None = None,
+                  chunk_size: int = 64, diag: str = "auto",
+                  gate_lower_bound: float | None = None,
+                  precision=jax.lax.Precision.HIGHEST) -> tuple[jax.Array, jax.Array | None]:
+  """Chunkwise-parallel KDA in pure jax.numpy (Kimi Linear, arXiv 2510.26692; ARCH §2.4).
+
+  Args:
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log-decay (≤ 0, after the gate);
+      beta: [B, T, H]. bfloat16 or float32 (float64 with x64: then all math is float64).
+    scale: query scale, default K ** −0.5.
+    initial_state: [B, H, K, V] (cast to fp32) or None (zeros).
+    output_final_state: also return the final state [B, H, K, V] fp32.
+    segment_ids: [B, T] int32 packed-document ids, 0 = padding (`reference.segment_resets`).
+    chunk_size: 16, 32 or 64 tokens. T need not be a multiple (identity tokens are appended).
+    diag: diagonal-tile method, "auto" | "dense" | "safe" (module docstring, `resolve_diag`).
+      "auto" is safe unless `gate_lower_bound` says g ≥ g_min with |g_min| ≤ 5.87.
+    gate_lower_bound: g_min of the gate that produced g (the model passes
+      `cfg.kda_gate_lower_bound`), or None if unknown / unbounded.
+    precision: matmul precision (HIGHEST: true fp32 on GPU/TPU, no tf32 / bf16 passes).
+
+  Returns:
+    o [B, T, H, V] in q's dtype (0 at padding tokens); the final state [B, H, K, V] fp32 (the
+    accumulation dtype) if output_final_state, else None. Everything inside is fp32: cumsums,
+    exponentials, scores, the triangular inverse, the state carried by the chunk scan.
+
+  Raises:
+    ValueError: chunk_size not in {16, 32, 64}; unknown diag. (Shape/dtype checks: `chunk_kda`.)
+  """
+  if chunk_size not in (16, 32, 64):
+    raise ValueError(f"chunk_size={chunk_size}: expected 16, 32 or 64")
+  diag = resolve_diag(diag, gate_lower_bound)
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  C = chunk_size
+  N = max(1, math.ceil(T / C))
+  Tp = N * C
+  acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+  scale = K ** -0.5 if scale is None else scale
+
+  valid, same, m0, mlast = _chunk_masks(segment_ids, B, T, Tp, C)
+  if segment_ids is not None:  # padding tokens are identity steps (g = 0, β = 0)
+    g = jnp.where(valid[:, :T, None, None], g.astype(acc), 0)
+    beta = jnp.where(valid[:, :T, None], beta.astype(acc), 0)
+
+  def to_chunks(x):  # [B, T, H, ...] -> [B, H, N, C, ...] in acc, zero-padded to Tp
+    x = x.astype(acc)
+    x = jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
+    x = x.reshape((B, N, C) + x.shape[2:])
+    return jnp.moveaxis(x, 3, 1)
+
+  qc, kc, vc, gc = (to_chunks(x) for x in (q, k, v, g))
+  bc = to_chunks(beta)  # [B, H, N, C]
+  G = jnp.cumsum(gc, axis=-2)  # inclusive cumulative log-decay in the chunk, ≤ 0
+  # G_C − G_j = Σ_{j<m<C} g_m, summed directly (not as a difference of cumsums).
+  tail = _rev_cumsum(_shift_up(gc))
+
+  Sq, Sk = _pairwise_scores(qc, kc, gc, diag=diag, precision=precision)
+  ii = jnp.arange(C)
+  strict = ii[:, None] > ii[None, :]
+  A_kk = jnp.where(strict, Sk, 0.0) * bc[..., :, None]
+  A_qk = Sq * scale
+  if same is not None:
+    A_kk = jnp.where(same[:, None], A_kk, 0.0)
+    A_qk = jnp.where(same[:, None], A_qk, 0.0)
+  T_c = _unit_lower_inverse(A_kk) * bc[..., None, :]  # (I + A_kk)^-1 diag(β)
+
+  Gam = jnp.exp(G)  # ≤ 1
+  decay_out = jnp.exp(tail)  # ≤ 1
+  state_decay = jnp.exp(G[..., -1, :])  # [B, H, N, K]
+  if m0 is not None:
+    Gam = Gam * m0[:, None, ..., None]
+    decay_out = decay_out * mlast[:, None, ..., None]
+    state_decay = state_decay * m0[:, None, :, -1:]
+  W = _mm(T_c, kc * Gam, precision)
+  U = _mm(T_c, vc, precision)
+  Qg = qc * Gam * scale
+  Kd = jnp.swapaxes(kc * decay_out, -1, -2)  # [B, H, N, K, C]
+
+  def step(S, xs):
+    W_n, U_n, Qg_n, A_n, Kd_n, dec_n = xs
+    Vp = U_n - _mm(W_n, S, precision)
+    o_n = _mm(Qg_n, S, precision) + _mm(A_n, Vp, precision)
+    S = dec_n[..., :, None] * S + _mm(Kd_n, Vp, precision)
+    return S, o_n
+
+  S0 = (jnp.zeros((B, H, K, V), acc) if initial_state is None else initial_state.astype(acc))
+  xs = tuple(jnp.moveaxis(x, 2, 0) for x in (W, U, Qg, A_qk, Kd, state_decay))
+  S, o = jax.lax.scan(step, S0, xs)  # o: [N, B, H, C, V]
+  o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(B, Tp, H, V)[:, :T]
+  o = jnp.where(valid[:, :T, None, None], o, 0).astype(q.dtype)
   return o, (S if output_final_state else None)
+
+
+def dense_diag_max_exponent(g: jax.Array, *, chunk_size: int = 64,
+                            segment_ids: jax.Array | None = None) -> jax.Array:
+  """Largest exponent r − G_j the dense diagonal-tile path would feed to exp (nats, fp32 scalar).
+
+  Debug helper for the seed's claim (ARCHITECTURE §2.4): ≤ 15·|g_min| = 75 for the gate bounded
+  at −5; thousands for an unbounded gate (fp32 overflows above ≈ 88.7).
+
+  Args:
+    g: [B, T, H, K] log-decay; chunk_size: 16 | 32 | 64; segment_ids: as in `chunk_kda_xla`
+      (padding tokens count as g = 0).
+  """
+  B, T, H, K = g.shape
+  C = chunk_size
+  sub = min(SUB, C)
+  N = max(1, math.ceil(T / C))
+  g = g.astype(jnp.float32)
+  if segment_ids is not None:
+    g = jnp.where((segment_ids != 0)[..., None, None], g, 0)
+  g = jnp.pad(g, [(0, 0), (0, N * C - T), (0, 0), (0, 0)])
+  g = g.reshape(B, N, C // sub, sub, H, K)
+  Pf = jnp.cumsum(g[:, :, :, 1:], axis=3)  # G_j − r for j after the tile's first row
+  return jnp.maximum(jnp.max(-Pf), 0.0) if sub > 1 else jnp.zeros((), jnp.float32)

@@ -140,12 +140,13 @@ def random_cotangents(seed: int, o_shape: tuple[int, ...], state_shape: tuple[in
 
 def run_with_grads(fn: Callable[..., tuple[jax.Array, jax.Array | None]],
                    inputs: dict[str, Any], *, seed: int = 0, state_grad: bool = True,
-                   **kwargs) -> tuple[jax.Array, jax.Array | None, dict[str, jax.Array]]:
+                   jit: bool = True, **kwargs) -> tuple[jax.Array, jax.Array | None, dict[str, jax.Array]]:
   """Run fn(q, k, v, g, beta, initial_state=, segment_ids=, output_final_state=True, **kwargs).
 
   The loss is sum(o * do) + sum(S_T * dS) with fixed random cotangents (dS term dropped when
   `state_grad` is False), all in float32 (float64 if the inputs are float64). Gradients are
-  taken w.r.t. q, k, v, g, beta and initial_state (when given).
+  taken w.r.t. q, k, v, g, beta and initial_state (when given). With `jit` (default) the whole
+  forward + backward is one jitted computation (much faster to compile than op-by-op).
 
   Returns (o, final_state, grads) with grads keyed by GRAD_ARGS present in the inputs.
   """
@@ -165,8 +166,10 @@ def run_with_grads(fn: Callable[..., tuple[jax.Array, jax.Array | None]],
       val = val + jnp.sum(S.astype(acc) * jnp.asarray(dS, acc))
     return val, (o, S)
 
-  grads, (o, S) = jax.grad(loss, argnums=tuple(range(len(names))), has_aux=True)(
-      *[inputs[n] for n in names])
+  grad_fn = jax.grad(loss, argnums=tuple(range(len(names))), has_aux=True)
+  if jit:
+    grad_fn = jax.jit(grad_fn)
+  grads, (o, S) = grad_fn(*[inputs[n] for n in names])
   return o, S, dict(zip(names, grads))
 
 
