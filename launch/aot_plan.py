@@ -217,6 +217,11 @@ def main(argv=None) -> int:
   p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                  help="ModelConfig override, e.g. --set num_layers=9")
   p.add_argument("--no-balancer-update", action="store_true")
+  p.add_argument("--ep-impl", default="auto", help="expert-parallel exchange: auto (ragged "
+                 "on TPU when expert >= top-k), ragged, dense, allgather")
+  p.add_argument("--ep-capacity-factor", type=float, default=None,
+                 help="per-rank receive cap of the expert all-to-all, in units of n*k rows "
+                 "(None = dropless, worst-case buffers)")
   p.add_argument("--json", default=None, help="also write the report here")
   args = p.parse_args(argv)
 
@@ -249,11 +254,17 @@ def main(argv=None) -> int:
         f"x{args.num_slices} ({len(devices)} chips) mesh={layout} seq_len={T:,} "
         f"global_batch={gb} micro_batches={mb} remat={cfg.remat_policy} "
         f"scan_layers={cfg.scan_layers}", flush=True)
+  from sparse_lm.moe import expert_parallel
+  print(f"[aot_plan] kda_backend={cfg.kda_backend} gmm_backend={cfg.gmm_backend} "
+        f"attention_backend={cfg.attention_backend} ep_impl={args.ep_impl} "
+        f"ep_capacity_factor={args.ep_capacity_factor}", flush=True)
   try:
-    compiled, info = compile_train_step(cfg, devices=devices, layout=layout, seq_len=T,
-                                        global_batch=gb, micro_batches=mb, optim=optim,
-                                        z_loss_coef=z,
-                                        balancer_update=not args.no_balancer_update)
+    with expert_parallel.options(impl=args.ep_impl,
+                                 recv_capacity_factor=args.ep_capacity_factor):
+      compiled, info = compile_train_step(cfg, devices=devices, layout=layout, seq_len=T,
+                                          global_batch=gb, micro_batches=mb, optim=optim,
+                                          z_loss_coef=z,
+                                          balancer_update=not args.no_balancer_update)
   except ValueError as e:
     print(f"[aot_plan] invalid layout: {e}", file=sys.stderr)
     return 1
@@ -270,7 +281,9 @@ def main(argv=None) -> int:
   if args.json:
     with open(args.json, "w") as f:
       json.dump(dict(args=vars(args), layout=str(layout), seq_len=T, global_batch=gb,
-                     micro_batches=mb, remat=cfg.remat_policy, **info, **rep), f, indent=1)
+                     micro_batches=mb, remat=cfg.remat_policy, kda_backend=cfg.kda_backend,
+                     gmm_backend=cfg.gmm_backend, attention_backend=cfg.attention_backend,
+                     **info, **rep), f, indent=1)
   return 0 if rep["fits"] else 2
 
 

@@ -34,6 +34,9 @@ A rank (or expert) that receives no rows works: its grouped matmuls see zero-siz
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
+import dataclasses
 import functools
 import math
 from typing import Any, Callable, Mapping
@@ -50,16 +53,44 @@ EP_IMPLS = ("auto", "ragged", "dense", "allgather")
 TOKEN_AXES = ("data", "fsdp", "expert", "context")  # mesh axes the flattened tokens span
 
 
-def resolve_impl(impl: str, ep_size: int, top_k: int) -> str:
+@dataclasses.dataclass(frozen=True)
+class EPOptions:
+  """Settings of the expert-parallel dispatch taken through the LatentMoE seam.
+
+  impl: "auto" | "ragged" | "dense" | "allgather".
+  recv_capacity_factor: per-rank receive cap = ceil(factor * n * k) rows (n tokens per
+    device); None = dropless (worst-case buffers of P * n * k rows per rank).
+  """
+
+  impl: str = "auto"
+  recv_capacity_factor: float | None = None
+
+
+_OPTIONS: contextvars.ContextVar[EPOptions] = contextvars.ContextVar(
+    "sparse_lm_ep_options", default=EPOptions())
+
+
+@contextlib.contextmanager
+def options(**kwargs):
+  """Set EPOptions fields while tracing, e.g. `with options(recv_capacity_factor=2.0): ...`."""
+  tok = _OPTIONS.set(dataclasses.replace(_OPTIONS.get(), **kwargs))
+  try:
+    yield _OPTIONS.get()
+  finally:
+    _OPTIONS.reset(tok)
+
+
+def resolve_impl(impl: str, ep_size: int, top_k: int, platform: str | None = None) -> str:
   """Concrete exchange for `impl` ("auto": allgather when ep_size < top_k, else ragged on
-  GPU/TPU and dense on CPU)."""
+  GPU/TPU and dense on CPU). `platform` is the mesh's (AOT compiles for TPU from a CPU host)."""
   if impl not in EP_IMPLS:
     raise ValueError(f"unknown expert-parallel impl {impl!r}; choose one of {EP_IMPLS}")
   if impl != "auto":
     return impl
   if ep_size < top_k:
     return "allgather"
-  return "dense" if jax.default_backend() == "cpu" else "ragged"
+  platform = platform or jax.default_backend()
+  return "dense" if platform == "cpu" else "ragged"
 
 
 def expert_ffn_local(x: jax.Array, local_ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
@@ -242,7 +273,7 @@ def ep_dispatch_and_compute(z: jax.Array, expert_ids: jax.Array, gates: jax.Arra
   n = N // n_shards
   if capacity_factor is not None and recv_cap is None:
     recv_cap = int(math.ceil(capacity_factor * n * k))
-  impl = resolve_impl(impl, ep, k)
+  impl = resolve_impl(impl, ep, k, mesh.devices.flat[0].platform)
   if gmm_backend == "dense":  # the MoE's dense reference is not a grouped matmul
     gmm_backend = "auto"
   tensor_axis = "tensor" if "tensor" in _present(mesh, ("tensor",)) else None
@@ -275,11 +306,11 @@ def ep_dispatch_and_compute(z: jax.Array, expert_ids: jax.Array, gates: jax.Arra
 
 def dispatch_and_compute(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
                          params: Mapping[str, jax.Array], *, backend: str = "auto",
-                         beta1: float = 4.0, beta2: float = 25.0, impl: str = "auto",
-                         recv_cap: int | None = None) -> jax.Array:
+                         beta1: float = 4.0, beta2: float = 25.0) -> jax.Array:
   """The seam `sparse_lm.moe.latent_moe.dispatch_and_compute` takes when the active mesh
   (`sharding.use_mesh`) has expert > 1: same contract (u [N, L] fp32), experts sharded over
-  `expert` (see `ep_dispatch_and_compute`; `backend` is the grouped-matmul backend).
+  `expert` (see `ep_dispatch_and_compute`; `backend` is the grouped-matmul backend); the
+  exchange and the receive cap come from `options(...)` (default: auto, dropless).
 
   Raises:
     ValueError: no active mesh.
@@ -287,9 +318,10 @@ def dispatch_and_compute(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
   mesh = shd.current_mesh()
   if mesh is None:
     raise ValueError("expert_parallel.dispatch_and_compute needs an active mesh (use_mesh)")
-  u, _ = ep_dispatch_and_compute(z, expert_ids, gates, params, mesh=mesh, impl=impl,
-                                 recv_cap=recv_cap, beta1=beta1, beta2=beta2,
-                                 gmm_backend=backend)
+  opt = _OPTIONS.get()
+  u, _ = ep_dispatch_and_compute(z, expert_ids, gates, params, mesh=mesh, impl=opt.impl,
+                                 capacity_factor=opt.recv_capacity_factor, beta1=beta1,
+                                 beta2=beta2, gmm_backend=backend)
   return u
 
 
