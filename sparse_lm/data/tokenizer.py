@@ -20,6 +20,7 @@ error (checked by the training loop).
 from __future__ import annotations
 
 import base64
+import functools
 import hashlib
 import json
 import logging
@@ -143,7 +144,7 @@ class Tokenizer:
   def special_ids(self) -> dict[str, int]:
     return {t: self.token_to_id(t) for t in SPECIAL_TOKENS}
 
-  @property
+  @functools.cached_property
   def fingerprint(self) -> str:
     """A 16-hex-digit hash of the vocabulary, merges and special tokens (stable across saves)."""
     if self._hf is not None:
