@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+from absl import flags
 
 GMM_IMPLS = ("ragged_dot", "tokamax", "megablox")
 
@@ -25,6 +26,18 @@ def resolve_backend(backend: str) -> str:
   if backend == "auto":
     return "ragged_dot" if jax.default_backend() == "cpu" else "tokamax"
   return backend
+
+
+def _tokamax_ragged_dot(lhs, rhs, group_sizes):
+  import tokamax  # pylint: disable=g-import-not-at-top
+  # tokamax reads its config from absl flags and, when the host program never parsed them
+  # (pytest, argparse scripts), parses sys.argv itself and fails on foreign options. Use the
+  # flag defaults in that case; programs run through absl.app keep their parsed flags.
+  if not flags.FLAGS.is_parsed():
+    flags.FLAGS.mark_as_parsed()
+  impl = "xla" if jax.default_backend() == "cpu" else None
+  return tokamax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype,
+                            implementation=impl)
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
@@ -48,10 +61,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   if backend == "ragged_dot":
     return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype)
   if backend == "tokamax":
-    import tokamax  # pylint: disable=g-import-not-at-top
-    impl = "xla" if jax.default_backend() == "cpu" else None
-    return tokamax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype,
-                              implementation=impl)
+    return _tokamax_ragged_dot(lhs, rhs, group_sizes)
   if backend == "megablox":
     if jax.default_backend() != "tpu":
       raise NotImplementedError("gmm backend 'megablox' runs on TPU only")

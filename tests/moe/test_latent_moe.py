@@ -1,0 +1,222 @@
+"""LatentMoE: grouped-matmul dispatch against the dense reference, zero-token experts,
+capacity drops, padding, gradients (ARCHITECTURE §5)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sparse_lm.config import get_preset
+from sparse_lm.moe import LatentMoE, dispatch_and_compute
+from sparse_lm.moe import latent_moe as lm
+from sparse_lm.moe import router
+
+
+def _key():
+  return jax.random.key(np.random.randint(1 << 30))
+
+
+def _cfg(**kw):
+  base = dict(d_model=32, num_experts=8, experts_per_token=2, moe_latent_dim=16,
+              expert_hidden=24, num_shared_experts=1, shared_expert_hidden=20, dtype="float32",
+              balancer_bins=128)
+  base.update(kw)
+  return get_preset("tiny", **base)
+
+
+@nnx.jit(static_argnames=("train",))
+def _fwd(m, x, valid=None, train=False):
+  return m(x, valid=valid, train=train)
+
+
+@nnx.jit(static_argnames=("cfg",))
+def _make(cfg, seed):
+  return LatentMoE(cfg, rngs=nnx.Rngs(jax.random.key(seed)))
+
+
+def _rel(a, b):
+  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+  return np.linalg.norm(a - b) / np.linalg.norm(b)
+
+
+def _random_dispatch(key, n=37, e=7, k=3, lat=12, f=20, dead=(2, 5)):
+  ks = jax.random.split(key, 6)
+  z = jax.random.normal(ks[0], (n, lat))
+  # ids drawn from the live experts only; some pairs carry the sentinel id e (dropped).
+  live = jnp.array([i for i in range(e) if i not in dead])
+  ids = live[jax.random.randint(ks[1], (n, k), 0, live.shape[0])]
+  ids = jnp.where(jax.random.uniform(ks[2], (n, k)) < 0.15, e, ids).astype(jnp.int32)
+  gates = jax.random.uniform(ks[3], (n, k), minval=0.1)
+  params = {"w_gate": 0.3 * jax.random.normal(ks[4], (e, lat, f)),
+            "w_up": 0.3 * jax.random.normal(ks[5], (e, lat, f)),
+            "w_down": 0.3 * jax.random.normal(ks[0], (e, f, lat))}
+  return z, ids, gates, params
+
+
+@pytest.mark.parametrize("backend", ["ragged_dot", "tokamax", "auto"])
+def test_dispatch_matches_dense_reference(backend):
+  z, ids, gates, params = _random_dispatch(_key())
+  ref = lm.dense_reference(z, ids, gates, params)
+  out = jax.jit(lambda *a: dispatch_and_compute(*a, backend=backend))(z, ids, gates, params)
+  assert out.dtype == jnp.float32
+  assert float(jnp.max(jnp.abs(ref))) > 0.1
+  assert _rel(out, ref) < 1e-5
+  # Tokens whose pairs are all dropped get exactly zero.
+  all_dropped = np.asarray(jnp.all(ids == 7, axis=1))
+  np.testing.assert_array_equal(np.asarray(out)[all_dropped], 0.0)
+
+
+def test_dispatch_gradients_match_dense_reference():
+  z, ids, gates, params = _random_dispatch(_key())
+  w = jax.random.normal(_key(), (z.shape[0], z.shape[1]))
+
+  def loss(fn, z, gates, params):
+    return jnp.sum(w * fn(z, ids, gates, params))
+
+  g_ref = jax.grad(lambda *a: loss(lm.dense_reference, *a), argnums=(0, 1, 2))(z, gates, params)
+  g_out = jax.jit(jax.grad(lambda *a: loss(lm.sorted_dispatch, *a), argnums=(0, 1, 2)))(
+      z, gates, params)
+  for a, b in zip(jax.tree.leaves(g_out), jax.tree.leaves(g_ref)):
+    assert _rel(a, b) < 1e-5
+
+
+@pytest.mark.parametrize("backend", ["ragged_dot", "tokamax"])
+def test_module_matches_dense_backend_with_dead_experts(backend):
+  seed = np.random.randint(1 << 30)
+  m_fast = _make(_cfg(gmm_backend=backend), seed)
+  m_ref = _make(_cfg(gmm_backend="dense"), seed)
+  # Experts 1 and 6 can never be selected: they receive zero tokens.
+  for m in (m_fast, m_ref):
+    m.balancer_bias[...] = jnp.zeros((8,)).at[1].set(-10.0).at[6].set(-10.0)
+  x = jax.random.normal(_key(), (3, 11, 32))
+  y_fast, aux_fast = _fwd(m_fast, x)
+  y_ref, aux_ref = _fwd(m_ref, x)
+  assert _rel(y_fast, y_ref) < 1e-5
+  assert float(aux_fast["load"][1]) == 0 and float(aux_fast["load"][6]) == 0
+  assert float(aux_fast["dead_frac"]) == pytest.approx(2 / 8)
+  assert float(aux_fast["load"].sum()) == 3 * 11 * 2
+  np.testing.assert_array_equal(aux_fast["load"], aux_ref["load"])
+  lo = np.asarray(aux_fast["load"])
+  assert float(aux_fast["max_violation"]) == pytest.approx(lo.max() / lo.mean())
+  assert float(aux_fast["drop_rate"]) == 0.0 and float(aux_fast["aux_loss"]) == 0.0
+
+
+def test_module_composition_matches_equations():
+  """y = shared(x) + W_up RMSNorm(sum_i p_i E_i(x W_down)), routed on sigmoid(x W_r) + b."""
+  m = _make(_cfg(gmm_backend="ragged_dot", route_scale=2.5), 3)
+  m.latent_norm[...] = 1.0 + 0.1 * jax.random.normal(_key(), (16,))
+  x = jax.random.normal(_key(), (2, 9, 32))
+  y, _ = _fwd(m, x)
+  xf = x.reshape(-1, 32)
+  s = jax.nn.sigmoid(xf @ m.router[...])
+  ids = jnp.argsort(-s, axis=1)[:, :2]
+  s_sel = jnp.take_along_axis(s, ids, 1)
+  p = 2.5 * s_sel / s_sel.sum(1, keepdims=True)
+  z = xf @ m.w_down[...]
+  u = 0.0
+  for j in range(2):
+    wg, wu, wd = (m.expert_gate[...][ids[:, j]], m.expert_up[...][ids[:, j]],
+                  m.expert_down[...][ids[:, j]])
+    g = jnp.einsum("nl,nlf->nf", z, wg)
+    uu = jnp.einsum("nl,nlf->nf", z, wu)
+    h = 4 * jnp.tanh(g / 4) * jax.nn.sigmoid(g) * 25 * jnp.tanh(uu / 25)
+    u = u + p[:, j:j + 1] * jnp.einsum("nf,nfl->nl", h, wd)
+  un = u / jnp.sqrt(jnp.mean(u**2, -1, keepdims=True) + 1e-6) * m.latent_norm[...]
+  sh = m.shared
+  g = xf @ sh.w_gate[...]
+  uu = xf @ sh.w_up[...]
+  shared = (4 * jnp.tanh(g / 4) * jax.nn.sigmoid(g) * 25 * jnp.tanh(uu / 25)) @ sh.w_down[...]
+  expect = (shared + un @ m.w_up[...]).reshape(2, 9, 32)
+  assert _rel(y, expect) < 1e-5
+
+
+def test_capacity_keep_constructed_case():
+  # E = 3, k = 1, capacity 2. Expert 0 gets 4 tokens, expert 1 gets 1, expert 2 gets 2, one
+  # token is padding (sentinel 3).
+  ids = jnp.array([[0], [0], [1], [0], [2], [0], [2], [3]], jnp.int32)
+  margin = jnp.array([[0.5], [0.1], [0.3], [0.9], [0.2], [0.05], [0.4], [1.0]])
+  keep = lm.capacity_keep(ids, margin, capacity=2, num_experts=3)
+  # Expert 0 keeps its two highest margins (tokens 3: 0.9 and 0: 0.5), drops tokens 1 and 5.
+  np.testing.assert_array_equal(np.asarray(keep[:, 0]),
+                                [True, False, True, True, True, False, True, False])
+
+
+def test_module_capacity_drop_rate():
+  cfg = _cfg(gmm_backend="ragged_dot", capacity_factor=1.0)
+  m = _make(cfg, np.random.randint(1 << 30))
+  skew = jnp.array([0.6, 0.3, 0.0, -0.2, 0.1, -0.1, 0.0, 0.05])
+  m.balancer_bias[...] = skew  # expert 0 (and 1) overflow
+  x = jax.random.normal(_key(), (2, 16, 32))
+  valid = jnp.ones((2, 16), bool).at[1, 12:].set(False)
+  y, aux = _fwd(m, x, valid)
+  load = np.asarray(aux["load"])
+  assert load.sum() == 28 * 2  # the 4 padding tokens are not counted
+  cap = lm.expert_capacity(32, 2, 8, 1.0)  # the cap counts padding slots: 8
+  assert cap == 8
+  expect = np.maximum(load - cap, 0).sum() / load.sum()
+  assert expect > 0.1
+  assert float(aux["drop_rate"]) == pytest.approx(expect)
+  # The output is the layer with the dropped pairs removed (their gates are not renormalised).
+  xf = x.reshape(-1, 32)
+  rt = router.route(router.router_scores(xf, m.router[...]), skew, 2)
+  ids = jnp.where(valid.reshape(-1, 1), rt.expert_ids, 8)
+  keep = lm.capacity_keep(ids, rt.margin, cap, 8)
+  assert int((~keep & (ids < 8)).sum()) == round(expect * 56)
+  u = lm.dense_reference(xf @ m.w_down[...], jnp.where(keep, ids, 8), rt.gates,
+                         m.expert_params())
+  u = lm.rms_norm(u, m.latent_norm[...], 1e-6)
+  expect_y = u @ m.w_up[...] + m.shared(xf)
+  assert _rel(y.reshape(-1, 32), expect_y) < 1e-5
+  # ...which differs from the dropless layer.
+  m_free = _make(_cfg(gmm_backend="ragged_dot"), 0)
+  nnx.update(m_free, nnx.state(m))
+  y_free, aux_free = _fwd(m_free, x, valid)
+  assert float(aux_free["drop_rate"]) == 0.0
+  assert _rel(y_free, y) > 1e-3
+
+
+def test_padding_tokens_do_not_affect_valid_outputs_or_load():
+  m = _make(_cfg(gmm_backend="ragged_dot"), np.random.randint(1 << 30))
+  x = jax.random.normal(_key(), (2, 10, 32))
+  valid = jnp.ones((2, 10), bool).at[0, 7:].set(False)
+  x2 = x.at[0, 7:].set(100.0 * jax.random.normal(_key(), (3, 32)))
+  y1, a1 = _fwd(m, x, valid)
+  y2, a2 = _fwd(m, x2, valid)
+  np.testing.assert_allclose(y1[valid], y2[valid], rtol=1e-6, atol=1e-6)
+  np.testing.assert_array_equal(a1["load"], a2["load"])
+  assert float(a1["load"].sum()) == 17 * 2
+
+
+def test_bfloat16_compute():
+  m = _make(_cfg(dtype="bfloat16", gmm_backend="ragged_dot"), 0)
+  m_ref = _make(_cfg(dtype="float32", gmm_backend="dense"), 0)
+  x = jax.random.normal(_key(), (2, 8, 32))
+  y, _ = _fwd(m, x.astype(jnp.bfloat16))
+  y_ref, _ = _fwd(m_ref, x)
+  assert y.dtype == jnp.bfloat16
+  assert _rel(y.astype(jnp.float32), y_ref) < 3e-2
+
+
+def test_gradients_reach_every_param_and_not_the_bias():
+  m = _make(_cfg(gmm_backend="ragged_dot"), np.random.randint(1 << 30))
+  x = jax.random.normal(_key(), (2, 12, 32))
+  w = jax.random.normal(_key(), (2, 12, 32))
+
+  def loss(model):
+    y, aux = model(x, train=True)
+    return jnp.sum(w * y) + aux["aux_loss"]
+
+  grads = nnx.jit(nnx.grad(loss, argnums=nnx.DiffState(0, nnx.Param)))(m)
+  flat = {"/".join(map(str, p)): v for p, v in nnx.to_flat_state(grads)}
+  expected = {"router", "w_down", "w_up", "latent_norm", "expert_gate", "expert_up",
+              "expert_down", "shared/w_gate", "shared/w_up", "shared/w_down"}
+  assert set(flat) == expected
+  for name, g in flat.items():
+    assert float(jnp.max(jnp.abs(g[...]))) > 0, name
+  # The router gets its gradient through the gates only; no gradient reaches the bias.
+  s = jax.nn.sigmoid(jax.random.normal(_key(), (64, 8)))
+  gb = jax.grad(lambda b: jnp.sum(router.route(s, b, 2).gates ** 2))(jnp.zeros(8))
+  np.testing.assert_array_equal(gb, 0.0)
+  gs = jax.grad(lambda s: jnp.sum(router.route(s, jnp.zeros(8), 2).gates ** 2))(s)
+  assert float(jnp.max(jnp.abs(gs))) > 0
