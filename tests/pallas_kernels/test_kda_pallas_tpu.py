@@ -90,6 +90,18 @@ def test_dispatch_and_no_final_state():
   assert kt.rel_rmse(o_ref, o) <= kt.TOL_FP32["o"]
 
 
+def test_prefix_state_continues_into_suffix():
+  """A prefix's final state, fed as the initial state of the suffix, gives the whole run."""
+  inp = kt.make_inputs(13, 1, 40, 1, 32, 32, dtype=F32, initial_state=True)
+  names = ("q", "k", "v", "g", "beta")
+  fn = _kernel_fn()
+  o, S = fn(*[inp[n] for n in names], initial_state=inp["initial_state"])
+  o1, S1 = fn(*[inp[n][:, :23] for n in names], initial_state=inp["initial_state"])
+  o2, S2 = fn(*[inp[n][:, 23:] for n in names], initial_state=S1)
+  assert kt.rel_rmse(o, jnp.concatenate([o1, o2], axis=1)) <= kt.TOL_FP32["o"]
+  assert kt.rel_rmse(S, S2) <= kt.TOL_FP32["final_state"]
+
+
 @pytest.mark.parametrize("dtype", [BF16, F32], ids=["bf16", "fp32"])
 def test_seed_claim_dense_diagonal_tiles(dtype):
   """Dense diagonal tiles: right for g ≥ −5 (largest exponent 75 nats), broken for g ≪ −6.
