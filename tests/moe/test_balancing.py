@@ -1,0 +1,290 @@
+"""Quantile Balancing and the ablation balancers (ARCHITECTURE §6)."""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sparse_lm.config import get_preset
+from sparse_lm.moe import (BalancerBias, BalancerStats, LatentMoE, bias_sign_update,
+                           quantile_bias_update, update_balancers)
+from sparse_lm.moe import balancing, router
+
+
+def _key():
+  return jax.random.key(np.random.randint(1 << 30))
+
+
+def _cfg(**kw):
+  base = dict(d_model=32, num_experts=8, experts_per_token=2, moe_latent_dim=16,
+              expert_hidden=24, num_shared_experts=1, shared_expert_hidden=20, dtype="float32",
+              balancer_bins=128, gmm_backend="ragged_dot")
+  base.update(kw)
+  return get_preset("tiny", **base)
+
+
+@nnx.jit(static_argnames=("cfg",))
+def _make(cfg, seed):
+  return LatentMoE(cfg, rngs=nnx.Rngs(jax.random.key(seed)))
+
+
+@nnx.jit(static_argnames=("train",))
+def _fwd(m, x, valid=None, train=False):
+  return m(x, valid=valid, train=train)
+
+
+# ------------------------------------------------------------------ pure functions
+E, K, N, BINS = 64, 4, 8192, 1000
+
+
+@functools.partial(jax.jit, static_argnames=("kind",))
+def _synthetic_step(bias, key, offsets, kind):
+  """Route one synthetic batch with `bias`; return its max violation and the next bias."""
+  s = jax.nn.sigmoid(jax.random.normal(key, (N, E)) + offsets)
+  rt = router.route(s, bias, K)
+  ones = jnp.ones((N,))
+  load = balancing.expert_load(rt.expert_ids, ones, E)
+  violation = balancing.load_metrics(load)["max_violation"]
+  if kind == "quantile":
+    lo, hi = balancing.histogram_range(bias)
+    hist = balancing.required_bias_histogram(router.required_bias(s, rt.cutoff), ones, lo, hi,
+                                             BINS)
+    new = quantile_bias_update(hist, lo, hi, K, E)
+  else:
+    new = bias_sign_update(load, bias, 1e-3)
+  return violation, new
+
+
+def _run(kind, offsets, seed, steps):
+  bias, out = jnp.zeros((E,)), []
+  for t in range(steps):
+    v, bias = _synthetic_step(bias, jax.random.key(seed + t), offsets, kind)
+    out.append(float(v))
+  return np.array(out)
+
+
+def test_quantile_balancing_converges_in_3_updates_and_holds():
+  """64 experts, top-4, 8192 tokens/batch; each update estimated on one batch, applied to the
+  next: max/mean < 1.25 after 3 updates and over 20 further batches; bias_sign is slower."""
+  seed = np.random.randint(1 << 20)
+  offsets = jax.random.permutation(jax.random.key(seed), jnp.linspace(-3.0, 3.0, E))
+  qb = _run("quantile", offsets, seed, 24)
+  sign = _run("bias_sign", offsets, seed, 4)
+  assert qb[0] > 5.0, qb[0]  # strongly unbalanced before any update
+  assert np.all(qb[3:] < 1.25), qb  # batch 3 is routed with the bias of the 3rd update
+  assert sign[0] == qb[0]
+  assert sign[3] > 4.0, sign  # bias_sign (gamma = 1e-3) has barely moved after 3 updates
+
+
+def test_histogram_quantile_interpolates_inside_the_bin():
+  # Range [0, 10], 10 bins of width 1. Row 0: mass 4 in bin 2, 4 in bin 7 -> the 0.25-quantile
+  # is the middle of bin 2 (2.5); row 1: uniform -> the 0.25-quantile is 2.5 as well; row 2:
+  # mass 1 in bin 0 and 3 in bin 9 -> 0.5 lies 1/3 of the way into bin 9.
+  hist = np.zeros((3, 10), np.float32)
+  hist[0, 2] = hist[0, 7] = 4
+  hist[1] = 1
+  hist[2, 0], hist[2, 9] = 1, 3
+  q = balancing.histogram_quantile(jnp.asarray(hist), 0.0, 10.0, 0.25)
+  np.testing.assert_allclose(q[:2], [2.5, 2.5], atol=1e-6)
+  q = balancing.histogram_quantile(jnp.asarray(hist), 0.0, 10.0, 0.5)
+  np.testing.assert_allclose(q[2], 9 + 1 / 3, atol=1e-5)
+
+
+def test_quantile_update_matches_exact_quantiles():
+  n, e, k, bins = 4000, 16, 3, 1000
+  r = jax.random.uniform(_key(), (n, e), minval=-1.2, maxval=1.3) * jnp.linspace(0.3, 1.0, e)
+  lo, hi = jnp.float32(-1.5), jnp.float32(1.5)
+  hist = balancing.required_bias_histogram(r, jnp.ones((n,)), lo, hi, bins)
+  assert float(hist.sum()) == n * e
+  new = quantile_bias_update(hist, lo, hi, k, e)
+  exact = np.quantile(np.asarray(r), k / e, axis=0)
+  exact -= exact.mean()
+  np.testing.assert_allclose(new, exact, atol=2 * 3.0 / bins)
+  assert abs(float(new.mean())) < 1e-6
+  # With the uncentred quantile as bias and alpha held fixed, each expert takes n k / E tokens.
+  b_hat = balancing.histogram_quantile(hist, lo, hi, k / e)
+  counts = np.sum(np.asarray(r) < np.asarray(b_hat), axis=0)
+  assert np.all(np.abs(counts - n * k / e) <= 0.002 * n)  # within one bin's count
+
+
+def test_padding_is_excluded_from_the_histogram():
+  n, e = 300, 8
+  r = jax.random.uniform(_key(), (n, e), minval=-0.9, maxval=0.9)
+  weight = (jax.random.uniform(_key(), (n,)) > 0.3).astype(jnp.float32)
+  r_pad = jnp.where(weight[:, None] > 0, r, 0.95)  # padded rows would pile up in one bin
+  h = balancing.required_bias_histogram(r_pad, weight, -1.0, 1.0, 64)
+  h_valid = balancing.required_bias_histogram(r[weight > 0], jnp.ones((int(weight.sum()),)),
+                                              -1.0, 1.0, 64)
+  np.testing.assert_array_equal(h, h_valid)
+  h_all = balancing.required_bias_histogram(r_pad, jnp.ones((n,)), -1.0, 1.0, 64)
+  assert float(jnp.abs(h_all - h).sum()) > 0
+
+
+def test_bias_sign_update():
+  load = jnp.array([10.0, 2.0, 6.0, 6.0])
+  b = jnp.array([0.1, -0.2, 0.0, 0.3])
+  np.testing.assert_allclose(bias_sign_update(load, b, 1e-3), b + 1e-3 * jnp.array(
+      [-1.0, 1.0, 0.0, 0.0]))
+
+
+# ------------------------------------------------------------------ module path
+def _skewed_batch(key, offsets, bsz=4, seq=512, d=32):
+  """x with a constant feature 0 that the router turns into per-expert offsets."""
+  x = jax.random.normal(key, (bsz, seq, d))
+  return x.at[..., 0].set(1.0)
+
+
+def _skew_router(m, offsets):
+  m.router[...] = (0.05 * jax.random.normal(_key(), m.router.shape)).at[0].set(offsets)
+
+
+@nnx.jit
+def _train_step(m, x, valid):
+  _, aux = m(x, valid=valid, train=True)
+  update_balancers(m)
+  return aux
+
+
+def test_module_quantile_balancing_and_eval_mode():
+  m = _make(_cfg(), np.random.randint(1 << 30))
+  offsets = jnp.array([2.5, 1.5, 1.0, 0.0, -0.5, -1.0, -2.0, -3.0])
+  _skew_router(m, offsets)
+  valid = jnp.ones((4, 512), bool)
+  violations = []
+  for _ in range(6):
+    aux = _train_step(m, _skewed_batch(_key(), offsets), valid)
+    violations.append(float(aux["max_violation"]))
+  assert violations[0] > 2.5, violations  # E = 8, k = 2: the maximum possible is 4
+  assert max(violations[3:]) < 1.25, violations
+  # An eval pass touches neither the bias nor the statistics.
+  m.balancer_hist[...] = jax.random.uniform(_key(), m.balancer_hist.shape)
+  snapshot = lambda: {n: np.array(getattr(m, n)[...]) for n in (
+      "balancer_bias", "balancer_hist", "balancer_load")}
+  before = snapshot()
+  assert np.abs(before["balancer_bias"]).max() > 0.1
+  _, aux = _fwd(m, _skewed_batch(_key(), offsets), valid, train=False)
+  after = snapshot()
+  for name in before:
+    np.testing.assert_array_equal(before[name], after[name])
+  assert float(aux["max_violation"]) < 1.3
+  # A training pass accumulates (it adds exactly one histogram count per token and expert).
+  _fwd(m, _skewed_batch(_key(), offsets), valid, train=True)
+  added = float(m.balancer_hist[...].sum()) - float(before["balancer_hist"].sum())
+  assert added == pytest.approx(4 * 512 * 8, rel=1e-6)
+
+
+def test_module_padding_excluded_from_statistics():
+  seed = np.random.randint(1 << 30)
+  m_pad, m_ref = _make(_cfg(), seed), _make(_cfg(), seed)
+  x = jax.random.normal(_key(), (2, 16, 32))
+  valid = jnp.ones((2, 16), bool).at[0, 10:].set(False).at[1, 13:].set(False)
+  # Padding rows that would dominate the routing if counted.
+  x_pad = jnp.where(valid[..., None], x, 50.0 * m_pad.router[...][:, 0])
+  _fwd(m_pad, x_pad, valid, train=True)
+  # Reference: the same valid tokens with no padding, as one row.
+  x_valid = jnp.concatenate([x[0, :10], x[1, :13]])[None]
+  _fwd(m_ref, x_valid, None, train=True)
+  np.testing.assert_allclose(m_pad.balancer_hist[...], m_ref.balancer_hist[...])
+  np.testing.assert_allclose(m_pad.balancer_load[...], m_ref.balancer_load[...])
+  assert float(m_pad.balancer_load[...].sum()) == 23 * 2
+  # Counting the padding would have changed the statistics.
+  m_all = _make(_cfg(), seed)
+  _fwd(m_all, x_pad, None, train=True)
+  assert float(jnp.abs(m_all.balancer_hist[...] - m_pad.balancer_hist[...]).sum()) > 0
+  update_balancers(m_pad)
+  update_balancers(m_ref)
+  np.testing.assert_allclose(m_pad.balancer_bias[...], m_ref.balancer_bias[...], atol=1e-6)
+  assert float(jnp.abs(m_pad.balancer_bias[...]).max()) > 0
+
+
+class _Stack(nnx.Module):
+  """MoE layers stacked with nnx.vmap and applied with nnx.scan (the model's layer scan)."""
+
+  def __init__(self, cfg, num_layers, rngs):
+    @nnx.split_rngs(splits=num_layers)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(rngs):
+      return LatentMoE(cfg, rngs=rngs)
+
+    self.layers = make(rngs)
+
+  def __call__(self, x, train=False):
+    @nnx.scan(in_axes=(nnx.Carry, 0), out_axes=(nnx.Carry, 0))
+    def body(h, layer):
+      y, aux = layer(h, train=train)
+      return h + y, aux["load"]
+
+    return body(x, self.layers)
+
+
+def test_stacked_layers_update_inside_jit_after_merge():
+  cfg = _cfg()
+  model = nnx.jit(lambda: _Stack(cfg, 3, nnx.Rngs(jax.random.key(0))))()
+  assert model.layers.balancer_hist.shape == (3, 8, 128)
+  assert model.layers.balancer_bias.get_metadata()["out_sharding"] == ("layers", None)
+  x = jax.random.normal(_key(), (2, 24, 32))
+  _, loads = nnx.jit(lambda m, x: m(x, train=True))(model, x)
+  hist = np.asarray(model.layers.balancer_hist[...])
+  np.testing.assert_allclose(hist.sum(axis=(1, 2)), 48 * 8)
+  np.testing.assert_array_equal(model.layers.balancer_load[...], loads)
+  bias0 = np.asarray(model.layers.balancer_bias[...])
+
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def update(state):
+    m = nnx.merge(graphdef, state)
+    metrics = update_balancers(m)
+    return nnx.state(m), metrics
+
+  state, metrics = update(state)
+  nnx.update(model, state)
+  bias = np.asarray(model.layers.balancer_bias[...])
+  for layer in range(3):
+    lo, hi = balancing.histogram_range(jnp.asarray(bias0[layer]))
+    expect = quantile_bias_update(jnp.asarray(hist[layer]), lo, hi, 2, 8)
+    np.testing.assert_allclose(bias[layer], expect, atol=1e-6)
+  assert not np.allclose(bias[0], bias[1])
+  np.testing.assert_array_equal(model.layers.balancer_hist[...], 0.0)
+  np.testing.assert_array_equal(model.layers.balancer_load[...], 0.0)
+  lm = balancing.load_metrics(jnp.asarray(loads))
+  assert float(metrics["balancer/max_violation"]) == pytest.approx(float(
+      lm["max_violation"].max()))
+  # An update with empty statistics keeps the bias.
+  update_balancers(model)
+  np.testing.assert_array_equal(model.layers.balancer_bias[...], bias)
+
+
+def test_balancer_state_is_not_a_param():
+  m = _make(_cfg(), 0)
+  params = nnx.state(m, nnx.Param)
+  names = {"/".join(map(str, p)) for p, _ in nnx.to_flat_state(params)}
+  assert not any(n.startswith("balancer") for n in names)
+  assert isinstance(m.balancer_bias, BalancerBias) and isinstance(m.balancer_hist, BalancerStats)
+
+
+@pytest.mark.parametrize("kind", ["bias_sign", "aux_loss", "none"])
+def test_ablation_balancers(kind):
+  m = _make(_cfg(balancer=kind, bias_sign_rate=0.01), np.random.randint(1 << 30))
+  assert m.balancer_hist is None
+  x = jax.random.normal(_key(), (2, 32, 32))
+  _, aux = _fwd(m, x, None, train=True)
+  load = np.asarray(aux["load"])
+  np.testing.assert_array_equal(m.balancer_load[...], load)
+  update_balancers(m)
+  bias = np.asarray(m.balancer_bias[...])
+  if kind == "bias_sign":
+    np.testing.assert_allclose(bias, 0.01 * np.sign(load.mean() - load), atol=1e-7)
+    assert np.abs(bias).max() > 0
+  else:
+    np.testing.assert_array_equal(bias, 0.0)
+  if kind == "aux_loss":
+    s = router.router_scores(x.reshape(-1, 32), m.router[...])
+    expect = 1e-2 * balancing.switch_aux_loss(s, jnp.asarray(load), jnp.ones((64,)), 2)
+    assert float(aux["aux_loss"]) == pytest.approx(float(expect), rel=1e-5)
+    assert float(aux["aux_loss"]) > 0.5e-2  # E sum f P is about 1 near balance
+  else:
+    assert float(aux["aux_loss"]) == 0.0
