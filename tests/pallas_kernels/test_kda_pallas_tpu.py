@@ -20,6 +20,7 @@ import pytest
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import chunk_kda
 from pallas_kernels.kda import pallas_tpu
@@ -174,3 +175,20 @@ def test_rejects_bad_arguments():
   assert pallas_tpu.resolve_diag("auto", -5.0) == "dense"
   assert pallas_tpu.resolve_diag("auto", None) == "safe"
   assert pallas_tpu.resolve_diag("auto", -10.0) == "safe"
+
+
+def test_poisoning_catches_an_unwritten_block():
+  """Negative control for the poisoning hook: a kernel that skips a block leaves NaN there."""
+  out_shape = [jax.ShapeDtypeStruct((16, 128), F32)]
+  pargs, pspecs, aliases = pallas_tpu._poison_args(out_shape, True, 1)  # pylint: disable=protected-access
+
+  def kernel(x_ref, _, o_ref):
+    @pl.when(pl.program_id(0) == 0)
+    def _():
+      o_ref[...] = x_ref[...]
+
+  spec = pl.BlockSpec((8, 128), lambda i: (i, 0))
+  out = pl.pallas_call(kernel, grid=(2,), in_specs=[spec] + pspecs, out_specs=spec,
+                       out_shape=out_shape[0], input_output_aliases=aliases, interpret=True)(
+                           jnp.ones((16, 128), F32), *pargs)
+  assert bool(jnp.all(out[:8] == 1)) and bool(jnp.all(jnp.isnan(out[8:])))
