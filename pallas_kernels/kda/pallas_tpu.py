@@ -265,7 +265,8 @@ def _unit_lower_inverse(A):
 
 
 class _Chunk:
-  """Forward quantities of one chunk, shared by the forward and backward kernels."""
+  """Forward quantities of one chunk (module docstring equations), shared by the forward and
+  backward kernels: q, k, v, g [C, Kp|Vp] fp32, tok [8, C] fp32 rows, ST = Sᵀ [Vp, Kp] fp32."""
 
   def __init__(self, q, k, v, g, tok, ST, scale, dense):
     C = q.shape[0]
@@ -289,7 +290,6 @@ class _Chunk:
     self.W = _dot(self.X, self.beta * self.Kg)
     self.Vn = self.U - self.sv * _dot_nt(self.W, ST)                   # V' [C, Vp]
     self.Qg = q * self.Gam
-    self.O = scale * self.sv * _dot_nt(self.Qg, ST) + _dot(self.A_qk, self.Vn)
     self.G_L = _row(G, C - 1)                                           # [1, Kp]
     self.sv_L = _row(self.sv, C - 1)                                    # [1, 1]
     self.m_L = doc == _row(doc, C - 1)                                  # [C, 1]
@@ -297,7 +297,12 @@ class _Chunk:
     self.eL = jnp.exp(_range_sum(g, j, jnp.full((C, 1), C - 1)))       # e^(G_C − G_j) ≤ 1
     self.Kd = jnp.where(self.m_L, k * self.eL, 0.0)
 
+  def output(self, ST, scale):
+    """O = scale m0 ⊙ ((Q ⊙ Γ) S) + A_qk V'  [C, Vp] fp32."""
+    return scale * self.sv * _dot_nt(self.Qg, ST) + _dot(self.A_qk, self.Vn)
+
   def next_state(self, ST):
+    """S'ᵀ = m0_C Sᵀ ⊙ e^(G_C) + V'ᵀ (K ⊙ e^(G_C − G) ⊙ m_C)  [Vp, Kp] fp32."""
     return self.sv_L * ST * jnp.exp(self.G_L) + _dot_tn(self.Vn, self.Kd)
 
 
@@ -322,7 +327,7 @@ def _fwd_kernel(q_ref, k_ref, v_ref, g_ref, tok_ref, h0_ref, *rest, scale, dense
   f32 = lambda r: r[...].astype(jnp.float32)
   ch = _Chunk(f32(q_ref), f32(k_ref), f32(v_ref), f32(g_ref), tok_ref[...], ST,
               scale, dense)
-  o_ref[...] = ch.O.astype(o_ref.dtype)
+  o_ref[...] = ch.output(ST, scale).astype(o_ref.dtype)
   ST = ch.next_state(ST)
   S_scr[...] = ST
 
