@@ -4,9 +4,11 @@ Training stream, per host (``process_index`` of ``process_count``)::
 
   train-split document indices [process_index::process_count]   disjoint across hosts
     -> shuffle(seed), reshuffled every epoch; repeat(num_epochs)  grain.MapDataset
-    -> load + tokenize: <bos> text <eos> as int32                reader threads, lazily
+    -> load + tokenize: <bos> text <eos> as int32                reader threads, lazily;
+                                                                 kept in memory (1 GiB budget)
     -> split into chunks of at most seq_len tokens               grain FlatMap
-    -> first-fit / best-fit packing into rows of seq_len         grain.experimental packing
+    -> first-fit / best-fit packing into rows of seq_len,        grain.experimental packing
+       the rows of each pack emitted in a seeded random order
     -> batch(batch_size) -> numpy dict -> thread prefetch
 
 Each batch is a dict of numpy arrays, ``b = batch_size`` rows of ``T = seq_len`` tokens:
@@ -24,7 +26,11 @@ Next-token targets are the caller's business: within a segment, ``tokens[t + 1]`
 The iterator is a ``grain.DatasetIterator``: ``get_state()`` returns a small JSON-serializable
 dict, and ``set_state(state)`` on a fresh iterator built with the same arguments continues with
 exactly the batches the original would have produced (packing is replayed from the start of the
-last emitted pack, so the state stays small).
+last emitted pack, so the state stays small). The state records the pipeline's settings, and a
+state from other settings is refused rather than silently feeding different data.
+
+The held-out split (``make_eval_batches``) is read in document order without bin shuffling, so
+its batches are the same for every seed and host.
 """
 
 from __future__ import annotations
