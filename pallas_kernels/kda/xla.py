@@ -261,14 +261,23 @@ def chunk_kda_xla(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: 
     g = jnp.where(valid[:, :T, None, None], g.astype(acc), 0)
     beta = jnp.where(valid[:, :T, None], beta.astype(acc), 0)
 
-  def to_chunks(x):  # [B, T, H, ...] -> [B, H, N, C, ...] in acc, zero-padded to Tp
+  # Layout: every per-chunk quantity is [N·B·H, C, ...] (one flat batch axis; XLA:CPU has
+  # crashed on batched dots with a size-1 dim between batch dims); the scan sees [N, B·H, ...].
+  BH, M = B * H, N * B * H
+
+  def to_chunks(x):  # [B, T, H, ...] -> [N·B·H, C, ...] in acc, zero-padded to Tp
     x = x.astype(acc)
     x = jnp.pad(x, [(0, 0), (0, Tp - T)] + [(0, 0)] * (x.ndim - 2))
     x = x.reshape((B, N, C) + x.shape[2:])
-    return jnp.moveaxis(x, 3, 1)
+    x = jnp.moveaxis(x, (1, 3), (0, 2))  # [N, B, H, C, ...]
+    return x.reshape((M, C) + x.shape[4:])
+
+  def mask_chunks(m):  # [B, N, C, ...] bool -> [N·B·H, C, ...]
+    m = jnp.broadcast_to(jnp.moveaxis(m, 1, 0)[:, :, None], (N, B, H) + m.shape[2:])
+    return m.reshape((M,) + m.shape[3:])
 
   qc, kc, vc, gc = (to_chunks(x) for x in (q, k, v, g))
-  bc = to_chunks(beta)  # [B, H, N, C]
+  bc = to_chunks(beta)  # [M, C]
   G = jnp.cumsum(gc, axis=-2)  # inclusive cumulative log-decay in the chunk, ≤ 0
   # G_C − G_j = Σ_{j<m<C} g_m, summed directly (not as a difference of cumsums).
   tail = _rev_cumsum(_shift_up(gc))
@@ -279,35 +288,36 @@ def chunk_kda_xla(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: 
   A_kk = jnp.where(strict, Sk, 0.0) * bc[..., :, None]
   A_qk = Sq * scale
   if same is not None:
-    A_kk = jnp.where(same[:, None], A_kk, 0.0)
-    A_qk = jnp.where(same[:, None], A_qk, 0.0)
+    same, m0, mlast = mask_chunks(same), mask_chunks(m0), mask_chunks(mlast)
+    A_kk = jnp.where(same, A_kk, 0.0)
+    A_qk = jnp.where(same, A_qk, 0.0)
   T_c = _unit_lower_inverse(A_kk) * bc[..., None, :]  # (I + A_kk)^-1 diag(β)
 
   Gam = jnp.exp(G)  # ≤ 1
   decay_out = jnp.exp(tail)  # ≤ 1
-  state_decay = jnp.exp(G[..., -1, :])  # [B, H, N, K]
+  state_decay = jnp.exp(G[..., -1, :])  # [M, K]
   if m0 is not None:
-    Gam = Gam * m0[:, None, ..., None]
-    decay_out = decay_out * mlast[:, None, ..., None]
-    state_decay = state_decay * m0[:, None, :, -1:]
+    Gam = Gam * m0[..., None]  # the incoming state reaches only the chunk's first document
+    decay_out = decay_out * mlast[..., None]  # only the last document leaves the chunk
+    state_decay = state_decay * m0[:, -1:]
   W = _mm(T_c, kc * Gam, precision)
   U = _mm(T_c, vc, precision)
   Qg = qc * Gam * scale
-  Kd = jnp.swapaxes(kc * decay_out, -1, -2)  # [B, H, N, K, C]
+  Kd = jnp.swapaxes(kc * decay_out, -1, -2)  # [M, K, C]
 
   def step(S, xs):
     W_n, U_n, Qg_n, A_n, Kd_n, dec_n = xs
-    Vp = U_n - _mm(W_n, S, precision)
+    Vp = U_n - _mm(W_n, S, precision)  # V' = U − W S
     o_n = _mm(Qg_n, S, precision) + _mm(A_n, Vp, precision)
     S = dec_n[..., :, None] * S + _mm(Kd_n, Vp, precision)
     return S, o_n
 
   S0 = (jnp.zeros((B, H, K, V), acc) if initial_state is None else initial_state.astype(acc))
-  xs = tuple(jnp.moveaxis(x, 2, 0) for x in (W, U, Qg, A_qk, Kd, state_decay))
-  S, o = jax.lax.scan(step, S0, xs)  # o: [N, B, H, C, V]
-  o = jnp.transpose(o, (1, 0, 3, 2, 4)).reshape(B, Tp, H, V)[:, :T]
+  xs = tuple(x.reshape((N, BH) + x.shape[1:]) for x in (W, U, Qg, A_qk, Kd, state_decay))
+  S, o = jax.lax.scan(step, S0.reshape(BH, K, V), xs)  # o: [N, B·H, C, V]
+  o = jnp.transpose(o.reshape(N, B, H, C, V), (1, 0, 3, 2, 4)).reshape(B, Tp, H, V)[:, :T]
   o = jnp.where(valid[:, :T, None, None], o, 0).astype(q.dtype)
-  return o, (S if output_final_state else None)
+  return o, (S.reshape(B, H, K, V) if output_final_state else None)
 
 
 def dense_diag_max_exponent(g: jax.Array, *, chunk_size: int = 64,
