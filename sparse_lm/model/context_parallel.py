@@ -5,9 +5,12 @@ every sequence. KDA needs contiguous shards (its state flows left to right), and
 sequence op of the model (short conv, packing masks, the loss shift, which the data pipeline
 precomputes as `targets`) then stays a plain shifted slice that GSPMD handles with a halo
 exchange. Attention uses the same layout with a causal mask on global positions (no striping:
-striping would need a token permutation before and after every KDA layer). With the XLA
-chunked attention every query block visits every key block, so the work per shard is
-balanced; the price is the 2x of not skipping fully masked blocks, as without CP.
+striping would need a token permutation before and after every KDA layer). Every query block
+visits every key block (masked), so the work per shard is balanced; the price is the 2x of not skipping fully masked blocks. Gated MLA crosses the
+network in its latent form (`mla_latent_attention`: 576 values per token at full scale, not the
+30,720 of the expanded per-head keys and values) and runs as one MQA head through
+`flash_attention`, whose backward recomputes the probabilities block by block (O(T) memory;
+autodiff through an online-softmax scan would store all T x T probabilities).
 
 KDA (ARCHITECTURE §9). The recurrence is affine in the state entering a shard:
 S_out = M S_in + S_ext, with M = prod_t (I - beta_t k_t k_t^T) Diag(exp(g_t)) (K x K per head,
@@ -192,70 +195,218 @@ def cp_short_conv(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None, *,
                        out_specs=P(b, c, None), check_vma=False)(x, w, segment_ids)
 
 
-def _attn_cp_body(q, k, v, qseg, kseg, *, axis, scale, block):
+def _attn_cp_body(q, k, v, qseg, kseg, *, axis, scale, block_q, block_k):
   """Local queries [B, Tq, H, Dk] against all-gathered keys/values (global causal mask)."""
-  B, Tq, H, Dk = q.shape
+  Tq = q.shape[1]
   r = jax.lax.axis_index(axis)
   k_all = jax.lax.all_gather(k, axis, axis=1, tiled=True)  # [B, T, Hk, Dk]
   v_all = jax.lax.all_gather(v, axis, axis=1, tiled=True)
-  qpos = r * Tq + jnp.arange(Tq)
-  T = k_all.shape[1]
-  kseg_all = None if kseg is None else jax.lax.all_gather(kseg, axis, axis=1, tiled=True)
-  return attention_blocked(q, k_all, v_all, qpos, jnp.arange(T), qseg, kseg_all, scale=scale,
-                           block=block)
+  qpos = r * Tq + jnp.arange(Tq, dtype=jnp.int32)
+  kpos = jnp.arange(k_all.shape[1], dtype=jnp.int32)
+  if kseg is None:
+    qseg = jnp.ones(q.shape[:2], jnp.int32)
+    kseg_all = jnp.ones(k_all.shape[:2], jnp.int32)
+  else:
+    kseg_all = jax.lax.all_gather(kseg, axis, axis=1, tiled=True)
+  return flash_attention(q, k_all, v_all, qpos, kpos, qseg, kseg_all, scale=scale,
+                         block_q=block_q, block_k=block_k)
 
 
-def attention_blocked(q, k, v, qpos, kpos, qseg, kseg, *, scale, block):
-  """Memory-efficient causal attention (online softmax over key blocks), fp32 statistics.
+def _pad_to(x, n, axis, value=0):
+  pad = (-x.shape[axis]) % n
+  if not pad:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths, constant_values=value)
+
+
+def _blocks(x, n, axis=1):
+  """[B, T, ...] -> [T/n, B, n, ...]."""
+  shape = x.shape[:axis] + (x.shape[axis] // n, n) + x.shape[axis + 1:]
+  return jnp.moveaxis(x.reshape(shape), axis, 0)
+
+
+def _unblocks(x, axis=1):
+  x = jnp.moveaxis(x, 0, axis)
+  return x.reshape(x.shape[:axis] + (-1,) + x.shape[axis + 2:])
+
+
+def _visible(qp, kp, qs, ks):
+  """[B, 1, bq, bk]: key at kp visible from query at qp (causal, same non-zero segment)."""
+  vis = (kp[None, :] <= qp[:, None])[None] & (qs[:, :, None] == ks[:, None, :]) & (
+      qs[:, :, None] != 0)
+  return vis[:, None]
+
+
+def _scores(qb, kb, scale):
+  """qb [B, bq, H, Dk], kb [B, bk, Hk, Dk] (Hk in {1, H}) -> [B, H, bq, bk] fp32."""
+  if kb.shape[2] == 1:
+    return jnp.einsum("bqhd,bkd->bhqk", qb, kb[:, :, 0], preferred_element_type=jnp.float32
+                      ) * scale
+  return jnp.einsum("bqhd,bkhd->bhqk", qb, kb, preferred_element_type=jnp.float32) * scale
+
+
+def _pv(p, vb):
+  if vb.shape[2] == 1:
+    return jnp.einsum("bhqk,bkd->bqhd", p, vb[:, :, 0].astype(jnp.float32))
+  return jnp.einsum("bhqk,bkhd->bqhd", p, vb.astype(jnp.float32))
+
+
+def _flash_fwd(q, k, v, qpos, kpos, qseg, kseg, scale, bq, bk):
+  """Blocked online softmax. Returns (o [B, Tq, H, Dv] fp32, lse [B, H, Tq] fp32, -inf for
+  a query that sees no key)."""
+  qb_all, qp_all, qs_all = _blocks(q, bq), qpos.reshape(-1, bq), _blocks(qseg, bq)
+  kb_all, vb_all = _blocks(k, bk), _blocks(v, bk)
+  kp_all, ks_all = kpos.reshape(-1, bk), _blocks(kseg, bk)
+  B, _, H, _ = q.shape
+  Dv = v.shape[-1]
+
+  def q_block(_, xs):
+    qb, qp, qs = xs
+
+    def k_block(carry, ys):
+      m, l, acc = carry
+      kb, vb, kp, ks = ys
+      s = _scores(qb, kb, scale)
+      vis = _visible(qp, kp, qs, ks)
+      s = jnp.where(vis, s, -jnp.inf)
+      m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+      m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
+      p = jnp.where(vis, jnp.exp(s - m_safe[..., None]), 0.0)
+      corr = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
+      l = l * corr + jnp.sum(p, axis=-1)
+      acc = acc * jnp.swapaxes(corr, 1, 2)[..., None] + _pv(p, vb)
+      return (m_new, l, acc), None
+
+    init = (jnp.full((B, H, bq), -jnp.inf, jnp.float32), jnp.zeros((B, H, bq), jnp.float32),
+            jnp.zeros((B, bq, H, Dv), jnp.float32))
+    (m, l, acc), _ = jax.lax.scan(k_block, init, (kb_all, vb_all, kp_all, ks_all))
+    o = acc / jnp.swapaxes(jnp.maximum(l, 1e-30), 1, 2)[..., None]
+    lse = jnp.where(l > 0, m + jnp.log(jnp.maximum(l, 1e-30)), -jnp.inf)
+    return None, (o, lse)
+
+  _, (o, lse) = jax.lax.scan(q_block, None, (qb_all, qp_all, qs_all))
+  return _unblocks(o), jnp.moveaxis(lse, 0, 2).reshape(B, H, -1)
+
+
+def _flash_bwd(q, k, v, qpos, kpos, qseg, kseg, o, lse, do, scale, bq, bk):
+  """FlashAttention-2 backward (Dao 2023, Alg. 2): recompute p per block from lse."""
+  B, Tq, H, Dk = q.shape
+  Hk = k.shape[2]
+  D = jnp.sum(do.astype(jnp.float32) * o, axis=-1)  # [B, Tq, H]
+  qb_all, qp_all, qs_all = _blocks(q, bq), qpos.reshape(-1, bq), _blocks(qseg, bq)
+  dob_all, Db_all = _blocks(do.astype(jnp.float32), bq), _blocks(D, bq)
+  lseb_all = jnp.moveaxis(lse.reshape(B, H, -1, bq), 2, 0)  # [nq, B, H, bq]
+  kb_all, vb_all = _blocks(k, bk), _blocks(v, bk)
+  kp_all, ks_all = kpos.reshape(-1, bk), _blocks(kseg, bk)
+
+  def q_block(carry, xs):
+    dk, dv = carry  # [nk, B, bk, Hk, D*] fp32
+    qb, qp, qs, dob, Db, lseb = xs
+    lse_safe = jnp.where(jnp.isfinite(lseb), lseb, 0.0)
+
+    def k_block(dq, ys):
+      kb, vb, kp, ks = ys
+      s = _scores(qb, kb, scale)
+      vis = _visible(qp, kp, qs, ks)
+      p = jnp.where(vis, jnp.exp(jnp.where(vis, s, 0.0) - lse_safe[..., None]), 0.0)
+      if Hk == 1:
+        dvb = jnp.einsum("bhqk,bqhd->bkd", p, dob)[:, :, None]
+        dp = jnp.einsum("bqhd,bkd->bhqk", dob, vb[:, :, 0].astype(jnp.float32))
+      else:
+        dvb = jnp.einsum("bhqk,bqhd->bkhd", p, dob)
+        dp = jnp.einsum("bqhd,bkhd->bhqk", dob, vb.astype(jnp.float32))
+      ds = p * (dp - jnp.swapaxes(Db, 1, 2)[..., None]) * scale
+      if Hk == 1:
+        dq = dq + jnp.einsum("bhqk,bkd->bqhd", ds, kb[:, :, 0].astype(jnp.float32))
+        dkb = jnp.einsum("bhqk,bqhd->bkd", ds, qb.astype(jnp.float32))[:, :, None]
+      else:
+        dq = dq + jnp.einsum("bhqk,bkhd->bqhd", ds, kb.astype(jnp.float32))
+        dkb = jnp.einsum("bhqk,bqhd->bkhd", ds, qb.astype(jnp.float32))
+      return dq, (dkb, dvb)
+
+    dq, (dkb, dvb) = jax.lax.scan(k_block, jnp.zeros(qb.shape, jnp.float32),
+                                  (kb_all, vb_all, kp_all, ks_all))
+    return (dk + dkb, dv + dvb), dq
+
+  nk = kb_all.shape[0]
+  init = (jnp.zeros((nk, B, bk, Hk, Dk), jnp.float32),
+          jnp.zeros((nk, B, bk, Hk, v.shape[-1]), jnp.float32))
+  (dk, dv), dq = jax.lax.scan(q_block, init, (qb_all, qp_all, qs_all, dob_all, Db_all,
+                                              lseb_all))
+  return (_unblocks(dq).astype(q.dtype), _unblocks(dk).astype(k.dtype),
+          _unblocks(dv).astype(v.dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(7, 8, 9))
+def _flash(q, k, v, qpos, kpos, qseg, kseg, scale, bq, bk):
+  o, _ = _flash_fwd(q, k, v, qpos, kpos, qseg, kseg, scale, bq, bk)
+  return o
+
+
+def _flash_vjp_fwd(q, k, v, qpos, kpos, qseg, kseg, scale, bq, bk):
+  o, lse = _flash_fwd(q, k, v, qpos, kpos, qseg, kseg, scale, bq, bk)
+  return o, (q, k, v, qpos, kpos, qseg, kseg, o, lse)
+
+
+def _flash_vjp_bwd(scale, bq, bk, res, do):
+  q, k, v, qpos, kpos, qseg, kseg, o, lse = res
+  dq, dk, dv = _flash_bwd(q, k, v, qpos, kpos, qseg, kseg, o, lse, do, scale, bq, bk)
+  return dq, dk, dv, None, None, None, None
+
+
+_flash.defvjp(_flash_vjp_fwd, _flash_vjp_bwd)
+
+
+def flash_attention(q, k, v, qpos, kpos, qseg, kseg, *, scale: float, block_q: int = 512,
+                    block_k: int = 512):
+  """Memory-efficient attention with a recomputing backward (FlashAttention-2 in plain JAX):
+  O(T) memory in forward and backward, for any query/key ranges (context shards).
 
   q [B, Tq, H, Dk]; k [B, Tk, Hk, Dk]; v [B, Tk, Hk, Dv] with Hk in {1, H} (1 = MQA, e.g.
-  MLA's latent form); qpos [Tq], kpos [Tk] global positions; qseg [B, Tq], kseg [B, Tk] or
-  None. A key is visible when kpos <= qpos and (no segments or the same non-zero segment).
-  Returns [B, Tq, H, Dv] in q's dtype (zero rows for queries that see no key).
+  MLA's latent form); qpos [Tq], kpos [Tk] int32 global positions; qseg [B, Tq], kseg [B, Tk]
+  int32 segment ids (0 = padding). A key is visible when kpos <= qpos and both segment ids are
+  equal and non-zero. Softmax statistics in fp32. Returns [B, Tq, H, Dv] in q's dtype (zero
+  rows for queries that see no key, e.g. padding).
   """
-  B, Tq, H, Dk = q.shape
-  Tk = k.shape[1]
-  block = min(block, Tk)
-  nb = -(-Tk // block)
-  pad = nb * block - Tk
-  if pad:
-    k = jnp.pad(k, ((0, 0), (0, pad), (0, 0), (0, 0)))
-    v = jnp.pad(v, ((0, 0), (0, pad), (0, 0), (0, 0)))
-    kpos = jnp.pad(kpos, (0, pad), constant_values=jnp.iinfo(jnp.int32).max)
-    if kseg is not None:
-      kseg = jnp.pad(kseg, ((0, 0), (0, pad)))
-  Hk, Dv = k.shape[2], v.shape[-1]
-  kb = k.reshape(B, nb, block, Hk, Dk).swapaxes(0, 1)
-  vb = v.reshape(B, nb, block, Hk, Dv).swapaxes(0, 1)
-  pb = kpos.reshape(nb, block)
-  sb = None if kseg is None else kseg.reshape(B, nb, block).swapaxes(0, 1)
-  qf = q.astype(jnp.float32) * scale
+  Tq, Tk = q.shape[1], k.shape[1]
+  bq, bk = min(block_q, Tq), min(block_k, Tk)
+  big = jnp.iinfo(jnp.int32).max
+  qp = _pad_to(qpos.astype(jnp.int32), bq, 0, -1)
+  qs = _pad_to(qseg.astype(jnp.int32), bq, 1, 0)
+  o = _flash(_pad_to(q, bq, 1), _pad_to(k, bk, 1), _pad_to(v, bk, 1), qp,
+             _pad_to(kpos.astype(jnp.int32), bk, 0, big), qs,
+             _pad_to(kseg.astype(jnp.int32), bk, 1, 0), float(scale), bq, bk)
+  return o[:, :Tq].astype(q.dtype)
 
-  def step(carry, xs):
-    m, l, acc = carry
-    kk, vv, pp, ss = xs
-    s = jnp.einsum("bqhd,bkhd->bhqk", qf, jnp.broadcast_to(
-        kk, (B, block, H, Dk)).astype(jnp.float32))
-    vis = pp[None, None, None, :] <= qpos[None, None, :, None]
-    if ss is not None:
-      vis = vis & (ss[:, None, None, :] == qseg[:, None, :, None]) & (
-          qseg[:, None, :, None] != 0)
-    s = jnp.where(vis, s, -jnp.inf)
-    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
-    m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-    p = jnp.exp(s - m_safe[..., None])
-    corr = jnp.exp(jnp.where(jnp.isfinite(m), m, m_safe) - m_safe)
-    l = l * corr + jnp.sum(p, axis=-1)
-    acc = acc * corr[..., None] + jnp.einsum(
-        "bhqk,bkhd->bhqd", p, jnp.broadcast_to(vv, (B, block, H, Dv)).astype(jnp.float32))
-    return (m_new, l, acc), None
 
-  init = (jnp.full((B, H, Tq), -jnp.inf, jnp.float32), jnp.zeros((B, H, Tq), jnp.float32),
-          jnp.zeros((B, H, Tq, Dv), jnp.float32))
-  xs = (kb, vb, pb, sb)
-  (m, l, acc), _ = jax.lax.scan(step, init, xs)
-  out = acc / jnp.maximum(l, 1e-30)[..., None]
-  return out.swapaxes(1, 2).astype(q.dtype)
+def mla_latent_attention(q: jax.Array, c_kv: jax.Array, k_rope: jax.Array, w_ukv: jax.Array,
+                         *, nope_dim: int, scale: float, mesh: jax.sharding.Mesh,
+                         axis: str = "context", segment_ids: jax.Array | None = None,
+                         block: int = 512) -> jax.Array:
+  """Gated MLA attention over a context-sharded sequence in the absorbed (latent) form.
+
+  Only the latent [c_kv; k_rope] (kv_lora + rope values per token, 576 at full scale) is
+  all-gathered over `axis`; W_uk is folded into the query and W_uv applied to the latent
+  output, so attention runs as one MQA head of width kv_lora + rope (DeepSeek-V2 §2.1.2).
+
+  Args:
+    q: [B, T, H, nope + rope] queries; c_kv: [B, T, kv_lora] (normalised); k_rope:
+      [B, T, rope]; w_ukv: [kv_lora, H, nope + v] the up-projection (k_nope | v).
+  Returns:
+    o [B, T, H, v] in q's dtype (before the output gate and W_o).
+  """
+  dt = q.dtype
+  w_uk, w_uv = w_ukv[..., :nope_dim], w_ukv[..., nope_dim:]
+  q_lat = jnp.einsum("bthd,chd->bthc", q[..., :nope_dim], w_uk.astype(dt),
+                     preferred_element_type=jnp.float32).astype(dt)
+  q_full = jnp.concatenate([q_lat, q[..., nope_dim:]], axis=-1)  # [B, T, H, kv_lora + rope]
+  k_lat = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1)[:, :, None, :]
+  o_lat = cp_attention(q_full, k_lat.astype(dt), c_kv[:, :, None, :].astype(dt), mesh=mesh,
+                       axis=axis, segment_ids=segment_ids, scale=scale, block=block)
+  return jnp.einsum("bthc,chd->bthd", o_lat, w_uv.astype(dt),
+                    preferred_element_type=jnp.float32).astype(dt)
 
 
 def cp_attention(q, k, v, *, mesh: jax.sharding.Mesh, axis: str = "context",
@@ -270,7 +421,8 @@ def cp_attention(q, k, v, *, mesh: jax.sharding.Mesh, axis: str = "context",
   b, c, t = _specs(mesh, axis)
   Hk = k.shape[2]
   kt = t if Hk > 1 else None
-  body = functools.partial(_attn_cp_body, axis=axis, scale=scale, block=block)
+  body = functools.partial(_attn_cp_body, axis=axis, scale=scale, block_q=block,
+                           block_k=block)
 
   def wrapped(q, k, v, seg):
     with shd.use_mesh(None):
