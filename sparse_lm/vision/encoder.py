@@ -1,0 +1,257 @@
+"""Native-resolution ViT encoder + 2x2 patch merge + MLP projector (ARCHITECTURE.md §7).
+
+Sources: Kimi-VL / MoonViT (arXiv 2504.07491 §2.1: native resolution, 2D RoPE over height and
+width, pixel-shuffle 2x2 merge then a two-layer MLP projector); NaViT (arXiv 2307.06304:
+native aspect ratio, variable token counts per image); RoFormer (arXiv 2104.09864) for RoPE.
+
+    patches  x_0 = patchify(pixels) W_patch                     [N, P, C]   P = patch grid
+    L times  x += Attn(RMSNorm(x)),  q, k rotated by 2D RoPE at (row, col), padding keys masked
+             x += W_2 gelu(W_1 RMSNorm(x))
+    merge    z = merge_2x2(RMSNorm(x))                            [N, P/4, 4C]
+    project  e = RMSNorm(W_p2 gelu(W_p1 z))                       [N, P/4, D]
+    compact  valid tokens of each image moved to the front       [N, M, D] + mask [N, M]
+
+Choices not fixed by the sources (documented, not config fields):
+  * Position information is 2D RoPE only (MoonViT also keeps SigLIP's interpolated learned
+    absolute embedding; RoPE alone keeps the encoder free of any reference resolution). Half of
+    each head's channels rotate with the patch row, half with the column, base ROPE_THETA.
+  * RMSNorm everywhere (the decoder's norm) instead of SigLIP's LayerNorm; no biases.
+  * Projector hidden width 4C (the merged width); a final RMSNorm with learned scale so image
+    tokens enter the residual stream at RMS ~1, like the unit-variance text embeddings
+    (`layers.Embed`).
+  * Images in one batch do not attend to each other: the batch is padded [N, P, C] with a key
+    mask, not NaViT-packed into one sequence (simpler, and exact for any mix of sizes).
+
+Logical axis names of the parameters: vision_patch (p*p*3 pixel values), vision_embed (C),
+heads, kv (head dim), vision_mlp (ViT MLP hidden and projector hidden), vision_merged (4C),
+embed (D, the projector output), norm; stacked ViT layers carry a leading `layers` axis.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sparse_lm import sharding
+from sparse_lm.config import ModelConfig
+from sparse_lm.model import layers
+from sparse_lm.vision import merge, patches
+from sparse_lm.vision.patches import ImageBatch
+
+ROPE_THETA = 10_000.0
+
+
+# ------------------------------------------------------------------------------ pure math
+
+
+def rope_2d_tables(rows: np.ndarray, cols: np.ndarray, head_dim: int,
+                   theta: float = ROPE_THETA) -> tuple[jax.Array, jax.Array]:
+  """cos / sin tables of 2D RoPE for patches at (rows, cols).
+
+  Args:
+    rows, cols: int [P] patch coordinates.
+    head_dim: Dh, a multiple of 4 (Dh/2 channels per axis, rotated in Dh/4 pairs).
+    theta: RoPE base.
+
+  Returns:
+    (cos, sin) fp32 [P, Dh/2]: the first Dh/4 columns are row angles, the last Dh/4 column
+    angles, matching the channel split in `apply_rope_2d`.
+
+  Raises:
+    ValueError: head_dim not a multiple of 4.
+  """
+  if head_dim % 4:
+    raise ValueError(f"2D RoPE needs head_dim % 4 == 0, got {head_dim}")
+  quarter = head_dim // 4
+  inv_freq = theta ** (-np.arange(quarter, dtype=np.float64) / quarter)
+  ang = np.concatenate([np.asarray(rows, np.float64)[:, None] * inv_freq,
+                        np.asarray(cols, np.float64)[:, None] * inv_freq], axis=-1)
+  return jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32)
+
+
+def apply_rope_2d(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
+  """Rotate x [N, P, H, Dh] by 2D RoPE; cos / sin [P, Dh/2] from `rope_2d_tables`.
+
+  Channels [0, Dh/2) encode the row and [Dh/2, Dh) the column; within each half, channel j
+  pairs with j + Dh/4 (rotate-half convention). Computed in fp32, returned in x.dtype. The dot
+  product of a rotated query at (r, c) and key at (r', c') depends only on (r - r', c - c').
+  """
+  dh = x.shape[-1]
+  xf = x.astype(jnp.float32).reshape(*x.shape[:-1], 2, 2, dh // 4)  # [.., axis, pair, Dh/4]
+  c = cos.reshape(cos.shape[0], 1, 2, 1, dh // 4)
+  s = sin.reshape(sin.shape[0], 1, 2, 1, dh // 4)
+  x1, x2 = xf[..., 0:1, :], xf[..., 1:2, :]
+  rotated = jnp.concatenate([-x2, x1], axis=-2)
+  return (xf * c + rotated * s).reshape(x.shape).astype(x.dtype)
+
+
+def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_mask: jax.Array
+                     ) -> jax.Array:
+  """Bidirectional softmax attention with padding keys masked out.
+
+  q, k, v [N, P, H, Dh] (compute dtype); key_mask bool [N, P]. Logits and softmax in fp32,
+  scale 1/sqrt(Dh). A query whose image has no valid key (an empty slot) gets a finite average
+  instead of NaN (masked logits are a large finite negative), so gradients stay finite.
+  Returns [N, P, H, Dh] in q.dtype.
+  """
+  scale = q.shape[-1] ** -0.5
+  logits = jnp.einsum("nqhd,nkhd->nhqk", q, k, preferred_element_type=jnp.float32) * scale
+  logits = jnp.where(key_mask[:, None, None, :], logits, -1e30)
+  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
+  return jnp.einsum("nhqk,nkhd->nqhd", probs, v, preferred_element_type=jnp.float32
+                    ).astype(q.dtype)
+
+
+# ------------------------------------------------------------------------------ modules
+
+
+def _check(cfg: ModelConfig) -> None:
+  c, h = cfg.vision_width, cfg.vision_heads
+  if min(c, h, cfg.vision_layers, cfg.vision_mlp, cfg.vision_patch_size) <= 0:
+    raise ValueError(f"ModelConfig({cfg.name}): vision_* sizes must be > 0")
+  if c % h or (c // h) % 4:
+    raise ValueError(f"ModelConfig({cfg.name}): vision_width={c} / vision_heads={h} must be "
+                     "an integer head dim divisible by 4 (2D RoPE splits it in 4)")
+
+
+class VisionBlock(nnx.Module):
+  """One pre-norm ViT layer: x += Attn(RMSNorm(x)); x += MLP(RMSNorm(x)).
+
+  Params (cfg.param_dtype; norms fp32): attn_norm [C]; w_q, w_k, w_v [C, H, Dh]
+  (vision_embed, heads, kv); w_o [H, Dh, C] (heads, kv, vision_embed); mlp_norm [C];
+  w_1 [C, F] (vision_embed, vision_mlp); w_2 [F, C] (vision_mlp, vision_embed).
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    C, H, F = cfg.vision_width, cfg.vision_heads, cfg.vision_mlp
+    dh = C // H
+    dense = lambda i, o, n: layers.dense_param(rngs, i, o, n, cfg)
+    self.dtype = jnp.dtype(cfg.dtype)
+    self.attn_norm = layers.RMSNorm(C, cfg=cfg, rngs=rngs)
+    self.w_q = dense((C,), (H, dh), ("vision_embed", "heads", "kv"))
+    self.w_k = dense((C,), (H, dh), ("vision_embed", "heads", "kv"))
+    self.w_v = dense((C,), (H, dh), ("vision_embed", "heads", "kv"))
+    self.w_o = dense((H, dh), (C,), ("heads", "kv", "vision_embed"))
+    self.mlp_norm = layers.RMSNorm(C, cfg=cfg, rngs=rngs)
+    self.w_1 = dense((C,), (F,), ("vision_embed", "vision_mlp"))
+    self.w_2 = dense((F,), (C,), ("vision_mlp", "vision_embed"))
+
+  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, valid: jax.Array
+               ) -> jax.Array:
+    """x fp32 [N, P, C]; cos/sin [P, Dh/2]; valid bool [N, P] -> fp32 [N, P, C]."""
+    dt = self.dtype
+    h = self.attn_norm(x).astype(dt)
+    q = apply_rope_2d(layers.project(h, self.w_q[...]), cos, sin)
+    k = apply_rope_2d(layers.project(h, self.w_k[...]), cos, sin)
+    v = layers.project(h, self.w_v[...])
+    o = masked_attention(q, k, v, valid)
+    x = x + layers.project(o, self.w_o[...], 2, out_dtype=jnp.float32)
+    h = self.mlp_norm(x).astype(dt)
+    h = jax.nn.gelu(layers.project(h, self.w_1[...]), approximate=True)
+    h = sharding.constrain(h, ("activation_batch", None, "activation_mlp"))
+    return x + layers.project(h, self.w_2[...], out_dtype=jnp.float32)
+
+
+def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> VisionBlock:
+  """cfg.vision_layers VisionBlocks with every param stacked on a leading `layers` axis."""
+  blocks = [VisionBlock(cfg, rngs=rngs) for _ in range(cfg.vision_layers)]
+  graphdef, _ = nnx.split(blocks[0])
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.split(b)[1] for b in blocks])
+  out = nnx.merge(graphdef, stacked)
+  for _, node in nnx.iter_graph(out):
+    if isinstance(node, nnx.Variable):
+      names = node.get_metadata().get("out_sharding")
+      if names is not None:
+        node.set_metadata(out_sharding=("layers", *names))
+  return out
+
+
+class VisionEncoder(nnx.Module):
+  """Native-resolution ViT + 2x2 merge + MLP projector into d_model (module docstring).
+
+  Call: `encoder(pixels [N, H, W, 3] float, sizes [N, 2] int)` -> (embeddings fp32 [N, M, D],
+  mask bool [N, M]), M = ceil(H/2p) * ceil(W/2p) for the padded canvas (H, W need not be
+  multiples of 2p: the canvas is zero-padded). Image n's valid tokens are embeddings[n, :m_n]
+  with m_n = num_image_tokens(h_n, w_n, p), row-major over its own merged grid; the rest are
+  zeros. Works under jit with traced sizes (shapes depend only on the canvas).
+
+  Params: patch_embed [p*p*3, C] (vision_patch, vision_embed); blocks (stacked `layers` axis,
+  see VisionBlock); final_norm [C]; proj_1 [4C, 4C] (vision_merged, vision_mlp); proj_2
+  [4C, D] (vision_mlp, embed); out_norm [D].
+
+  Raises (construction): ValueError for inconsistent vision_* fields.
+  """
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    _check(cfg)
+    self.cfg = cfg
+    C, p = cfg.vision_width, cfg.vision_patch_size
+    merged = patches.MERGE * patches.MERGE * C
+    self.patch_embed = layers.dense_param(rngs, (p * p * 3,), (C,),
+                                          ("vision_patch", "vision_embed"), cfg)
+    self.blocks = _stacked_blocks(cfg, rngs)
+    self.final_norm = layers.RMSNorm(C, cfg=cfg, rngs=rngs)
+    self.proj_1 = layers.dense_param(rngs, (merged,), (merged,),
+                                     ("vision_merged", "vision_mlp"), cfg)
+    self.proj_2 = layers.dense_param(rngs, (merged,), (cfg.d_model,), ("vision_mlp", "embed"),
+                                     cfg)
+    self.out_norm = layers.RMSNorm(cfg.d_model, cfg=cfg, rngs=rngs)
+
+  def _run_blocks(self, x, cos, sin, valid):
+    cfg = self.cfg
+    graphdef, params, rest = nnx.split(self.blocks, nnx.Param, ...)
+
+    def body(x, p):
+      return nnx.merge(graphdef, p, rest)(x, cos, sin, valid), None
+
+    policy = layers.remat_policy(cfg.remat_policy)
+    if policy is not None:
+      body = jax.checkpoint(body, policy=policy, prevent_cse=not cfg.scan_layers)
+    if cfg.scan_layers:
+      x, _ = jax.lax.scan(body, x, params)
+    else:
+      for i in range(cfg.vision_layers):
+        x, _ = body(x, jax.tree.map(lambda a: a[i], params))
+    return x
+
+  def __call__(self, pixels: jax.Array, sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """See the class docstring. pixels [N, H, W, 3]; sizes [N, 2] int (height, width)."""
+    cfg = self.cfg
+    p, dt = cfg.vision_patch_size, jnp.dtype(cfg.dtype)
+    if pixels.ndim != 4 or pixels.shape[-1] != 3 or sizes.shape != (pixels.shape[0], 2):
+      raise ValueError(f"VisionEncoder: pixels must be [N, H, W, 3] and sizes [N, 2], got "
+                       f"{pixels.shape} and {sizes.shape}")
+    pixels = patches.pad_to_cells(pixels, p)
+    pixels = patches.mask_pixels(pixels, sizes)
+    N, H, W, _ = pixels.shape
+    gh, gw = H // p, W // p
+    x = patches.patchify(pixels.astype(dt), p).reshape(N, gh * gw, p * p * 3)
+    x = layers.project(x, self.patch_embed[...], out_dtype=jnp.float32)
+    x = sharding.constrain(x, ("activation_batch", None, "activation_embed"))
+    valid = patches.patch_validity(sizes, gh, gw, p)
+    rows, cols = patches.patch_positions(gh, gw)
+    cos, sin = rope_2d_tables(rows, cols, cfg.vision_width // cfg.vision_heads)
+    x = self._run_blocks(x, cos, sin, valid)
+    z = patches.merge_2x2(self.final_norm(x).astype(dt), gh, gw)
+    z = jax.nn.gelu(layers.project(z, self.proj_1[...]), approximate=True)
+    e = self.out_norm(layers.project(z, self.proj_2[...]))  # fp32 [N, M, D]
+    e, mask = patches.compact_tokens(e, sizes, gh // 2, gw // 2, p)
+    e = sharding.constrain(e, ("activation_batch", None, "activation_embed"))
+    return e, mask
+
+  def encode(self, images: ImageBatch) -> tuple[jax.Array, jax.Array]:
+    """`self(images.pixels, images.sizes)`."""
+    return self(images.pixels, images.sizes)
+
+  def embed_into(self, text_embeddings: jax.Array, tokens: jax.Array, images: ImageBatch,
+                 image_token_id: int = merge.IMAGE_TOKEN_ID) -> jax.Array:
+    """Encode `images` and splice them into the `<image>` spans of the text embeddings.
+
+    text_embeddings [B, T, D], tokens [B, T] int -> [B, T, D] in text_embeddings.dtype (see
+    `merge.merge_image_embeddings` for the placeholder contract). The one call the decoder
+    needs: `x = self.embed(tokens); x = self.vision.embed_into(x, tokens, images)`.
+    """
+    e, mask = self.encode(images)
+    return merge.merge_image_embeddings(text_embeddings, tokens, e, mask, image_token_id)
