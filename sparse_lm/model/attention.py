@@ -119,7 +119,12 @@ def attention_tokamax(q, k, v, *, segment_ids=None, scale: float, implementation
   "xla_chunked" run on CPU and are used by the tests.
   """
   import tokamax
+  from absl import flags
   from tokamax._src.ops.attention import api as tk_api
+  if not flags.FLAGS.is_parsed():
+    # tokamax reads its absl flags on first use and, if nobody parsed them, parses sys.argv,
+    # which fails under non-absl programs (pytest, notebooks): take the flag defaults.
+    flags.FLAGS.mark_as_parsed()
   from tokamax._src.ops.attention import base as tk_base
   if segment_ids is None:
     return tokamax.dot_product_attention(q, k, v, scale=scale, is_causal=True,

@@ -101,8 +101,18 @@ def _stacked_groups(cfg: ModelConfig, n: int, rngs: nnx.Rngs) -> LayerGroup:
 
   Built eagerly one group at a time (cheap NumPy initialisers), stacked, and each variable's
   logical axis names get "layers" prepended (what `nnx.vmap(transform_metadata=...)` would
-  do). Under tracing (eval_shape, jit) the same code runs abstractly.
+  do). Under tracing (eval_shape, jit) the groups are made by `nnx.vmap` instead (same
+  structure and metadata; the random values differ from an eager build with the same seed).
   """
+  if isinstance(rngs.params.key[...], jax.core.Tracer):
+    # Tracing (eval_shape / jit): create one group under nnx.vmap. Building n groups in one
+    # trace is quadratic: every Variable made from a tracer asks for its `.sharding`, whose
+    # error message walks the whole trace (610 s for the full preset).
+    @nnx.split_rngs(splits=n)
+    @nnx.vmap(in_axes=(0,), out_axes=0, transform_metadata={nnx.PARTITION_NAME: "layers"})
+    def make(r):
+      return LayerGroup(cfg, first_layer=cfg.mla_every, rngs=r)
+    return make(rngs)
   groups = [LayerGroup(cfg, first_layer=cfg.mla_every, rngs=rngs) for _ in range(n)]
   graphdef, state = nnx.split(groups[0])
   states = [nnx.split(g)[1] for g in groups]

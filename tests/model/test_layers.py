@@ -1,0 +1,229 @@
+"""Layer-level tests: short conv, KDA layer vs the naive recurrence, MLA vs naive softmax
+attention (every CPU-runnable backend), decode paths, AttnRes at initialisation."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sparse_lm.config import get_preset
+from sparse_lm.model import attention, attnres
+from sparse_lm.model.kda import KDA, short_conv
+from sparse_lm.model.mla import MLA
+
+
+def rel_rmse(ref, out):
+  ref = np.asarray(ref, np.float64)
+  out = np.asarray(out, np.float64)
+  return np.linalg.norm(ref - out) / np.linalg.norm(ref)
+
+
+CFG = get_preset("tiny")
+
+
+def _segments(rng, B, T):
+  """Random packed segment ids with trailing padding (0) in the last row."""
+  seg = np.zeros((B, T), np.int32)
+  for b in range(B):
+    cuts = np.sort(rng.choice(np.arange(1, T), size=2, replace=False))
+    seg[b, :cuts[0]] = 1
+    seg[b, cuts[0]:cuts[1]] = 2
+    seg[b, cuts[1]:] = 3
+  seg[-1, T - 3:] = 0
+  return jnp.asarray(seg)
+
+
+def test_short_conv_segments_and_state():
+  rng = np.random.default_rng(0)
+  B, T, C, W = 2, 19, 5, 4
+  x = jnp.asarray(rng.standard_normal((B, T, C)), jnp.float32)
+  w = jnp.asarray(rng.standard_normal((W, C)), jnp.float32)
+  seg = _segments(rng, B, T)
+  y, _ = short_conv(x, w, seg)
+  # Naive definition.
+  xn, wn, sn = np.asarray(x), np.asarray(w), np.asarray(seg)
+  ref = np.zeros((B, T, C))
+  for b in range(B):
+    for t in range(T):
+      for i in range(W):
+        if t - i >= 0 and sn[b, t - i] == sn[b, t]:
+          ref[b, t] += wn[W - 1 - i] * xn[b, t - i]
+  np.testing.assert_allclose(y, ref, rtol=1e-5, atol=1e-5)
+  # Carrying the conv state over a split equals one pass.
+  y1, st = short_conv(x[:, :7], w)
+  y2, _ = short_conv(x[:, 7:], w, conv_state=st)
+  yf, _ = short_conv(x, w)
+  np.testing.assert_allclose(jnp.concatenate([y1, y2], 1), yf, rtol=1e-6, atol=1e-6)
+
+
+def _naive_kda(q, k, v, g, beta, seg, scale):
+  """ARCHITECTURE §2.1 in float64 NumPy, token by token, state reset at segment starts."""
+  q, k, v, g, beta = (np.asarray(a, np.float64) for a in (q, k, v, g, beta))
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  o = np.zeros((B, T, H, V))
+  for b in range(B):
+    S = np.zeros((H, K, V))
+    for t in range(T):
+      if t > 0 and seg[b, t] != seg[b, t - 1] and seg[b, t] != 0:
+        S = np.zeros((H, K, V))
+      if seg[b, t] == 0:
+        continue
+      S = np.exp(g[b, t])[:, :, None] * S
+      pred = np.einsum("hkv,hk->hv", S, k[b, t])
+      S = S + beta[b, t][:, None, None] * k[b, t][:, :, None] * (v[b, t] - pred)[:, None, :]
+      o[b, t] = np.einsum("hkv,hk->hv", S, scale * q[b, t])
+  return o
+
+
+@pytest.mark.parametrize("lower_bound", [-5.0, None])
+def test_kda_layer_matches_naive_recurrence(lower_bound):
+  cfg = dataclasses.replace(CFG, kda_gate_lower_bound=lower_bound)
+  layer = KDA(cfg, rngs=nnx.Rngs(1))
+  rng = np.random.default_rng(1)
+  B, T = 2, 37
+  x = jnp.asarray(rng.standard_normal((B, T, cfg.d_model)), jnp.float32)
+  seg = _segments(rng, B, T)
+  y = layer(x, segment_ids=seg)
+  p = layer.projections(x, seg)
+  assert bool(jnp.all(p.g < 0)) and (lower_bound is None or bool(jnp.all(p.g > lower_bound)))
+  np.testing.assert_allclose(jnp.linalg.norm(p.q, axis=-1), 1.0, atol=1e-4)
+  o = _naive_kda(*p, np.asarray(seg), cfg.kda_head_dim ** -0.5)
+  y_ref = layer.output(x, jnp.asarray(o, jnp.float32))
+  assert rel_rmse(y_ref, y) < 1e-4
+  assert float(jnp.std(y)) > 0
+
+
+def test_kda_decode_matches_prefill():
+  layer = KDA(CFG, rngs=nnx.Rngs(2))
+  x = jax.random.normal(jax.random.key(2), (2, 21, CFG.d_model))
+  y = layer(x)
+  cache = layer.init_cache(2)
+  y1, cache = layer.decode(x[:, :13], cache)
+  outs = [y1]
+  for t in range(13, 21):
+    yt, cache = layer.decode(x[:, t:t + 1], cache)
+    outs.append(yt)
+  assert rel_rmse(y, jnp.concatenate(outs, 1)) < 1e-5
+
+
+def _naive_attention(q, k, v, seg, scale):
+  q, k, v = (np.asarray(a, np.float64) for a in (q, k, v))
+  B, T, H, _ = q.shape
+  s = np.einsum("bqhd,bkhd->bhqk", q, k) * scale
+  seg = np.asarray(seg)
+  mask = (np.arange(T)[:, None] >= np.arange(T)[None, :])[None] & (
+      seg[:, :, None] == seg[:, None, :])
+  s = np.where(mask[:, None], s, -np.inf)
+  p = np.exp(s - s.max(-1, keepdims=True))
+  p /= p.sum(-1, keepdims=True)
+  return np.einsum("bhqk,bkhd->bqhd", p, v)
+
+
+@pytest.mark.parametrize("backend", ["xla", "xla_chunked", "tokamax_xla", "tokamax_xla_chunked"])
+def test_attention_backends_match_naive(backend):
+  rng = np.random.default_rng(3)
+  B, T, H, Dk, Dv = 2, 45, 3, 24, 16
+  q, k = (jnp.asarray(rng.standard_normal((B, T, H, Dk)), jnp.float32) for _ in range(2))
+  v = jnp.asarray(rng.standard_normal((B, T, H, Dv)), jnp.float32)
+  seg = _segments(rng, B, T)
+  scale = Dk ** -0.5
+  if backend.startswith("tokamax"):
+    o = attention.attention_tokamax(q, k, v, segment_ids=seg, scale=scale,
+                                    implementation=backend[len("tokamax_"):])
+  else:
+    o = attention.dot_product_attention(q, k, v, segment_ids=seg, scale=scale, backend=backend,
+                                        chunk_size=16)
+  assert o.shape == (B, T, H, Dv)
+  assert rel_rmse(_naive_attention(q, k, v, seg, scale), o) < 1e-5
+
+
+def test_chunked_attention_gradients_match_full():
+  rng = np.random.default_rng(4)
+  B, T, H, Dk, Dv = 1, 33, 2, 12, 8
+  q, k = (jnp.asarray(rng.standard_normal((B, T, H, Dk)), jnp.float32) for _ in range(2))
+  v = jnp.asarray(rng.standard_normal((B, T, H, Dv)), jnp.float32)
+  seg = _segments(rng, B, T)
+  w = jnp.asarray(rng.standard_normal((B, T, H, Dv)), jnp.float32)
+  f = lambda fn: jax.grad(lambda q, k, v: jnp.sum(fn(q, k, v) * w), argnums=(0, 1, 2))(q, k, v)
+  ref = f(lambda q, k, v: attention.attention_xla(q, k, v, segment_ids=seg, scale=0.3))
+  out = f(lambda q, k, v: attention.attention_xla_chunked(q, k, v, segment_ids=seg, scale=0.3,
+                                                          chunk_size=8))
+  for a, b in zip(ref, out):
+    assert rel_rmse(a, b) < 1e-5
+
+
+def test_mla_matches_naive_attention_and_decode():
+  layer = MLA(CFG, rngs=nnx.Rngs(5))
+  rng = np.random.default_rng(5)
+  B, T = 2, 29
+  x = jnp.asarray(rng.standard_normal((B, T, CFG.d_model)), jnp.float32)
+  seg = _segments(rng, B, T)
+  q, k, v = layer.qkv(x)
+  assert q.shape[-1] == CFG.qk_head_dim and v.shape[-1] == CFG.v_head_dim
+  # The "rope" key channels are shared by all heads and never rotated (NoPE).
+  np.testing.assert_array_equal(k[:, :, 0, CFG.qk_nope_head_dim:], k[:, :, 1, CFG.qk_nope_head_dim:])
+  o = _naive_attention(q, k, v, seg, CFG.qk_head_dim ** -0.5)
+  y_ref = layer.output(x, jnp.asarray(o, jnp.float32))
+  for backend in ("xla", "xla_chunked"):
+    assert rel_rmse(y_ref, layer(x, segment_ids=seg, backend=backend)) < 1e-5
+  # Absorbed-weight decode over the latent cache equals the prefill path (one document).
+  y = layer(x)
+  cache = layer.init_cache(B, T)
+  y1, cache = layer.decode(x[:, :20], cache)
+  outs = [y1]
+  for t in range(20, T):
+    yt, cache = layer.decode(x[:, t:t + 1], cache)
+    outs.append(yt)
+  assert rel_rmse(y, jnp.concatenate(outs, 1)) < 1e-5
+
+
+def test_attnres_uniform_at_init_and_masking():
+  rng = np.random.default_rng(6)
+  N, B, T, D = 5, 2, 3, 8
+  src = jnp.asarray(rng.standard_normal((N, B, T, D)) * rng.uniform(0.1, 10, (N, 1, 1, 1)),
+                    jnp.float32)
+  valid = jnp.array([True, True, True, False, False])
+  partial = jnp.asarray(rng.standard_normal((B, T, D)), jnp.float32)
+  zero = jnp.zeros((D,))
+  h = attnres.attnres_mix(src, valid, zero)
+  np.testing.assert_allclose(h, jnp.mean(src[:3], 0), rtol=1e-5, atol=1e-6)
+  h = attnres.attnres_mix(src, valid, zero, partial, True)
+  np.testing.assert_allclose(h, (jnp.sum(src[:3], 0) + partial) / 4, rtol=1e-5, atol=1e-6)
+  # A non-zero query: softmax over w · RMSNorm(s_j) (naive).
+  w = jnp.asarray(rng.standard_normal(D), jnp.float32)
+  s = np.asarray(src[:3], np.float64)
+  keys = s / np.sqrt(np.mean(s ** 2, -1, keepdims=True) + 1e-6)
+  a = np.exp(keys @ np.asarray(w, np.float64))
+  a /= a.sum(0)
+  np.testing.assert_allclose(attnres.attnres_mix(src, valid, w), np.sum(a[..., None] * s, 0),
+                             rtol=1e-5, atol=1e-5)
+  # Gradients stay finite with -inf masked slots.
+  g = jax.grad(lambda w: jnp.sum(attnres.attnres_mix(src, valid, w, partial, False)))(w)
+  assert bool(jnp.all(jnp.isfinite(g))) and float(jnp.abs(g).sum()) > 0
+
+
+def test_attnres_stream_blocks():
+  """Block stream: sources are b_0, finished blocks and the current partial sum."""
+  cfg = dataclasses.replace(CFG, attnres_block_layers=4)
+  rng = np.random.default_rng(7)
+  emb = jnp.asarray(rng.standard_normal((1, 2, 4)), jnp.float32)
+  ys = [jnp.asarray(rng.standard_normal((1, 2, 4)), jnp.float32) for _ in range(5)]
+  zero = jnp.zeros((4,))
+  st = attnres.init_stream(cfg, emb)
+  st = attnres.open_block(cfg, st, True)  # layer 0: nothing to commit
+  np.testing.assert_allclose(attnres.sublayer_input(cfg, st, zero), emb, rtol=1e-6)
+  st = attnres.add_output(cfg, st, ys[0])
+  st = attnres.add_output(cfg, st, ys[1])
+  np.testing.assert_allclose(attnres.sublayer_input(cfg, st, zero), (emb + ys[0] + ys[1]) / 2,
+                             rtol=1e-5)
+  st = attnres.open_block(cfg, st, jnp.asarray(True))
+  assert int(st["count"]) == 2 and not bool(st["has_partial"])
+  st = attnres.add_output(cfg, st, ys[2])
+  np.testing.assert_allclose(attnres.sublayer_input(cfg, st, zero),
+                             (emb + (ys[0] + ys[1]) + ys[2]) / 3, rtol=1e-5)
+  st = attnres.open_block(cfg, st, jnp.asarray(False))  # not a block start: no commit
+  assert int(st["count"]) == 2
