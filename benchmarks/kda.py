@@ -1,0 +1,268 @@
+"""Time the KDA operator: forward and forward+backward of every available backend.
+
+    python -m benchmarks.kda                     # full grid (meant for an H200 / TPU)
+    python -m benchmarks.kda --quick             # tiny shapes, CPU, < 1 minute
+    python -m benchmarks.kda --backends xla,fla,attn --out docs/kda_table.md
+
+Shapes (ARCHITECTURE §2, issue 3): B=1, H=16, K=V=128, T ∈ {4K, 8K, 16K, 32K, 64K}, and H=96 at
+T=8K; bf16 inputs, lower-bounded gate g ∈ (−5, 0). Backends (each skipped with a reason when it
+cannot run here):
+  xla         pallas_kernels.kda chunk_kda(backend="xla", gate_lower_bound=-5): dense diag tiles
+  xla_safe    the same with the element-wise (unbounded-safe) diagonal tiles
+  pallas_tpu  chunk_kda(backend="pallas_tpu") on TPU
+  pallas_gpu  chunk_kda(backend="pallas_gpu") on GPU, if that backend exists
+  reference   the token-serial scan (only when asked: very slow at long T)
+  fla         fla-core's Triton chunk_kda (torch, CUDA), safe gate when its API has it
+  attn        fused causal softmax attention, jax.nn.dot_product_attention (cuDNN on GPU)
+  sdpa        torch scaled_dot_product_attention (causal), CUDA
+Each time is the median of --repeats runs after --warmup runs, with block_until_ready
+(torch.cuda.synchronize for torch). Prints one markdown table (ms); --out also writes it.
+Source of the operator: Kimi Linear (arXiv 2510.26692).
+"""
+
+from __future__ import annotations
+
+import argparse
+import inspect
+import statistics
+import sys
+import time
+import traceback
+
+JAX_BACKENDS = ("xla", "xla_safe", "pallas_tpu", "pallas_gpu", "reference", "attn")
+TORCH_BACKENDS = ("fla", "sdpa")
+DEFAULT_BACKENDS = ("xla", "xla_safe", "pallas_tpu", "pallas_gpu", "fla", "attn", "sdpa")
+
+
+def _shapes(quick: bool) -> list[tuple[int, int, int, int]]:
+  """(B, H, T, D) grid."""
+  if quick:
+    return [(1, 2, 256, 32), (1, 4, 512, 32)]
+  return [(1, 16, t, 128) for t in (4096, 8192, 16384, 32768, 65536)] + [(1, 96, 8192, 128)]
+
+
+def _median_ms(fn, warmup: int, repeats: int, sync) -> float:
+  for _ in range(warmup):
+    sync(fn())
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    sync(fn())
+    times.append((time.perf_counter() - t0) * 1e3)
+  return statistics.median(times)
+
+
+# ---------------------------------------------------------------------------------------------
+# JAX backends
+
+
+def _jax_inputs(B, H, T, D, seed=0):
+  import jax
+  import jax.numpy as jnp
+  ks = jax.random.split(jax.random.PRNGKey(seed), 6)
+  bf = jnp.bfloat16
+  q = jax.random.normal(ks[0], (B, T, H, D), jnp.float32)
+  k = jax.random.normal(ks[1], (B, T, H, D), jnp.float32)
+  q = (q / jnp.linalg.norm(q, axis=-1, keepdims=True)).astype(bf)
+  k = (k / jnp.linalg.norm(k, axis=-1, keepdims=True)).astype(bf)
+  v = jax.random.normal(ks[2], (B, T, H, D), bf)
+  g = (-5.0 * jax.nn.sigmoid(2.0 * jax.random.normal(ks[3], (B, T, H, D)))).astype(bf)
+  beta = jax.nn.sigmoid(jax.random.normal(ks[4], (B, T, H))).astype(bf)
+  do = jax.random.normal(ks[5], (B, T, H, D), bf)
+  return q, k, v, g, beta, do
+
+
+def _jax_fns(backend: str):
+  """(fwd(q,k,v,g,beta), fwd_bwd(q,k,v,g,beta,do)) jitted, or raise SkipBackend."""
+  import jax
+  import jax.numpy as jnp
+  platform = jax.default_backend()
+  if backend == "attn":
+    impl = "cudnn" if platform == "gpu" else None
+
+    def f(q, k, v, g, beta):
+      del g, beta
+      return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+  else:
+    from pallas_kernels.kda import chunk_kda
+    if backend == "pallas_tpu" and platform != "tpu":
+      raise SkipBackend("needs a TPU")
+    if backend == "pallas_gpu":
+      if platform != "gpu":
+        raise SkipBackend("needs a GPU")
+      try:
+        import pallas_kernels.kda.pallas_gpu  # noqa: F401  pylint: disable=g-import-not-at-top
+      except ImportError:
+        raise SkipBackend("pallas_kernels.kda.pallas_gpu not written") from None
+    if backend == "pallas_tpu":
+      try:
+        import pallas_kernels.kda.pallas_tpu  # noqa: F401  pylint: disable=g-import-not-at-top
+      except ImportError:
+        raise SkipBackend("pallas_kernels.kda.pallas_tpu not importable") from None
+    name = {"xla_safe": "xla"}.get(backend, backend)
+    bound = None if backend in ("xla_safe", "reference") else -5.0
+    kw = dict(backend=name, chunk_size=64)
+    if bound is not None:
+      kw["gate_lower_bound"] = bound
+
+    def f(q, k, v, g, beta):
+      return chunk_kda(q, k, v, g, beta, **kw)[0]
+
+  fwd = jax.jit(f)
+
+  def loss(q, k, v, g, beta, do):
+    return jnp.sum(f(q, k, v, g, beta).astype(jnp.float32) * do.astype(jnp.float32))
+
+  fwd_bwd = jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+  return fwd, fwd_bwd
+
+
+def _time_jax(backend, shape, warmup, repeats):
+  import jax
+  B, H, T, D = shape
+  fwd, fwd_bwd = _jax_fns(backend)
+  q, k, v, g, beta, do = _jax_inputs(B, H, T, D)
+  sync = jax.block_until_ready
+  t_f = _median_ms(lambda: fwd(q, k, v, g, beta), warmup, repeats, sync)
+  t_fb = _median_ms(lambda: fwd_bwd(q, k, v, g, beta, do), warmup, repeats, sync)
+  return t_f, t_fb
+
+
+# ---------------------------------------------------------------------------------------------
+# torch backends (CUDA only)
+
+
+def _time_torch(backend, shape, warmup, repeats):
+  try:
+    import torch  # pylint: disable=g-import-not-at-top
+  except ImportError:
+    raise SkipBackend("torch not installed") from None
+  if not torch.cuda.is_available():
+    raise SkipBackend("needs CUDA")
+  B, H, T, D = shape
+  dev, bf = "cuda", torch.bfloat16
+  gen = torch.Generator(device=dev).manual_seed(0)
+  rnd = lambda *s: torch.randn(*s, device=dev, generator=gen, dtype=torch.float32)
+  q = torch.nn.functional.normalize(rnd(B, T, H, D), dim=-1).to(bf)
+  k = torch.nn.functional.normalize(rnd(B, T, H, D), dim=-1).to(bf)
+  v = rnd(B, T, H, D).to(bf)
+  g = (-5.0 * torch.sigmoid(2.0 * rnd(B, T, H, D))).to(bf)
+  beta = torch.sigmoid(rnd(B, T, H)).to(bf)
+  do = rnd(B, T, H, D).to(bf)
+  if backend == "fla":
+    try:
+      from fla.ops.kda import chunk_kda as fla_chunk_kda  # pylint: disable=g-import-not-at-top
+    except ImportError:
+      raise SkipBackend("fla-core not installed") from None
+    params = inspect.signature(fla_chunk_kda).parameters
+    kw = {}
+    if "safe_gate" in params:  # fla's lower-bounded ("safe") gate path
+      kw["safe_gate"] = True
+    if "lower_bound" in params:
+      kw["lower_bound"] = -5.0
+
+    def f(q, k, v, g, beta):
+      return fla_chunk_kda(q, k, v, g, beta, **kw)[0]
+    leaves = [q, k, v, g, beta]
+  else:
+    qh, kh, vh = (x.transpose(1, 2).contiguous() for x in (q, k, v))  # SDPA: [B, H, T, D]
+    do = do.transpose(1, 2).contiguous()
+    leaves = [qh, kh, vh]
+
+    def f(*_):
+      return torch.nn.functional.scaled_dot_product_attention(qh, kh, vh, is_causal=True)
+
+  def fwd():
+    with torch.no_grad():
+      return f(q, k, v, g, beta)
+
+  def fwd_bwd():
+    for x in leaves:
+      x.grad = None
+      x.requires_grad_(True)
+    o = f(q, k, v, g, beta)
+    o.backward(do)
+    return o
+
+  sync = lambda _: torch.cuda.synchronize()
+  return (_median_ms(fwd, warmup, repeats, sync), _median_ms(fwd_bwd, warmup, repeats, sync))
+
+
+class SkipBackend(Exception):
+  """The backend cannot run in this environment (reason in the message)."""
+
+
+def run(backends, shapes, warmup, repeats, out=None):
+  rows = {}
+  notes = {}
+  for be in backends:
+    for shape in shapes:
+      try:
+        if be in TORCH_BACKENDS:
+          res = _time_torch(be, shape, warmup, repeats)
+        else:
+          res = _time_jax(be, shape, warmup, repeats)
+        cell = res
+      except SkipBackend as e:
+        notes[be] = f"skipped: {e}"
+        break
+      except Exception as e:  # OOM or a backend bug: record and go on
+        msg = str(e).splitlines()[0][:80] if str(e) else type(e).__name__
+        cell = ("OOM" if "RESOURCE_EXHAUSTED" in str(e) or "out of memory" in str(e).lower()
+                else "error",) * 2
+        notes[be] = f"{type(e).__name__}: {msg}"
+        traceback.print_exc(file=sys.stderr)
+      rows[(be, shape)] = cell
+      print(f"  {be:10s} B={shape[0]} H={shape[1]} T={shape[2]} D={shape[3]}: "
+            + ", ".join(_fmt(c) for c in cell), file=sys.stderr, flush=True)
+  table = _table(backends, shapes, rows, notes)
+  print(table)
+  if out:
+    with open(out, "w") as fh:
+      fh.write(table + "\n")
+  return rows
+
+
+def _fmt(x):
+  return f"{x:.2f}" if isinstance(x, float) else str(x)
+
+
+def _table(backends, shapes, rows, notes):
+  import jax
+  tl = lambda t: f"{t // 1024}K" if t % 1024 == 0 else str(t)
+  head = "| backend | pass | " + " | ".join(f"H={h} T={tl(t)}" for _, h, t, _ in shapes) + " |"
+  lines = [f"KDA timings in ms (median), bf16, B={shapes[0][0]}, K=V={shapes[0][3]}; "
+           f"jax {jax.__version__} on {jax.devices()[0].device_kind}", "", head,
+           "|" + "---|" * (len(shapes) + 2)]
+  for be in backends:
+    if not any((be, s) in rows for s in shapes):
+      continue
+    for i, name in enumerate(("fwd", "fwd+bwd")):
+      cells = [_fmt(rows[(be, s)][i]) if (be, s) in rows else "-" for s in shapes]
+      lines.append(f"| {be} | {name} | " + " | ".join(cells) + " |")
+  if notes:
+    lines.append("")
+    lines += [f"- {be}: {n}" for be, n in notes.items()]
+  return "\n".join(lines)
+
+
+def main(argv=None):
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--quick", action="store_true", help="tiny shapes (CPU smoke run)")
+  p.add_argument("--backends", default=",".join(DEFAULT_BACKENDS),
+                 help=f"comma list from {JAX_BACKENDS + TORCH_BACKENDS}")
+  p.add_argument("--out", default=None, help="also write the markdown table here")
+  p.add_argument("--warmup", type=int, default=None)
+  p.add_argument("--repeats", type=int, default=None)
+  a = p.parse_args(argv)
+  backends = [b for b in a.backends.split(",") if b]
+  unknown = set(backends) - set(JAX_BACKENDS + TORCH_BACKENDS)
+  if unknown:
+    p.error(f"unknown backends {sorted(unknown)}")
+  warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
+  repeats = a.repeats if a.repeats is not None else (3 if a.quick else 10)
+  run(backends, _shapes(a.quick), warmup, repeats, a.out)
+
+
+if __name__ == "__main__":
+  main()
