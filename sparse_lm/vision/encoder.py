@@ -19,6 +19,8 @@ Choices not fixed by the sources (documented, not config fields):
   * Projector hidden width 4C (the merged width); a final RMSNorm with learned scale so image
     tokens enter the residual stream at RMS ~1, like the unit-variance text embeddings
     (`layers.Embed`).
+  * Attention is exact softmax over all patches of an image, queries blocked by
+    cfg.attention_chunk_size (the decoder's memory-efficient XLA block size) to bound memory.
   * Images in one batch do not attend to each other: the batch is padded [N, P, C] with a key
     mask, not NaViT-packed into one sequence (simpler, and exact for any mix of sizes).
 
@@ -87,21 +89,40 @@ def apply_rope_2d(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return (xf * c + rotated * s).reshape(x.shape).astype(x.dtype)
 
 
-def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_mask: jax.Array
-                     ) -> jax.Array:
-  """Bidirectional softmax attention with padding keys masked out.
-
-  q, k, v [N, P, H, Dh] (compute dtype); key_mask bool [N, P]. Logits and softmax in fp32,
-  scale 1/sqrt(Dh). A query whose image has no valid key (an empty slot) gets a finite average
-  instead of NaN (masked logits are a large finite negative), so gradients stay finite.
-  Returns [N, P, H, Dh] in q.dtype.
-  """
+def _attend(q, k, v, key_mask):
   scale = q.shape[-1] ** -0.5
   logits = jnp.einsum("nqhd,nkhd->nhqk", q, k, preferred_element_type=jnp.float32) * scale
   logits = jnp.where(key_mask[:, None, None, :], logits, -1e30)
   probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
   return jnp.einsum("nhqk,nkhd->nqhd", probs, v, preferred_element_type=jnp.float32
                     ).astype(q.dtype)
+
+
+def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_mask: jax.Array, *,
+                     query_chunk: int | None = None) -> jax.Array:
+  """Bidirectional softmax attention with padding keys masked out.
+
+  Args:
+    q, k, v: [N, P, H, Dh] in the compute dtype.
+    key_mask: bool [N, P], False for padding patches.
+    query_chunk: when P > query_chunk, queries are processed in blocks of this many
+      (`lax.map`, each block rematerialised in the backward pass), so the fp32 logits held at
+      once are [N, H, query_chunk, P] instead of [N, H, P, P]; the result is the same.
+
+  Returns:
+    [N, P, H, Dh] in q.dtype. Logits and softmax in fp32, scale 1/sqrt(Dh). A query whose image
+    has no valid key (an empty slot) gets a finite average instead of NaN (masked logits are a
+    large finite negative), so gradients stay finite.
+  """
+  N, P, H, Dh = q.shape
+  if query_chunk is None or P <= query_chunk:
+    return _attend(q, k, v, key_mask)
+  nb = -(-P // query_chunk)
+  qb = jnp.pad(q, ((0, 0), (0, nb * query_chunk - P), (0, 0), (0, 0)))
+  qb = qb.reshape(N, nb, query_chunk, H, Dh).swapaxes(0, 1)  # [nb, N, chunk, H, Dh]
+  block = jax.checkpoint(lambda qc: _attend(qc, k, v, key_mask))
+  o = jax.lax.map(block, qb)
+  return o.swapaxes(0, 1).reshape(N, nb * query_chunk, H, Dh)[:, :P]
 
 
 # ------------------------------------------------------------------------------ modules
@@ -129,6 +150,7 @@ class VisionBlock(nnx.Module):
     dh = C // H
     dense = lambda i, o, n: layers.dense_param(rngs, i, o, n, cfg)
     self.dtype = jnp.dtype(cfg.dtype)
+    self.query_chunk = cfg.attention_chunk_size
     self.attn_norm = layers.RMSNorm(C, cfg=cfg, rngs=rngs)
     self.w_q = dense((C,), (H, dh), ("vision_embed", "heads", "kv"))
     self.w_k = dense((C,), (H, dh), ("vision_embed", "heads", "kv"))
@@ -146,7 +168,7 @@ class VisionBlock(nnx.Module):
     q = apply_rope_2d(layers.project(h, self.w_q[...]), cos, sin)
     k = apply_rope_2d(layers.project(h, self.w_k[...]), cos, sin)
     v = layers.project(h, self.w_v[...])
-    o = masked_attention(q, k, v, valid)
+    o = masked_attention(q, k, v, valid, query_chunk=self.query_chunk)
     x = x + layers.project(o, self.w_o[...], 2, out_dtype=jnp.float32)
     h = self.mlp_norm(x).astype(dt)
     h = jax.nn.gelu(layers.project(h, self.w_1[...]), approximate=True)

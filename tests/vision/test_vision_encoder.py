@@ -106,8 +106,8 @@ def test_2d_position_information(cfg, monkeypatch):
   img = _img(rng, 56, 56)
   batch = vision.pad_images([img, _swap_cells(img)], P)
 
-  def run():
-    e, _ = enc(batch.pixels, batch.sizes)  # eager: picks up the monkeypatch
+  def run():  # a fresh jitted function per call traces with the current apply_rope_2d
+    e, _ = nnx.jit(lambda enc, x, s: enc(x, s))(enc, batch.pixels, batch.sizes)
     return np.asarray(e)
 
   def rel(a, b):
@@ -149,12 +149,35 @@ def test_scan_loop_remat_and_jit_agree(cfg):
   rng = np.random.default_rng(6)
   batch = vision.pad_images([_img(rng, 40, 60), _img(rng, 28, 56)], P)
   outs = []
-  for kw in (dict(), dict(scan_layers=False), dict(remat_policy="full")):
+  for kw in (dict(), dict(scan_layers=False), dict(remat_policy="full"),
+             dict(attention_chunk_size=4)):  # 4 x 6 = 24 patches, 6 query blocks
     c = dataclasses.replace(cfg, **kw)
     enc = vision.VisionEncoder(c, rngs=nnx.Rngs(7))  # same seed -> same params
     outs.append(_encode(enc, batch.pixels, batch.sizes)[0])
   for o in outs[1:]:
     np.testing.assert_allclose(np.asarray(o), np.asarray(outs[0]), rtol=1e-5, atol=1e-5)
+
+
+def test_query_chunked_attention_matches_full():
+  rng = np.random.default_rng(12)
+  N, Pn, H, Dh = 2, 23, 2, 8
+  q, k, v = (jnp.asarray(rng.standard_normal((N, Pn, H, Dh)), jnp.float32) for _ in range(3))
+  mask = jnp.asarray(np.arange(Pn)[None] < np.array([[23], [9]]))
+
+  @jax.jit
+  def run(q):
+    attn = lambda q, c: encoder_lib.masked_attention(q, k, v, mask, query_chunk=c)
+    # reference: plain softmax over the valid keys only
+    p = jax.nn.softmax(jnp.where(mask[:, None, None], jnp.einsum("nqhd,nkhd->nhqk", q, k)
+                                 / np.sqrt(Dh), -jnp.inf), -1)
+    grads = [jax.grad(lambda q: jnp.sum(attn(q, c) ** 2))(q) for c in (None, 5)]
+    return attn(q, None), attn(q, 5), jnp.einsum("nhqk,nkhd->nqhd", p, v), grads
+
+  full, chunked, ref, (g_full, g_chunked) = run(q)
+  np.testing.assert_allclose(np.asarray(chunked), np.asarray(full), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(full), np.asarray(ref), rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(g_chunked), np.asarray(g_full), rtol=1e-4, atol=1e-5)
+  assert np.abs(np.asarray(g_full)).max() > 0
 
 
 def test_bf16_compute_close_to_fp32(cfg):

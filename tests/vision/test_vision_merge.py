@@ -87,7 +87,8 @@ def test_encoder_to_merge_and_gradients():
   assert np.all(g_text[ph] == 0)
   np.testing.assert_array_equal(g_text[~ph], np.asarray(w)[~ph])
   # the merged image positions equal the encoder output
-  e, m = enc.encode(batch)
-  merged = np.asarray(enc.embed_into(text, tokens, batch))
+  e, merged = nnx.jit(lambda enc: (enc.encode(batch)[0], enc.embed_into(text, tokens, batch))
+                      )(enc)
+  merged = np.asarray(merged)
   np.testing.assert_allclose(merged[0, 3:9], np.asarray(e[0, :6]), rtol=1e-6)
   np.testing.assert_allclose(merged[1, 2], np.asarray(e[1, 0]), rtol=1e-6)
