@@ -259,6 +259,7 @@ class VisionEncoder(nnx.Module):
     z = patches.merge_2x2(self.final_norm(x).astype(dt), gh, gw)
     z = jax.nn.gelu(layers.project(z, self.proj_1[...]), approximate=True)
     e = self.out_norm(layers.project(z, self.proj_2[...]))  # fp32 [N, M, D]
+    e = sharding.constrain(e, ("activation_batch", None, "activation_embed"))
     e, mask = patches.compact_tokens(e, sizes, gh // 2, gw // 2, p)
     e = sharding.constrain(e, ("activation_batch", None, "activation_embed"))
     return e, mask
