@@ -17,6 +17,7 @@ tokens carry the sentinel expert id E and contribute nothing.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from typing import Any
 
@@ -102,7 +103,7 @@ def sorted_dispatch(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
   num_experts = params["w_gate"].shape[0]
   flat_ids = expert_ids.reshape(-1)
   order = jnp.argsort(flat_ids, stable=True)  # [N k]
-  inverse = jnp.argsort(order)
+  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
   token_of = order // k
   group_sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[flat_ids].add(1)[:num_experts]
   zs = z[token_of]  # [N k, L] sorted by expert
@@ -137,14 +138,12 @@ def dispatch_and_compute(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
     tokens costs nothing and is fine.
   """
   mesh = sharding.current_mesh()
-  if mesh is not None and mesh.shape.get("expert", 1) > 1:
-    try:
-      from sparse_lm.moe import expert_parallel  # pylint: disable=g-import-not-at-top
-    except ImportError:  # not written yet: GSPMD partitions the single-program path
-      expert_parallel = None
-    if expert_parallel is not None:
-      return expert_parallel.dispatch_and_compute(z, expert_ids, gates, params, backend=backend,
-                                                  beta1=beta1, beta2=beta2)
+  if (mesh is not None and mesh.shape.get("expert", 1) > 1
+      and importlib.util.find_spec("sparse_lm.moe.expert_parallel") is not None):
+    # Until that module exists, GSPMD partitions the single-program path below.
+    from sparse_lm.moe import expert_parallel  # pylint: disable=g-import-not-at-top
+    return expert_parallel.dispatch_and_compute(z, expert_ids, gates, params, backend=backend,
+                                                beta1=beta1, beta2=beta2)
   if backend == "dense":
     return dense_reference(z, expert_ids, gates, params, beta1=beta1, beta2=beta2)
   return sorted_dispatch(z, expert_ids, gates, params, backend=backend, beta1=beta1,
