@@ -29,6 +29,7 @@ The triangular inverse is forward substitution with the closed-form derivative �
 
 from __future__ import annotations
 
+import functools
 import math
 
 import jax
@@ -122,37 +123,58 @@ def _pairwise_scores(q, k, g, *, diag: str, precision):
 
   if n == 1:
     return Dq.reshape(lead + (C, C)), Dk.reshape(lead + (C, C))
-  # Off-diagonal tiles b < a.
+  # Off-diagonal tiles b < a: one matmul per query tile a against all earlier keys, whose
+  # copy ko ⊙ e^(B_ba) (shared by Sq and Sk) totals n(n−1)/2 tiles, 1.5 q for n = 4.
   tail = _rev_cumsum(_shift_up(g))  # Σ_{j<m≤e_b} g_m ≤ 0 inside key tile b
   ko = k * jnp.exp(tail)  # [..., b, j, K]
   tot = jnp.sum(g, axis=-2)  # [..., n, K] tile totals
   aa = jnp.arange(n)
   between = ((aa[:, None, None] < aa[None, None, :]) & (aa[None, None, :] < aa[None, :, None]))
-  # B[b, a] = Σ_{b<c<a} tot_c + g_{s_a}; −inf where b ≥ a so the factor is exactly 0.
+  # B[b, a] = Σ_{b<c<a} tot_c + g_{s_a} ≤ 0 (used for b < a only).
   B = jnp.einsum("bac,...cd->...bad", between.astype(g.dtype), tot, precision=precision)
   B = B + g[..., None, :, 0, :]
-  B = jnp.where((aa[:, None] < aa[None, :])[:, :, None], B, -jnp.inf)
-  eB = jnp.exp(B)  # [..., b, a, K]
+  rows_q, rows_k = [], []
+  for a in range(n):
+    parts_q, parts_k = [], []
+    if a:
+      kk = (ko[..., :a, :, :] * jnp.exp(B[..., :a, a, None, :])).reshape(lead + (a * sub, K))
+      kk_t = jnp.swapaxes(kk, -1, -2)
+      parts_q.append(_mm(qt[..., a, :, :], kk_t, precision))
+      parts_k.append(_mm(kt[..., a, :, :], kk_t, precision))
+    parts_q.append(Dq[..., a, :, :])
+    parts_k.append(Dk[..., a, :, :])
+    if a < n - 1:
+      z = jnp.zeros(lead + (sub, C - (a + 1) * sub), q.dtype)
+      parts_q.append(z)
+      parts_k.append(z)
+    rows_q.append(jnp.concatenate(parts_q, axis=-1))
+    rows_k.append(jnp.concatenate(parts_k, axis=-1))
+  return jnp.concatenate(rows_q, axis=-2), jnp.concatenate(rows_k, axis=-2)
 
-  def off(x):  # [..., a, i, K] -> [..., a, i, b, j]
-    xb = x[..., None, :, :, :] * eB[..., :, :, None, :]  # [..., b, a, i, K]
-    return jnp.einsum("...baid,...bjd->...aibj", xb, ko, precision=precision)
 
-  eye = (aa[:, None] == aa[None, :])[:, None, :, None]  # [a, 1, b, 1]
+# Largest element-wise tile tensor [group, n, sub, sub, K] the safe path builds at once (bytes).
+SAFE_GROUP_BYTES = 1 << 27
 
-  def assemble(O, D):
-    full = jnp.where(eye, D[..., :, :, None, :], O)
-    return full.reshape(lead + (C, C))
 
-  return assemble(off(qt), Dq), assemble(off(kt), Dk)
+def _diag_safe(q, k, g, tri):
+  """Element-wise diagonal tiles [M, a, i, j] (safe path), in groups of chunks.
+
+  The [M, n, sub, sub, K] exponent tensor is 16× the size of q, so it is built for at most
+  SAFE_GROUP_BYTES at a time (`lax.map` over groups of chunks) and rematerialised in the
+  backward pass rather than stored.
+  """
+  M, n, sub, K = g.shape
+  per_chunk = n * sub * sub * K * 4
+  group = max(1, min(M, SAFE_GROUP_BYTES // per_chunk))
+  if group >= M:
+    return _diag_safe_group(q, k, g, tri)
+  out = jax.lax.map(lambda a: _diag_safe_group(*a, tri), (q, k, g), batch_size=group)
+  return out
 
 
 @jax.checkpoint
-def _diag_safe(q, k, g, tri):
-  """Element-wise diagonal tiles [..., a, i, j]: exponent Σ_{j<m≤i} g_m ≤ 0, −inf above.
-
-  Rematerialised in the backward pass so the [..., sub, sub, K] tensor is never stored.
-  """
+def _diag_safe_group(q, k, g, tri):
+  """Element-wise diagonal tiles [..., a, i, j]: exponent Σ_{j<m≤i} g_m ≤ 0, −inf above."""
   sub = g.shape[-2]
   ii = jnp.arange(sub)
   later = (ii[None, :] > ii[:, None])[:, :, None]  # [j, m, 1]: m > j
@@ -215,12 +237,49 @@ def _chunk_masks(segment_ids, B, T, Tp, C):
   return valid, same, m0, mlast
 
 
+def _intra_chunk(qc, kc, vc, gc, bc, same, m0, mlast, *, scale, diag, precision):
+  """Everything that does not depend on the state entering a chunk (ARCHITECTURE §2.4).
+
+  Args: [M, C, ·] chunked fp32 q, k, v, g; β [M, C]; document masks [M, C, C], [M, C], [M, C]
+  (bool) or None. Returns W, U, Q ⊙ Γ · scale, A_qk, (K ⊙ e^(G_C − G))ᵀ, e^(G_C) (masked).
+  """
+  C = qc.shape[-2]
+  G = jnp.cumsum(gc, axis=-2)  # inclusive cumulative log-decay in the chunk, ≤ 0
+  # G_C − G_j = Σ_{j<m<C} g_m, summed directly (not as a difference of cumsums).
+  tail = _rev_cumsum(_shift_up(gc))
+
+  Sq, Sk = _pairwise_scores(qc, kc, gc, diag=diag, precision=precision)
+  ii = jnp.arange(C)
+  strict = ii[:, None] > ii[None, :]
+  A_kk = jnp.where(strict, Sk, 0.0) * bc[..., :, None]
+  A_qk = Sq * scale
+  if same is not None:
+    A_kk = jnp.where(same, A_kk, 0.0)
+    A_qk = jnp.where(same, A_qk, 0.0)
+  T_c = _unit_lower_inverse(A_kk) * bc[..., None, :]  # (I + A_kk)^-1 diag(β)
+
+  Gam = jnp.exp(G)  # ≤ 1
+  decay_out = jnp.exp(tail)  # ≤ 1
+  state_decay = jnp.exp(G[..., -1, :])  # [M, K]
+  if m0 is not None:
+    Gam = Gam * m0[..., None]  # the incoming state reaches only the chunk's first document
+    decay_out = decay_out * mlast[..., None]  # only the last document leaves the chunk
+    state_decay = state_decay * m0[:, -1:]
+  W = _mm(T_c, kc * Gam, precision)
+  U = _mm(T_c, vc, precision)
+  Qg = qc * Gam * scale
+  Kd = jnp.swapaxes(kc * decay_out, -1, -2)  # [M, K, C]
+
+  return W, U, Qg, A_qk, Kd, state_decay
+
+
 def chunk_kda_xla(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
                   scale: float | None = None, initial_state: jax.Array | None = None,
                   output_final_state: bool = False, segment_ids: jax.Array | None = None,
                   chunk_size: int = 64, diag: str = "auto",
                   gate_lower_bound: float | None = None,
-                  precision=jax.lax.Precision.HIGHEST) -> tuple[jax.Array, jax.Array | None]:
+                  precision=jax.lax.Precision.HIGHEST,
+                  remat: bool = False) -> tuple[jax.Array, jax.Array | None]:
   """Chunkwise-parallel KDA in pure jax.numpy (Kimi Linear, arXiv 2510.26692; ARCH §2.4).
 
   Args:
@@ -236,6 +295,8 @@ def chunk_kda_xla(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: 
     gate_lower_bound: g_min of the gate that produced g (the model passes
       `cfg.kda_gate_lower_bound`), or None if unknown / unbounded.
     precision: matmul precision (HIGHEST: true fp32 on GPU/TPU, no tf32 / bf16 passes).
+    remat: recompute the intra-chunk quantities (scores, inverse, W, U) in the backward pass
+      from the chunked inputs instead of storing them (ARCHITECTURE §2.4 "Backward").
 
   Returns:
     o [B, T, H, V] in q's dtype (0 at padding tokens); the final state [B, H, K, V] fp32 (the
@@ -278,32 +339,12 @@ def chunk_kda_xla(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: 
 
   qc, kc, vc, gc = (to_chunks(x) for x in (q, k, v, g))
   bc = to_chunks(beta)  # [M, C]
-  G = jnp.cumsum(gc, axis=-2)  # inclusive cumulative log-decay in the chunk, ≤ 0
-  # G_C − G_j = Σ_{j<m<C} g_m, summed directly (not as a difference of cumsums).
-  tail = _rev_cumsum(_shift_up(gc))
-
-  Sq, Sk = _pairwise_scores(qc, kc, gc, diag=diag, precision=precision)
-  ii = jnp.arange(C)
-  strict = ii[:, None] > ii[None, :]
-  A_kk = jnp.where(strict, Sk, 0.0) * bc[..., :, None]
-  A_qk = Sq * scale
   if same is not None:
     same, m0, mlast = mask_chunks(same), mask_chunks(m0), mask_chunks(mlast)
-    A_kk = jnp.where(same, A_kk, 0.0)
-    A_qk = jnp.where(same, A_qk, 0.0)
-  T_c = _unit_lower_inverse(A_kk) * bc[..., None, :]  # (I + A_kk)^-1 diag(β)
-
-  Gam = jnp.exp(G)  # ≤ 1
-  decay_out = jnp.exp(tail)  # ≤ 1
-  state_decay = jnp.exp(G[..., -1, :])  # [M, K]
-  if m0 is not None:
-    Gam = Gam * m0[..., None]  # the incoming state reaches only the chunk's first document
-    decay_out = decay_out * mlast[..., None]  # only the last document leaves the chunk
-    state_decay = state_decay * m0[:, -1:]
-  W = _mm(T_c, kc * Gam, precision)
-  U = _mm(T_c, vc, precision)
-  Qg = qc * Gam * scale
-  Kd = jnp.swapaxes(kc * decay_out, -1, -2)  # [M, K, C]
+  intra = functools.partial(_intra_chunk, scale=scale, diag=diag, precision=precision)
+  if remat:
+    intra = jax.checkpoint(intra)
+  W, U, Qg, A_qk, Kd, state_decay = intra(qc, kc, vc, gc, bc, same, m0, mlast)
 
   def step(S, xs):
     W_n, U_n, Qg_n, A_n, Kd_n, dec_n = xs

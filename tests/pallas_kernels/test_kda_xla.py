@@ -181,15 +181,19 @@ def test_outputs_finite_and_written_with_padding():
   assert o.shape == (2, 77, 1, 8)
 
 
-def test_gradient_autodiff_matches_reference_autodiff_fp64():
+def test_gradient_autodiff_matches_reference_autodiff_fp64(monkeypatch):
   """Algorithmic exactness: in fp64 the chunked path (both diagonal methods) equals the reference
-  to ~1e−12, forward and gradients (covers the custom derivative of the triangular inverse)."""
+  to ~1e−12, forward and gradients (covers the custom derivative of the triangular inverse).
+  The safe run also takes the grouped (`lax.map`) diagonal path and the remat option."""
   x = kt.to_fp64(kt.make_inputs(51, 1, 70, 1, 16, 8, dtype=FP32, gate="bounded",
                                 initial_state=True, segments=True))
+  # 3 chunks of 32 tokens with 2 tiles each -> groups of 2 chunks (and a remainder of 1).
+  monkeypatch.setattr(xla, "SAFE_GROUP_BYTES", 2 * 2 * 16 * 16 * 16 * 4)
   with jax.enable_x64(True):
     d = {n: (None if v is None else jnp.asarray(v)) for n, v in x.items()}
     ref = kt.run_with_grads(recurrent_kda, d)
     for diag in ("dense", "safe"):
-      out = kt.run_with_grads(functools.partial(xla.chunk_kda_xla, chunk_size=32, diag=diag), d)
+      out = kt.run_with_grads(functools.partial(xla.chunk_kda_xla, chunk_size=32, diag=diag,
+                                                remat=diag == "safe"), d)
       assert out[0].dtype == jnp.float64
       kt.check_against_reference(ref, out, {n: 1e-10 for n in kt.TOL_FP32}, label=diag)
