@@ -24,7 +24,16 @@ first row of that sub-block (e^(G_i − r) ≤ 1 and e^(r − G_j) ≤ 1); diago
   "safe":   element-wise [16, 16, K] tensor e^(G_i − G_j) with the anti-causal entries set to
             −inf *before* exp (so no inf·0 in either direction); always finite.
 r never depends on a token later than the row it serves, so outputs are causal bit for bit.
-The triangular inverse is forward substitution with the closed-form derivative −X dA X. The state recurrence over chunks is a `lax.scan` with the fp32 state as carry.
+Every exponent is a direct sum of g over a token range, never a difference of two cumulative
+sums (which loses |G|·eps nats after a gate of −1000). The triangular inverse is forward
+substitution with the closed-form derivative −X dA X. The state recurrence over chunks is a
+`lax.scan` with the fp32 state as carry; gradients come from autodiff through it.
+
+Choosing the diagonal method: `chunk_kda(..., gate_lower_bound=cfg.kda_gate_lower_bound)`;
+a float bound (the default gate: −5.0) selects "dense", None (unbounded gate, or unknown) "safe".
+
+Memory (XLA:CPU buffer assignment, B=1, H=16, T=8192, K=V=128, bf16 in): fwd+bwd temp 1.8 GB
+dense, 2.4 GB safe; forward 0.7 / 1.2 GB.
 """
 
 from __future__ import annotations
@@ -90,7 +99,8 @@ def _pairwise_scores(q, k, g, *, diag: str, precision):
   r_a = G at its first row s_a. Factors, each a direct sum of g over a token range (never a
   difference of two cumulative sums, which loses |G|·eps nats after one large gate):
     query:       e^(G_i − r_a)  = e^(Σ_{s_a<m≤i} g_m)          ≤ 1
-    key, b < a:  e^(r_a − G_j)  = e^(Σ_{j<m≤e_b} g_m) · e^(B_ba),  B_ba = Σ_{e_b<m≤s_a} g_m ≤ 0
+    key, b < a:  e^(r_a − G_j)  = e^(Σ_{j<m≤e_b} g_m) · e^(B_ba),
+                 B_ba = Σ_{e_b<m≤s_a} g_m ≤ 0
     key, b = a:  dense: e^(−Σ_{s_a<m≤j} g_m) ≥ 1 (≤ e^(15 |g_min|) for a bounded gate);
                  safe: the element-wise e^(Σ_{j<m≤i} g_m), anti-causal set to −inf before exp.
   r_a depends on no token after row i, so every row is causal bit for bit.
@@ -100,8 +110,8 @@ def _pairwise_scores(q, k, g, *, diag: str, precision):
     diag: "dense" | "safe".
 
   Returns:
-    (Sq, Sk), each [..., C, C] fp32: Sq[i, j] = Σ_d q_id k_jd e^(G_id − G_jd) and likewise Sk with
-    k on the query side, for j ≤ i, exactly 0 for j > i.
+    (Sq, Sk), each [..., C, C] fp32: Sq[i, j] = Σ_d q_id k_jd e^(G_id − G_jd) and likewise Sk
+    with k on the query side, for j ≤ i, exactly 0 for j > i.
   """
   C, K = q.shape[-2:]
   sub = min(SUB, C)

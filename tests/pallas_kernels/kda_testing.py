@@ -140,7 +140,8 @@ def random_cotangents(seed: int, o_shape: tuple[int, ...], state_shape: tuple[in
 
 def run_with_grads(fn: Callable[..., tuple[jax.Array, jax.Array | None]],
                    inputs: dict[str, Any], *, seed: int = 0, state_grad: bool = True,
-                   jit: bool = True, **kwargs) -> tuple[jax.Array, jax.Array | None, dict[str, jax.Array]]:
+                   jit: bool = True, **kwargs
+                   ) -> tuple[jax.Array, jax.Array | None, dict[str, jax.Array]]:
   """Run fn(q, k, v, g, beta, initial_state=, segment_ids=, output_final_state=True, **kwargs).
 
   The loss is sum(o * do) + sum(S_T * dS) with fixed random cotangents (dS term dropped when
