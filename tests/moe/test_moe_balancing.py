@@ -104,6 +104,26 @@ def test_padding_is_excluded_from_the_histogram():
   assert float(jnp.abs(h_all - h).sum()) > 0
 
 
+def test_route_top_k_gates_and_cutoff():
+  s = jnp.array([[0.9, 0.2, 0.6, 0.4, 0.1], [0.3, 0.8, 0.5, 0.7, 0.2]])
+  b = jnp.array([0.0, 0.5, 0.0, 0.0, 0.0])
+  rt = router.route(s, b, 2, route_scale=2.0)  # z = [.9 .7 .6 .4 .1], [.3 1.3 .5 .7 .2]
+  np.testing.assert_array_equal(rt.expert_ids, [[0, 1], [1, 3]])
+  # Gates use the unbiased scores: 0.9 / 1.1 and 0.8 / 1.5, times route_scale.
+  np.testing.assert_allclose(rt.gates, 2.0 * np.array([[0.9 / 1.1, 0.2 / 1.1],
+                                                       [0.8 / 1.5, 0.7 / 1.5]]), rtol=1e-6)
+  # Midpoint of the k-th and (k+1)-th biased scores; margins z_sel - alpha.
+  np.testing.assert_allclose(rt.cutoff, [0.65, 0.6], rtol=1e-6)
+  np.testing.assert_allclose(rt.margin, [[0.25, 0.05], [0.7, 0.1]], rtol=1e-5)
+  lit = router.route(s, b, 2, cutoff="kplus1")
+  np.testing.assert_allclose(lit.cutoff, [0.6, 0.5], rtol=1e-6)
+  # r_ij = alpha_i - s_ij: expert j is chosen exactly when b_j > r_ij.
+  r = router.required_bias(s, rt.cutoff)
+  chosen = np.asarray(b)[None, :] > np.asarray(r)
+  np.testing.assert_array_equal(chosen.sum(1), [2, 2])
+  np.testing.assert_array_equal(np.argwhere(chosen)[:, 1], [0, 1, 1, 3])
+
+
 def test_bias_sign_update():
   load = jnp.array([10.0, 2.0, 6.0, 6.0])
   b = jnp.array([0.1, -0.2, 0.0, 0.3])
