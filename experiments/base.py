@@ -12,6 +12,7 @@ An unknown key is an error that lists the valid ones, raised before anything is 
 from __future__ import annotations
 
 import argparse
+import os
 import dataclasses
 import sys
 import types
@@ -141,10 +142,21 @@ def build_stage(stages: Mapping[str, StageConfig], argv: Sequence[str] | None = 
   return stage, args.workdir or f"runs/{args.preset}", args
 
 
+def enable_compilation_cache(directory: str) -> None:
+  """Persist compiled XLA programs in `directory`: a rerun (or a resumed run) of the same stage
+  skips its compiles. Set SPARSE_LM_XLA_CACHE to share one cache between workdirs."""
+  import jax
+  jax.config.update("jax_compilation_cache_dir", os.path.abspath(directory))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
+
 def main(stages: Mapping[str, StageConfig], argv: Sequence[str] | None = None) -> int:
   """Entry point of `python -m experiments.<stage>`; returns the exit status."""
   stage, workdir, args = build_stage(stages, argv)
   from sparse_lm.train.loop import NonFiniteLossError, run  # after the CLI is validated
+  enable_compilation_cache(os.environ.get("SPARSE_LM_XLA_CACHE") or
+                           os.path.join(workdir, "xla_cache"))
   try:
     result = run(stage, workdir, progress=not args.no_progress)
   except (NonFiniteLossError, FileNotFoundError, ValueError) as e:

@@ -37,6 +37,9 @@ from sparse_lm.train.state import TrainState, graphdef_of, make_init_fn
 from sparse_lm.train.step import make_eval_step, make_train_step
 
 
+BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
+
+
 class NonFiniteLossError(FloatingPointError):
   """Training produced a NaN/Inf loss; the last good checkpoint was kept."""
 
@@ -84,23 +87,15 @@ def _model_factory(stage: StageConfig) -> Callable[[int], nnx.Module]:
 
 
 def _balance_fn(model: nnx.Module) -> dict[str, jax.Array]:
-  """Per-layer expert load statistics, then the §6 bias update (after the optimizer step)."""
-  from sparse_lm.moe import balancing
-  out = {}
-  for path, node in nnx.iter_graph(model):
-    if balancing.is_balanced_moe(node):
-      name = "/".join(str(p) for p in path)
-      load = node.balancer_load[...]
-      out[f"expert_max_violation/{name}"] = balancing.load_metrics(load)["max_violation"]
-      out[f"expert_load/{name}"] = load
-  out.update(balancing.update_balancers(model))
-  return out
+  """The §6 bias update of every MoE layer (after the optimizer step)."""
+  from sparse_lm.moe.balancing import update_balancers
+  return update_balancers(model)
 
 
 def _flops_per_token(model_cfg, seq_len: int) -> float | None:
   try:
     from sparse_lm.model.params import flops_per_token
-    return float(flops_per_token(model_cfg, seq_len))
+    return float(flops_per_token(model_cfg, seq_len)["total"])
   except Exception:  # pylint: disable=broad-except  (feedback only)
     return None
 
@@ -119,11 +114,66 @@ def _evaluate(eval_step, state, batches, shardings) -> float:
   return loss_sum / max(tokens, 1.0)
 
 
+@dataclasses.dataclass
+class Parts:
+  """What a stage compiles: shared by every run of an equal configuration in one process (a
+  notebook re-running a stage, tests), so the second run neither re-traces nor re-compiles."""
+
+  graphdef: nnx.GraphDef
+  tx: Any
+  init: Callable[[], TrainState]  # jitted, returns the sharded fresh state
+  abstract_state: TrainState
+  state_shardings: TrainState
+  train_step: Callable
+  eval_step: Callable
+
+
+_PARTS: dict[tuple, Parts] = {}
+
+
+def build(stage: StageConfig, mesh: jax.sharding.Mesh) -> Parts:
+  """The model graph, optimizer, abstract state with shardings and the jitted steps."""
+  key = (stage.model_config(), stage.optim, stage.steps, stage.micro_batches,
+         stage.z_loss_coef, stage.nan_at_step, stage.seed, mesh)
+  if key in _PARTS:
+    return _PARTS[key]
+  model_cfg = stage.model_config()
+  tx = make_optimizer(stage.optim, stage.steps)
+  schedule = wsd_schedule(stage.optim, stage.steps)
+  factory = _model_factory(stage)
+  init = make_init_fn(factory, tx, stage.seed)
+  repl = NamedSharding(mesh, P())
+  with shd.use_mesh(mesh):
+    graphdef = graphdef_of(factory, stage.seed)
+    abstract = jax.eval_shape(init)
+    state_sh = shd.state_shardings(abstract, mesh)
+  batch_sh = {k: shd.batch_sharding(mesh) for k in BATCH_KEYS}
+  balance = _balance_fn if model_cfg.balancer != "none" else None
+  train_step = jax.jit(
+      make_train_step(graphdef, tx, schedule, _loss_fn(), micro_batches=stage.micro_batches,
+                      z_loss_coef=stage.z_loss_coef, balance_fn=balance,
+                      nan_at_step=stage.nan_at_step),
+      in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, repl), donate_argnums=0)
+  eval_fn = make_eval_step(graphdef, _loss_fn())
+  eval_step = jax.jit(eval_fn, in_shardings=(state_sh, batch_sh), out_shardings=repl)
+  if mesh.size == 1:
+    # One device: initialise op by op (compiling the init program of a small model takes
+    # longer than running it); on a real mesh the jitted init places every shard directly.
+    init_fn = lambda: jax.device_put(init(), state_sh)
+  else:
+    init_fn = jax.jit(init, out_shardings=state_sh)
+  parts = Parts(graphdef, tx, init_fn, abstract, state_sh, train_step, eval_step)
+  _PARTS[key] = parts
+  return parts
+
+
 def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = True,
-        on_step: Callable[[int, dict], None] | None = None) -> RunResult:
+        on_step: Callable[[int, dict], None] | None = None,
+        devices: list[jax.Device] | None = None) -> RunResult:
   """Train `stage` in `<workdir>/<stage.name>/`; returns what happened (see RunResult).
 
   `on_step(step, scalars)` is called after each step's metrics are read (tests use it).
+  `devices`: the devices of the mesh (default all).
 
   Raises:
     ValueError: an invalid stage config or a layout that does not divide the model.
@@ -139,7 +189,7 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
   model_cfg = stage.model_config()
   say = print if jax.process_index() == 0 else (lambda *a, **k: None)
 
-  mesh = shd.make_mesh(stage.mesh)
+  mesh = shd.make_mesh(stage.mesh, devices)
   shd.validate_layout(model_cfg, stage.mesh, mesh, global_batch=stage.global_batch,
                       seq_len=stage.seq_len, num_microbatches=stage.micro_batches)
   scaled = (f" (the full-scale stage uses {stage.reference_seq_len:,})"
@@ -155,18 +205,12 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
   tok_meta = {"fingerprint": tokenizer.fingerprint, "json": tokenizer.to_json()}
   meta = {"stage": _jsonable(dataclasses.asdict(stage)), "tokenizer": tok_meta}
 
-  tx = make_optimizer(stage.optim, stage.steps)
-  schedule = wsd_schedule(stage.optim, stage.steps)
-  factory = _model_factory(stage)
-  init = make_init_fn(factory, tx, stage.seed)
+  parts = build(stage, mesh)
+  graphdef, tx, state_sh = parts.graphdef, parts.tx, parts.state_shardings
   repl = NamedSharding(mesh, P())
 
   with shd.use_mesh(mesh):
-    graphdef = graphdef_of(factory, stage.seed)
-    abstract = jax.eval_shape(init)
-    state_sh = shd.state_shardings(abstract, mesh)
-    target = shd.with_shardings(abstract, state_sh)
-
+    target = shd.with_shardings(parts.abstract_state, state_sh)
     ckpt = Checkpointer(stage_dir / "checkpoints", keep=stage.keep_checkpoints)
     restored = ckpt.restore_latest(target)
     data_state = None
@@ -177,7 +221,7 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
     elif stage.init_from:
       state = _init_from(stage, workdir, target, tokenizer.fingerprint, tx, state_sh, say)
     else:
-      state = jax.jit(init, out_shardings=state_sh)()
+      state = parts.init()
     start = int(jax.device_get(state.step))
 
     train_iter = data_lib.make_train_iterator(
@@ -190,17 +234,9 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
     eval_batches = data_lib.make_eval_batches(
         stage.data, tokenizer, seq_len=stage.seq_len, batch_size=eval_rows,
         num_batches=stage.eval_batches)
-    batch_sh = shd.batch_shardings(eval_batches[0], mesh)
+    batch_sh = {k: shd.batch_sharding(mesh) for k in BATCH_KEYS}
 
-    balance = _balance_fn if model_cfg.balancer != "none" else None
-    train_step = jax.jit(
-        make_train_step(graphdef, tx, schedule, _loss_fn(), micro_batches=stage.micro_batches,
-                        z_loss_coef=stage.z_loss_coef, balance_fn=balance,
-                        nan_at_step=stage.nan_at_step),
-        in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, repl), donate_argnums=0)
-    eval_step = jax.jit(make_eval_step(graphdef, _loss_fn()),
-                        in_shardings=(state_sh, batch_sh), out_shardings=repl)
-
+    train_step, eval_step = parts.train_step, parts.eval_step
     writer = metrics_lib.MetricsWriter(stage_dir / "tb")
     flops = _flops_per_token(model_cfg, stage.seq_len)
     peak = metrics_lib.peak_flops_per_device()
@@ -224,7 +260,7 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
       step, m = pending
       pending = None
       m = jax.device_get(m)
-      scalars = {k: float(np.asarray(v)) for k, v in m.items() if np.size(v) == 1}
+      scalars = {k: float(np.asarray(v).reshape(())) for k, v in m.items() if np.size(v) == 1}
       if not scalars["finite"] or not np.isfinite(scalars["loss"]):
         ckpt.wait()
         bar.close()
@@ -250,13 +286,18 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
       writer.write(step, {"loss": evals[step]}, prefix="eval/")
       bar.print(f"[{stage.name}] step {step}: held-out loss {evals[step]:.4f}")
 
+    first = None
     if start == 0:
       evaluate(0)
     preempted = False
     with _Preemption() as preemption:
       for step in range(start, stage.steps):
-        batch = _put(next(train_iter), batch_sh)
-        state, m = train_step(state, batch)
+        t0 = time.perf_counter()
+        state, m = train_step(state, _put(next(train_iter), batch_sh))
+        if step == start:
+          jax.block_until_ready(m)
+          say(f"[{stage.name}] first step (trace + compile + run) took "
+              f"{time.perf_counter() - t0:.1f} s")
         drain()
         pending = (step, m)
         done = step + 1
@@ -286,22 +327,21 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
       long_batches = data_lib.make_eval_batches(
           stage.data, tokenizer, seq_len=2 * stage.seq_len, batch_size=long_rows,
           num_batches=stage.eval_batches)
-      long_sh = shd.batch_shardings(long_batches[0], mesh)
-      long_step = jax.jit(make_eval_step(graphdef, _loss_fn()),
-                          in_shardings=(state_sh, long_sh), out_shardings=repl)
-      final_eval[f"eval_loss@{2 * stage.seq_len}"] = _evaluate(long_step, state, long_batches,
-                                                                long_sh)
+      final_eval[f"eval_loss@{2 * stage.seq_len}"] = _evaluate(eval_step, state, long_batches,
+                                                                batch_sh)
       writer.write(end, {k.replace("@", "_at_"): v for k, v in final_eval.items()},
                    prefix="final/")
-      sample = _sample(graphdef, state, tokenizer, stage)
-      writer.text("sample", sample, end)
+      if stage.sample_tokens > 0:
+        sample = _sample(graphdef, state, tokenizer, stage)
+        writer.text("sample", sample, end)
     bar.close()
     ckpt.close()
     writer.close()
   if not preempted:
     say(f"[{stage.name}] done at step {end}: " + ", ".join(
         f"{k} {v:.4f}" for k, v in final_eval.items()))
-    say(f"[{stage.name}] sample: {stage.sample_prompt!r} -> {sample!r}")
+    if stage.sample_tokens > 0:
+      say(f"[{stage.name}] sample: {stage.sample_prompt!r} -> {sample!r}")
   return RunResult(stage.name, start, end, losses, evals, final_eval, sample, preempted,
                    stage_dir)
 

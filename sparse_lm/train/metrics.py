@@ -124,8 +124,11 @@ class Progress:
     self._bar.update(self._task, completed=step, stats=stats)
 
   def print(self, *args) -> None:
+    """Print above the bar (plain print when the bar is off; host 0 only)."""
     if self.enabled:
-      self._bar.console.print(*args)
+      self._bar.console.print(*args, markup=False, highlight=False)
+    elif jax.process_index() == 0:
+      print(*args, flush=True)
 
   def close(self) -> None:
     if self.enabled:

@@ -14,11 +14,12 @@ import jax
 import jax.numpy as jnp
 import optax
 
-# Parameters whose path matches one of these get no weight decay: norms and their scales,
-# biases, the KDA decay parameters (A_log, dt_bias) and the AttnRes pseudo-queries. 1-D
-# parameters are exempt as well, whatever their name.
-NO_DECAY_PATTERNS = (r"norm", r"bias", r"A_log", r"dt_bias", r"scale", r"pseudo_quer",
-                     r"attnres.*quer", r"res_quer", r"^query$")
+# Parameters with a path component matching one of these get no weight decay: norms and their
+# scales (attn_norm/scale, latent_norm, o_norm), biases, the KDA decay parameters (A_log,
+# dt_bias) and the AttnRes pseudo-queries (attn_query, ffn_query, final_query). Matching is by
+# name because scanned layers stack a leading layer axis onto every parameter, so a norm scale
+# is 2-D there; unstacked 1-D parameters are exempt whatever their name.
+NO_DECAY_PATTERNS = (r"norm", r"bias", r"A_log", r"scale", r"query")
 
 
 @dataclasses.dataclass(frozen=True)

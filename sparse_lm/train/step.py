@@ -49,12 +49,14 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
 
   Batch: int32 [B, T] arrays `tokens`, `segment_ids`, `positions`, `loss_mask` (any extra
   keys pass through to `loss_fn`).
-  Metrics: float32 scalars `loss`, `grad_norm`, `lr`, `finite`, the loss function's own
-  metrics, and the balancer's (possibly per-layer arrays).
+  Metrics: float32 `objective` (the differentiated loss, averaged over micro-batches),
+  `grad_norm`, `lr`, `finite`; the loss function's own metrics averaged over micro-batches
+  (`loss` is its mean NLL when it reports one, else the objective; per-layer arrays stay
+  arrays); and the balancer's.
   """
 
   def micro_loss(params, model_vars, micro_batch):
-    model = nnx.merge(graphdef, params, model_vars)
+    model = nnx.merge(graphdef, params, model_vars, copy=True)
     loss, metrics = loss_fn(model, micro_batch, train=True, z_loss_coef=z_loss_coef)
     _, _, new_vars = nnx.split(model, nnx.Param, ...)
     return loss, (metrics, new_vars)
@@ -79,8 +81,12 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
         accumulate, (zeros, state.model_vars), jax.tree.map(split, batch))
     grads = jax.tree.map(lambda g, p: (g / micro_batches).astype(p.dtype), grads, state.params)
     loss = jnp.mean(losses)
+    metrics = _mean_metrics(loss_metrics)
     if nan_at_step is not None:
-      loss = jnp.where(state.step == nan_at_step, jnp.nan, loss)
+      poison = jnp.where(state.step == nan_at_step, jnp.nan, 0.0)
+      loss = loss + poison
+      if "loss" in metrics:
+        metrics["loss"] = metrics["loss"] + poison
 
     grad_norm = optax.global_norm(grads)
     updates, opt_state = tx.update(grads, state.opt_state, state.params)
@@ -88,7 +94,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
 
     balance_metrics = {}
     if balance_fn is not None:
-      model = nnx.merge(graphdef, params, model_vars)
+      model = nnx.merge(graphdef, params, model_vars, copy=True)
       balance_metrics = balance_fn(model) or {}
       _, params, model_vars = nnx.split(model, nnx.Param, ...)
 
@@ -99,7 +105,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
         params=keep(params, state.params), model_vars=keep(model_vars, state.model_vars),
         opt_state=keep(opt_state, state.opt_state),
         rng=jnp.where(finite, jax.random.fold_in(state.rng, state.step), state.rng))
-    metrics = {**_mean_metrics(loss_metrics), **balance_metrics, "loss": loss,
+    metrics = {"loss": loss, **metrics, **balance_metrics, "objective": loss,
                "grad_norm": grad_norm, "lr": schedule(state.step),
                "finite": finite.astype(jnp.float32)}
     return new_state, metrics
@@ -110,14 +116,17 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
 def make_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn):
   """Build `eval_step(state, batch) -> {"loss_sum", "tokens"}` (nats summed, token count).
 
-  The model runs with train=False, so balancer buffers are read, never written (§6 step 6).
-  Sum these over batches and divide for the mean held-out loss in nats per token.
+  The loss is the mean next-token NLL (`metrics["loss"]` of the loss function, without z-loss
+  or aux loss) weighted by the tokens it counted (`metrics["num_tokens"]`). The model runs with
+  train=False, so balancer buffers are read, never written (§6 step 6). Sum these over batches
+  and divide for the mean held-out loss in nats per token.
   """
 
   def eval_step(state: TrainState, batch: Batch) -> dict[str, jax.Array]:
-    model = nnx.merge(graphdef, state.params, state.model_vars)
-    loss, _ = loss_fn(model, batch, train=False)
-    tokens = jnp.sum(batch["loss_mask"].astype(jnp.float32))
-    return {"loss_sum": loss.astype(jnp.float32) * tokens, "tokens": tokens}
+    model = nnx.merge(graphdef, state.params, state.model_vars, copy=True)
+    total, metrics = loss_fn(model, batch, train=False)
+    nll = metrics.get("loss", total).astype(jnp.float32)
+    tokens = metrics.get("num_tokens", jnp.sum(batch["loss_mask"].astype(jnp.float32)))
+    return {"loss_sum": nll * tokens, "tokens": tokens.astype(jnp.float32)}
 
   return eval_step
