@@ -50,7 +50,8 @@ def _megablox_gmm(lhs, rhs, group_sizes):
   megablox needs M divisible by the row tile, so rows are padded; rows past sum(group_sizes)
   are not written by the kernel and are zeroed here.
   """
-  from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm  # pylint: disable=g-import-not-at-top
+  # pylint: disable-next=g-import-not-at-top
+  from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
   m, k = lhs.shape
   n = rhs.shape[-1]
   tm = 128 if m >= 128 else -(-m // 8) * 8
