@@ -9,6 +9,8 @@ T=8K; bf16 inputs, lower-bounded gate g ∈ (−5, 0). Backends (each skipped wi
 cannot run here):
   xla         pallas_kernels.kda chunk_kda(backend="xla", gate_lower_bound=-5): dense diag tiles
   xla_safe    the same with the element-wise (unbounded-safe) diagonal tiles
+  xla_tf32    xla with precision=DEFAULT matmuls (TF32 on NVIDIA, bf16 passes on TPU) instead
+              of the backend's default HIGHEST (true fp32)
   pallas_tpu  chunk_kda(backend="pallas_tpu") on TPU
   pallas_gpu  chunk_kda(backend="pallas_gpu") on GPU, if that backend exists
   reference   the token-serial scan (only when asked: very slow at long T)
@@ -29,9 +31,10 @@ import sys
 import time
 import traceback
 
-JAX_BACKENDS = ("xla", "xla_safe", "pallas_tpu", "pallas_gpu", "reference", "attn")
+JAX_BACKENDS = ("xla", "xla_safe", "xla_tf32", "pallas_tpu", "pallas_gpu", "reference", "attn")
 TORCH_BACKENDS = ("fla", "sdpa")
-DEFAULT_BACKENDS = ("xla", "xla_safe", "pallas_tpu", "pallas_gpu", "fla", "attn", "sdpa")
+DEFAULT_BACKENDS = ("xla", "xla_safe", "xla_tf32", "pallas_tpu", "pallas_gpu", "fla", "attn",
+                    "sdpa")
 
 
 def _shapes(quick: bool) -> list[tuple[int, int, int, int]]:
@@ -106,6 +109,10 @@ def _jax_fns(backend: str):
       kw["gate_lower_bound"] = bound
 
     def f(q, k, v, g, beta):
+      if backend == "xla_tf32":
+        from pallas_kernels.kda import xla  # pylint: disable=g-import-not-at-top
+        return xla.chunk_kda_xla(q, k, v, g, beta, gate_lower_bound=-5.0,
+                                 precision=jax.lax.Precision.DEFAULT)[0]
       return chunk_kda(q, k, v, g, beta, **kw)[0]
 
   fwd = jax.jit(f)
