@@ -227,6 +227,8 @@ def main(argv=None) -> int:
 
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  # compile-only use of libtpu: do not take (or wait for) the single-process TPU lockfile
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from sparse_lm import sharding as shd
   from sparse_lm.config import ModelConfig
 

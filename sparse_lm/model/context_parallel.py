@@ -44,10 +44,12 @@ def _present(mesh, axes):
   return tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1)
 
 
-def _specs(mesh, axis):
-  b = _present(mesh, BATCH_AXES) or None
+def _specs(mesh, axis, B, H):
+  """(batch axes, context axis, tensor axis) for [B, T, H, ...] arrays; batch axes and tensor
+  that do not divide B or H are left out (those dimensions are replicated over them)."""
+  b = shd.logical_to_spec(("activation_batch",), mesh=mesh, shape=(B,))[0]
   c = axis if mesh.shape.get(axis, 1) > 1 else None
-  t = "tensor" if mesh.shape.get("tensor", 1) > 1 else None
+  t = "tensor" if mesh.shape.get("tensor", 1) > 1 and H % mesh.shape["tensor"] == 0 else None
   return b, c, t
 
 
@@ -72,11 +74,15 @@ def fold_states(S_ext: jax.Array, M: jax.Array, keep: jax.Array) -> jax.Array:
   return S_in, S_final
 
 
-def _kda_cp_body(q, k, v, g, beta, seg, *, axis, scale, chunk_size, backend, want_final):
+def _kda_cp_body(q, k, v, g, beta, seg, *, axis, scale, chunk_size, backend, want_final,
+                 interpret=False):
   B, T, H, K = q.shape
   V = v.shape[-1]
+  kw = dict(scale=scale, chunk_size=chunk_size, backend=backend, interpret=interpret)
+  if axis is None:  # no context sharding: the kernel per (batch, head) shard
+    o, S = chunk_kda(q, k, v, g, beta, output_final_state=want_final, segment_ids=seg, **kw)
+    return o, (S if want_final else jnp.zeros((), jnp.float32))
   r = jax.lax.axis_index(axis)
-  kw = dict(scale=scale, chunk_size=chunk_size, backend=backend)
   # pass 1: [S_ext | M] from values [v | 0] and initial state [0 | I]
   v_ext = jnp.concatenate([v, jnp.zeros((B, T, H, K), v.dtype)], axis=-1)
   eye = jnp.broadcast_to(jnp.eye(K, dtype=jnp.float32), (B, H, K, K))
@@ -106,8 +112,12 @@ def _kda_cp_body(q, k, v, g, beta, seg, *, axis, scale, chunk_size, backend, wan
 def cp_chunk_kda(q, k, v, g, beta, *, mesh: jax.sharding.Mesh, axis: str = "context",
                  scale: float | None = None, segment_ids: jax.Array | None = None,
                  initial_state: jax.Array | None = None, output_final_state: bool = False,
-                 chunk_size: int = 64, backend: str = "auto"):
+                 chunk_size: int = 64, backend: str = "auto", interpret: bool = False):
   """`chunk_kda` with T sharded over mesh axis `axis` (see the module docstring).
+
+  With `axis` of size 1 (or absent) it is the plain kernel inside a `shard_map` over the batch
+  and head shardings: what a Pallas (Mosaic) kernel needs under a mesh, since custom calls
+  cannot be partitioned automatically.
 
   Args and returns as `pallas_kernels.kda.chunk_kda` (global shapes: q, k, g [B, T, H, K],
   v [B, T, H, V], beta [B, T, H], segment_ids [B, T]); B is sharded over data/fsdp/expert,
@@ -124,11 +134,14 @@ def cp_chunk_kda(q, k, v, g, beta, *, mesh: jax.sharding.Mesh, axis: str = "cont
     raise ValueError("cp_chunk_kda: initial_state is not supported (sequences start at 0)")
   if T % Pn:
     raise ValueError(f"sequence length {T} is not divisible by {axis}={Pn}")
-  b, c, t = _specs(mesh, axis)
+  b, c, t = _specs(mesh, axis, B, H)
   s4, s3, s2 = P(b, c, t, None), P(b, c, t), P(b, c)
   sf = P(b, t, None, None)
-  body = functools.partial(_kda_cp_body, axis=axis, scale=scale, chunk_size=chunk_size,
-                           backend=backend, want_final=output_final_state)
+  if backend == "auto":  # the mesh's platform decides (AOT compiles for TPU from a CPU host)
+    backend = "pallas_tpu" if mesh.devices.flat[0].platform == "tpu" else "xla"
+  body = functools.partial(_kda_cp_body, axis=axis if Pn > 1 else None, scale=scale,
+                           chunk_size=chunk_size, backend=backend,
+                           want_final=output_final_state, interpret=interpret)
 
   def wrapped(q, k, v, g, beta, seg):
     with shd.use_mesh(None):
@@ -170,7 +183,7 @@ def cp_short_conv(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None, *,
   Args: x [B, T, C]; w [W, C]; segment_ids [B, T] int32 or None. Returns y [B, T, C].
   """
   W = w.shape[0]
-  b, c, _ = _specs(mesh, axis)
+  b, c, _ = _specs(mesh, axis, x.shape[0], 1)
 
   def body(x, w, seg):
     halo = prev_shard_halo(x, W - 1, axis)
@@ -418,7 +431,7 @@ def cp_attention(q, k, v, *, mesh: jax.sharding.Mesh, axis: str = "context",
   q [B, T, H, Dk]; k [B, T, Hk, Dk]; v [B, T, Hk, Dv]; segment_ids [B, T] or None.
   Returns [B, T, H, Dv] in q's dtype.
   """
-  b, c, t = _specs(mesh, axis)
+  b, c, t = _specs(mesh, axis, q.shape[0], q.shape[2])
   Hk = k.shape[2]
   kt = t if Hk > 1 else None
   body = functools.partial(_attn_cp_body, axis=axis, scale=scale, block_q=block,

@@ -276,7 +276,9 @@ def ep_dispatch_and_compute(z: jax.Array, expert_ids: jax.Array, gates: jax.Arra
   impl = resolve_impl(impl, ep, k, mesh.devices.flat[0].platform)
   if gmm_backend == "dense":  # the MoE's dense reference is not a grouped matmul
     gmm_backend = "auto"
-  tensor_axis = "tensor" if "tensor" in _present(mesh, ("tensor",)) else None
+  F = expert_params["w_gate"].shape[-1]
+  tensor_axis = ("tensor" if "tensor" in _present(mesh, ("tensor",))
+                 and F % mesh.shape["tensor"] == 0 else None)
   tok = tok_axes if tok_axes else None
   e_ax = axis if ep > 1 else None
   w_in = P(e_ax, None, tensor_axis)

@@ -1,5 +1,5 @@
 """Context parallelism on 8 fake CPU devices vs single device (fp32, loss and gradients):
-KDA over CP 2 and 4 (T per shard not a multiple of the chunk, documents crossing and starting
+KDA without CP (the kernel in a shard_map over batch and heads) and over CP 2 and 4 (T per shard not a multiple of the chunk, documents crossing and starting
 on shard boundaries, padding, final state), the short-conv halo, and attention with gathered
 keys/values (MQA latent form and per-head). See scripts/cp_check.py."""
 
@@ -9,4 +9,4 @@ from tests.multidevice._subproc import run_script
 def test_context_parallel_matches_single_device():
   out = run_script("cp_check.py")
   lines = [l for l in out.splitlines() if l.startswith(("OK", "FAIL"))]
-  assert len(lines) == 6 and all(l.startswith("OK") for l in lines), out
+  assert len(lines) == 7 and all(l.startswith("OK") for l in lines), out

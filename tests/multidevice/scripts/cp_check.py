@@ -133,6 +133,9 @@ def main():
   cases = [
       ("kda_cp2_fsdp2_tensor2", lambda: check_kda("kda_cp2_fsdp2_tensor2",
                                                   "context=2,fsdp=2,tensor=2", 40)),
+      ("kda_nocp_fsdp4_tensor2", lambda: check_kda("kda_nocp_fsdp4_tensor2",
+                                                   "fsdp=4,tensor=2", T, segs=segs,
+                                                   want_final=True)),
       ("kda_cp4_segments", lambda: check_kda("kda_cp4_segments", "context=4,fsdp=2", T,
                                              segs=segs, want_final=True)),
       ("kda_cp4_padding", lambda: check_kda(
