@@ -1,0 +1,96 @@
+"""The stage command line: --set parsing and its errors, bad data input, stage chaining."""
+
+import json
+import pathlib
+import shutil
+
+import pytest
+
+from experiments import base, stage_8k, stage_64k, stage_256k, stage_1m
+from tests.train.conftest import SMALL_SETS, tokenizer_json, workdir  # noqa: F401 (fixtures)
+
+
+def _argv(workdir, *sets):
+  out = ["--preset=tiny", f"--workdir={workdir}", "--no-progress"]
+  for s in SMALL_SETS + sets:
+    out += ["--set", s]
+  return out
+
+
+def _jsonl(path: pathlib.Path) -> list[dict]:
+  return [json.loads(line) for line in path.read_text().splitlines()]
+
+
+def test_unknown_set_key_lists_valid_keys(capsys):
+  with pytest.raises(SystemExit) as e:
+    base.main(stage_8k.STAGES, ["--set", "learning_rate=1e-3"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "unknown --set key 'learning_rate'" in err
+  for key in ("seq_len", "optim.peak_lr", "model.num_layers", "data.source", "mesh.context"):
+    assert key in err
+
+
+def test_set_values_are_parsed_to_the_field_type():
+  s = base.apply_overrides(stage_8k.TINY, ["optim.peak_lr=1e-2", "steps=7", "init_from=None",
+                                           "model.kda_gate_lower_bound=None", "mesh=context=2",
+                                           "data.long_documents=true", "keep_optimizer_state=0"])
+  assert s.optim.peak_lr == 0.01 and s.steps == 7 and s.init_from is None
+  assert s.model_config().kda_gate_lower_bound is None
+  assert s.mesh.context == 2 and s.data.long_documents and not s.keep_optimizer_state
+  with pytest.raises(ValueError, match="expected an int"):
+    base.apply_overrides(stage_8k.TINY, ["steps=many"])
+  with pytest.raises(ValueError, match="kda_num_heads"):
+    base.apply_overrides(stage_8k.TINY, ["model.kda_num_heads=0"])
+
+
+def test_stage_files_derive_from_each_other():
+  for preset in ("tiny", "small", "full"):
+    s8, s64, s256, s1m = (m.STAGES[preset] for m in (stage_8k, stage_64k, stage_256k, stage_1m))
+    for s in (s8, s64, s256, s1m):
+      s.validate()
+    assert (s64.init_from, s256.init_from, s1m.init_from) == ("stage_8k", "stage_64k",
+                                                                "stage_256k")
+    assert s8.seq_len < s64.seq_len < s256.seq_len < s1m.seq_len
+    assert s64.tokens_per_batch == s8.tokens_per_batch
+  assert [m.STAGES["tiny"].seq_len for m in (stage_8k, stage_64k, stage_256k, stage_1m)] == [
+      256, 512, 1024, 2048]
+  assert stage_64k.FULL.seq_len == 8 * stage_8k.FULL.seq_len
+  assert stage_256k.FULL.mesh.context > 1 and stage_1m.FULL.mesh.context > 1
+
+
+@pytest.mark.parametrize("kind", ["missing", "empty"])
+def test_missing_or_empty_data_path_lists_what_was_searched(tmp_path, capsys, kind):
+  path = tmp_path / "corpus"
+  if kind == "empty":
+    path.mkdir()
+  code = base.main(stage_8k.STAGES, _argv(tmp_path / "run", f"data.source=text:{path}"))
+  err = capsys.readouterr().err
+  assert code == 1 and "error:" in err and str(path) in err
+
+
+def test_binary_and_non_utf8_files_are_skipped_or_repaired(workdir, capsys):
+  corpus = workdir / "corpus"
+  corpus.mkdir()
+  src = pathlib.Path(base.__file__).parent.parent / "sparse_lm"
+  for i, f in enumerate(sorted(src.rglob("*.py"))[:40]):
+    shutil.copy(f, corpus / f"doc{i}.txt")
+  (corpus / "blob.bin.txt").write_bytes(bytes(range(256)) * 64)  # NUL bytes: binary
+  (corpus / "latin1.txt").write_bytes("café = 'naïve'\n".encode("latin-1") * 50)
+  code = base.main(stage_8k.STAGES, _argv(workdir, f"data.source=text:{corpus}",
+                                          "data.eval_fraction=0.2"))
+  out = capsys.readouterr().out
+  assert code == 0
+  assert "skipped 1 binary file" in out and "done at step 5" in out
+
+
+def test_stage_64k_starts_from_stage_8k_final_weights(workdir):
+  same_data = ("eval_batch_size=2", "data.long_documents=false")
+  assert base.main(stage_8k.STAGES, _argv(workdir, *same_data)) == 0
+  assert base.main(stage_64k.STAGES, _argv(workdir, *same_data, "seq_len=128")) == 0
+  final_8k = _jsonl(workdir / "stage_8k" / "tb" / "metrics.jsonl")[-1]
+  first_64k = next(r for r in _jsonl(workdir / "stage_64k" / "tb" / "metrics.jsonl")
+                   if "eval/loss" in r)
+  assert first_64k["step"] == 0
+  # stage_8k evaluated its final weights at twice its length (128) on the same held-out rows.
+  assert first_64k["eval/loss"] == pytest.approx(final_8k["final/eval_loss_at_128"], rel=1e-6)
