@@ -195,7 +195,7 @@ class KDA(nnx.Module):
     proj, _ = kda_projections(p, x, lower_bound=cfg.kda_gate_lower_bound, eps=cfg.norm_eps,
                               dtype=dtype, segment_ids=segment_ids)
     o, _ = chunk_kda(*proj, segment_ids=segment_ids, chunk_size=cfg.kda_chunk_size,
-                     backend=cfg.kda_backend)
+                     backend=cfg.kda_backend, gate_lower_bound=cfg.kda_gate_lower_bound)
     return kda_output(p, x, o, eps=cfg.norm_eps, dtype=dtype)
 
   # ------------------------------------------------------------------ decoding
