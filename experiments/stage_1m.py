@@ -4,7 +4,7 @@ The last stage reaches the full context of §1. It starts from stage_256k's fina
 the same workdir. Full scale: 32 sequences x 1M = 33.5M tokens per step on fsdp=2 x expert=16
 x context=16 (512 chips), 1,000 steps (34B tokens), a 200-step re-warmup to 7e-5 and a decay
 over the last 30% to the end of pretraining. `small` keeps one sequence per step, all devices
-on `context`. `tiny` doubles its length once more (1,024 -> 2,048 tokens, 2 sequences per
+on `context`. `tiny` doubles its length once more (1,024 -> 2,048 tokens, 1 sequence per
 step, 80 steps). Passkey retrieval beyond the trained length is the check that follows.
 """
 

@@ -6,7 +6,7 @@ MLA gathers its latent K/V; ARCHITECTURE.md §9). It starts from stage_64k's fin
 in the same workdir. Full scale: 128 sequences x 256K = 33.5M tokens per step on fsdp=8 x
 expert=16 x context=4 (512 chips), 1,500 steps (50B tokens) with a 300-step re-warmup. `small`
 puts every device on `context` (one 256K sequence per step). `tiny` doubles its length again
-(512 -> 1,024 tokens, 4 sequences per step, 100 steps).
+(512 -> 1,024 tokens, 2 sequences per step, 100 steps).
 """
 
 import dataclasses

@@ -8,7 +8,7 @@ model sees dependencies longer than the 8K it was trained on. Tokens per step ar
 so the batch shrinks 8x (full: 512 x 64K; small: 4 x 64K); the schedule re-warms up over 500
 steps (full) to a peak a little below stage_8k's and decays over the last 20%. The stage is
 short: 4,000 steps x 33.5M = 134B tokens at full scale. NoPE attention needs no RoPE rescaling.
-`tiny` doubles its length instead (256 -> 512 tokens, 8 sequences per step, 150 steps).
+`tiny` doubles its length instead (256 -> 512 tokens, 4 sequences per step, 150 steps).
 """
 
 import dataclasses

@@ -8,7 +8,7 @@ holds it, and decays it to a tenth over the last 10% of 120,000 steps: 4.0T toke
 shards the rest over `fsdp` (512 chips: fsdp=32 x expert=16). The `small` preset (1.6B total,
 0.3B active) takes 32 x 8K = 262K tokens per step for 20,000 steps (5.2B tokens) on the
 devices it finds. The `tiny` preset scales the stage down to 256 tokens per sequence and
-16 sequences per step, 400 steps, so it finishes on two CPU cores in a few minutes.
+8 sequences per step, 500 steps (1M tokens), so it finishes on two CPU cores in minutes.
 """
 
 import dataclasses
@@ -27,9 +27,9 @@ SMALL = dataclasses.replace(
     eval_every=500, eval_batch_size=None, checkpoint_every=1000, mesh=MeshLayout(fsdp=-1))
 
 TINY = dataclasses.replace(
-    SMALL, preset="tiny", seq_len=256, tokens_per_batch=16 * 256, steps=400,
-    optim=OptimizerConfig(peak_lr=3e-3, warmup_steps=40, decay_fraction=0.2, weight_decay=0.01),
-    eval_every=100, eval_batches=4, checkpoint_every=100)
+    SMALL, preset="tiny", seq_len=256, tokens_per_batch=8 * 256, steps=500,
+    optim=OptimizerConfig(peak_lr=3e-3, warmup_steps=50, decay_fraction=0.2, weight_decay=0.01),
+    eval_every=100, eval_batches=4, eval_batch_size=8, checkpoint_every=100)
 
 STAGES = {"full": FULL, "small": SMALL, "tiny": TINY}
 
