@@ -126,7 +126,8 @@ def make_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn):
     model = nnx.merge(graphdef, state.params, state.model_vars, copy=True)
     total, metrics = loss_fn(model, batch, train=False)
     nll = metrics.get("loss", total).astype(jnp.float32)
-    tokens = metrics.get("num_tokens", jnp.sum(batch["loss_mask"].astype(jnp.float32)))
+    tokens = metrics["num_tokens"] if "num_tokens" in metrics else jnp.sum(
+        batch["loss_mask"].astype(jnp.float32))
     return {"loss_sum": nll * tokens, "tokens": tokens.astype(jnp.float32)}
 
   return eval_step

@@ -1,0 +1,108 @@
+"""Tokens/s, step time and MFU of one optimizer step at stage_8k's shape, on one device.
+
+  python benchmarks/train_step.py                       # small preset, 8K tokens, 1 device
+  python benchmarks/train_step.py --preset tiny --quick # CPU smoke run (seconds)
+
+The step is the real one (`sparse_lm.train.loop.build`: AdamW, clipping, gradient
+accumulation, Quantile Balancing update, donated state) on synthetic packed batches (random
+tokens, 2 documents per row), so the number does not depend on the input pipeline. MFU uses
+`sparse_lm.model.params.flops_per_token` and the device's dense bf16 peak
+(`sparse_lm.train.metrics.PEAK_FLOPS`); it is n/a on CPU. Prints a table.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+import time
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
+
+
+def synthetic_batch(rows: int, seq_len: int, vocab: int, seed: int = 0) -> dict:
+  import numpy as np
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(4, vocab, size=(rows, seq_len), dtype=np.int32)
+  seg = np.ones((rows, seq_len), np.int32)
+  seg[:, seq_len // 2:] = 2
+  pos = np.concatenate([np.arange(seq_len // 2), np.arange(seq_len - seq_len // 2)])
+  return {"tokens": tokens, "segment_ids": seg,
+          "positions": np.broadcast_to(pos, (rows, seq_len)).astype(np.int32).copy(),
+          "loss_mask": np.ones((rows, seq_len), np.float32)}
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--preset", default="small", choices=("tiny", "small", "full"))
+  p.add_argument("--seq-len", type=int, default=None, help="default: stage_8k's length")
+  p.add_argument("--batch", type=int, default=None,
+                 help="sequences per step (default: stage_8k's batch, capped at 8 on 1 device)")
+  p.add_argument("--micro-batches", type=int, default=1)
+  p.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
+  p.add_argument("--quick", action="store_true", help="3 timed steps (CPU smoke run)")
+  args = p.parse_args(argv)
+
+  import jax
+  from experiments import stage_8k
+  from sparse_lm import sharding as shd
+  from sparse_lm.model.params import count_params, flops_per_token
+  from sparse_lm.sharding import MeshLayout
+  from sparse_lm.train import loop, metrics
+
+  stage = stage_8k.STAGES[args.preset]
+  seq_len = args.seq_len or stage.seq_len
+  batch = args.batch or min(stage.global_batch, 8)
+  steps = 3 if args.quick else args.steps
+  stage = dataclasses.replace(stage, seq_len=seq_len, tokens_per_batch=batch * seq_len,
+                              micro_batches=args.micro_batches, steps=1000,
+                              mesh=MeshLayout())
+  stage.validate()
+  cfg = stage.model_config()
+  mesh = shd.make_mesh(stage.mesh, jax.devices()[:1])
+  parts = loop.build(stage, mesh)
+  sh = {k: shd.batch_sharding(mesh) for k in loop.BATCH_KEYS}
+  with shd.use_mesh(mesh):
+    state = parts.init()
+    batches = [{k: jax.device_put(v, sh[k]) for k, v in
+                synthetic_batch(batch, seq_len, cfg.vocab_size, s).items()} for s in range(2)]
+    t0 = time.perf_counter()
+    state, m = parts.train_step(state, batches[0])
+    jax.block_until_ready(m)
+    compile_s = time.perf_counter() - t0
+    state, m = parts.train_step(state, batches[1])
+    jax.block_until_ready(m)
+    t0 = time.perf_counter()
+    for i in range(steps):
+      state, m = parts.train_step(state, batches[i % 2])
+    jax.block_until_ready(m)
+    step_s = (time.perf_counter() - t0) / steps
+
+  tokens = batch * seq_len
+  tps = tokens / step_s
+  fpt = flops_per_token(cfg, seq_len)["total"]
+  peak = metrics.peak_flops_per_device()
+  mfu = metrics.mfu(tps, fpt, 1, peak)
+  n = count_params(cfg)
+  rows = [
+      ("device", jax.devices()[0].device_kind),
+      ("preset", f"{args.preset} ({n['total'] / 1e6:,.1f}M total, "
+                 f"{n['active'] / 1e6:,.1f}M active params)"),
+      ("shape", f"{batch} x {seq_len} tokens, {args.micro_batches} micro-batch(es)"),
+      ("first step (compile)", f"{compile_s:.1f} s"),
+      ("step time", f"{1e3 * step_s:.1f} ms (mean of {steps})"),
+      ("tokens/s", f"{tps:,.0f}"),
+      ("model FLOPs/token", f"{fpt / 1e9:.3f} GFLOP"),
+      ("MFU", f"{100 * mfu:.1f}%" if mfu is not None else "n/a (unknown peak)"),
+      ("loss after warm-up", f"{float(m['loss']):.4f}"),
+  ]
+  width = max(len(k) for k, _ in rows)
+  print("| " + "metric".ljust(width) + " | value |")
+  print("|" + "-" * (width + 2) + "|-------|")
+  for k, v in rows:
+    print(f"| {k.ljust(width)} | {v} |")
+
+
+if __name__ == "__main__":
+  main()
