@@ -2,6 +2,7 @@
 chunked loss == reference, training, parameter counts, speed."""
 
 import dataclasses
+import functools
 import time
 
 import jax
@@ -45,24 +46,28 @@ def _tokens(seed, B, T):
   return jax.random.randint(jax.random.key(seed), (B, T), 0, CFG.vocab_size, jnp.int32)
 
 
+P = 23  # causality split point
+
+
+@functools.partial(jax.jit, static_argnums=0)
+def _logits_and_grads(graphdef, state, tokens, w):
+  """Logits and d/dparams of sum(logits[:, :P] * w) (shared by two tests: one compile)."""
+  def f(params):
+    logits = nnx.merge(graphdef, params)(tokens, train=True)
+    return jnp.sum(logits[:, :P] * w), logits
+  (_, logits), grads = jax.value_and_grad(f, has_aux=True)(state)
+  return logits, grads
+
+
 def test_causality_bit_for_bit(model):
   m = _randomise_queries(model, 1)
   graphdef, state = nnx.split(m)
-  B, T, P = 2, 40, 23
+  B, T = 2, 40
   tok = _tokens(1, B, T)
   tok2 = tok.at[:, P:].set(_tokens(2, B, T - P))
   w = jax.random.normal(jax.random.key(3), (B, P, CFG.vocab_size))
-
-  @jax.jit
-  def run(state, tokens):
-    def f(params):
-      logits = nnx.merge(graphdef, params)(tokens, train=True)
-      return jnp.sum(logits[:, :P] * w), logits
-    (_, logits), grads = jax.value_and_grad(f, has_aux=True)(state)
-    return logits, grads
-
-  l1, g1 = run(state, tok)
-  l2, g2 = run(state, tok2)
+  l1, g1 = _logits_and_grads(graphdef, state, tok, w)
+  l2, g2 = _logits_and_grads(graphdef, state, tok2, w)
   np.testing.assert_array_equal(l1[:, :P], l2[:, :P])
   assert not np.array_equal(l1[:, P:], l2[:, P:])
   leaves1 = jax.tree.leaves_with_path(g1)
@@ -97,17 +102,12 @@ def test_scan_equals_unrolled(model):
   cfg_unrolled = dataclasses.replace(CFG, scan_layers=False, remat_policy="minimal")
   unrolled = nnx.eval_shape(lambda: Transformer(cfg_unrolled, rngs=nnx.Rngs(0)))
   gd_u, _ = nnx.split(unrolled)
-  tok = _tokens(7, 2, 24)
-  seg = jnp.concatenate([jnp.ones((2, 10), jnp.int32), 2 * jnp.ones((2, 14), jnp.int32)], 1)
-  batch = {"tokens": tok, "segment_ids": seg}
-
-  def run(gd):
-    f = lambda st: loss_fn(nnx.merge(gd, st), batch, train=False)[0]
-    return jax.jit(jax.value_and_grad(f))(state)  # identical parameter layout in both modes
-
-  l1, g1 = run(graphdef)
-  l2, g2 = run(gd_u)
-  np.testing.assert_allclose(l1, l2, rtol=1e-6)
+  tok = _tokens(7, 2, 40)
+  w = jax.random.normal(jax.random.key(8), (2, P, CFG.vocab_size))
+  # Identical parameter layout in both modes: the same state runs both ways.
+  l1, g1 = _logits_and_grads(graphdef, state, tok, w)
+  l2, g2 = _logits_and_grads(gd_u, state, tok, w)
+  np.testing.assert_allclose(l1, l2, rtol=1e-5, atol=1e-6)
   leaves1 = [np.asarray(a, np.float64) for a in jax.tree.leaves(g1)]
   leaves2 = [np.asarray(b, np.float64) for b in jax.tree.leaves(g2)]
   flat1, flat2 = np.concatenate([a.ravel() for a in leaves1]), np.concatenate(
@@ -128,7 +128,11 @@ def test_chunked_loss_matches_reference(model):
   targets, weights = next_token_targets(tok, seg, mask)
   assert float(weights[0, 19]) == 0 and float(weights[0, 20]) == 1  # no cross-document pair
   assert float(weights[0, 4]) == 0 and float(weights[0, 33]) == 0  # masked / into padding
-  h, _ = nnx.jit(lambda m, t, s: m.forward_hidden(t, segment_ids=s))(model, tok, seg)
+  batch = {"tokens": tok, "segment_ids": seg, "loss_mask": mask}
+  # One compile: hidden states and the loss function on the same batch.
+  h, (loss, metrics) = nnx.jit(lambda m, b: (
+      m.forward_hidden(b["tokens"], segment_ids=b["segment_ids"])[0],
+      loss_fn(m, b, train=False, z_loss_coef=1e-4)))(model, batch)
   head = model.lm_head[...]
   sums = chunked_cross_entropy(h, head, targets, weights, chunk_size=16)
   logits = model.logits(h)
@@ -136,8 +140,6 @@ def test_chunked_loss_matches_reference(model):
   n = jnp.sum(weights)
   np.testing.assert_allclose(sums["nll_sum"] / n, nll, rtol=1e-5)
   np.testing.assert_allclose(sums["z_sum"] / n, z, rtol=1e-5)
-  loss, metrics = nnx.jit(lambda m, b: loss_fn(m, b, train=False, z_loss_coef=1e-4))(
-      model, {"tokens": tok, "segment_ids": seg, "loss_mask": mask})
   np.testing.assert_allclose(metrics["loss"], nll, rtol=1e-5)
   np.testing.assert_allclose(loss, nll + 1e-4 * z, rtol=1e-5)
   assert metrics["moe/max_violation"].shape == (CFG.num_layers - 1,)
