@@ -227,3 +227,23 @@ def test_attnres_stream_blocks():
                              (emb + (ys[0] + ys[1]) + ys[2]) / 3, rtol=1e-5)
   st = attnres.open_block(cfg, st, jnp.asarray(False))  # not a block start: no commit
   assert int(st["count"]) == 2
+
+
+def test_attnres_full_and_standard_streams():
+  rng = np.random.default_rng(8)
+  emb = jnp.asarray(rng.standard_normal((1, 2, 4)), jnp.float32)
+  ys = [jnp.asarray(rng.standard_normal((1, 2, 4)), jnp.float32) for _ in range(3)]
+  zero = jnp.zeros((4,))
+  full = dataclasses.replace(CFG, residual="attnres_full")
+  st = attnres.init_stream(full, emb)
+  assert st["stack"].shape[0] == 1 + 2 * full.num_layers
+  for y in ys:
+    st = attnres.add_output(full, attnres.open_block(full, st, True), y)
+  assert int(st["count"]) == 4
+  np.testing.assert_allclose(attnres.sublayer_input(full, st, zero), (emb + sum(ys)) / 4,
+                             rtol=1e-5)
+  std = dataclasses.replace(CFG, residual="standard")
+  st = attnres.init_stream(std, emb)
+  for y in ys:
+    st = attnres.add_output(std, attnres.open_block(std, st, True), y)
+  np.testing.assert_allclose(attnres.final_output(std, st, zero), emb + sum(ys), rtol=1e-5)
