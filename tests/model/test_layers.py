@@ -247,3 +247,16 @@ def test_attnres_full_and_standard_streams():
   for y in ys:
     st = attnres.add_output(std, attnres.open_block(std, st, True), y)
   np.testing.assert_allclose(attnres.final_output(std, st, zero), emb + sum(ys), rtol=1e-5)
+
+
+def test_splash_attention_interpret_matches_xla():
+  """The TPU path (Pallas splash attention, v padded to 192) in interpret mode on CPU."""
+  rng = np.random.default_rng(9)
+  B, T, H, Dk, Dv = 1, 256, 2, 192, 128
+  q, k = (jnp.asarray(rng.standard_normal((B, T, H, Dk)), jnp.float32) for _ in range(2))
+  v = jnp.asarray(rng.standard_normal((B, T, H, Dv)), jnp.float32)
+  seg = jnp.asarray(np.r_[np.ones(100), 2 * np.ones(156)][None].astype(np.int32))
+  o = attention.attention_splash(q, k, v, segment_ids=seg, scale=Dk ** -0.5, interpret=True,
+                                 block=128)
+  ref = _naive_attention(q, k, v, seg, Dk ** -0.5)
+  assert rel_rmse(ref, o) < 1e-5
