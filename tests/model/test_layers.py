@@ -165,7 +165,8 @@ def test_mla_matches_naive_attention_and_decode():
   q, k, v = layer.qkv(x)
   assert q.shape[-1] == CFG.qk_head_dim and v.shape[-1] == CFG.v_head_dim
   # The "rope" key channels are shared by all heads and never rotated (NoPE).
-  np.testing.assert_array_equal(k[:, :, 0, CFG.qk_nope_head_dim:], k[:, :, 1, CFG.qk_nope_head_dim:])
+  nope = CFG.qk_nope_head_dim
+  np.testing.assert_array_equal(k[:, :, 0, nope:], k[:, :, 1, nope:])
   o = _naive_attention(q, k, v, seg, CFG.qk_head_dim ** -0.5)
   y_ref = layer.output(x, jnp.asarray(o, jnp.float32))
   for backend in ("xla", "xla_chunked"):
