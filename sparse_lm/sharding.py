@@ -50,8 +50,10 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("activation_mlp", "tensor"),
     ("activation_exp", "expert"),
     ("activation_vocab", "tensor"),
-    # parameters
-    ("embed", "fsdp"),
+    # parameters: ZeRO-3 over every axis that replicates them otherwise. `context` ranks (and,
+    # for the non-expert weights, `expert` ranks, a batch axis there) hold the same parameters,
+    # so d_model is split over fsdp x context x expert (axes that do not divide are dropped).
+    ("embed", ("fsdp", "context", "expert")),
     ("vocab", "tensor"),
     ("heads", "tensor"),
     ("kv", None),
@@ -61,7 +63,7 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("exp", "expert"),
     # The expert weights [exp, latent, expert_mlp] hold 98% of the full model's parameters:
     # their latent dim is sharded over fsdp as well, or they would be replicated over it.
-    ("latent", "fsdp"),
+    ("latent", ("fsdp", "context")),
     ("expert_mlp", "tensor"),
     ("layers", None),
     ("conv", None),

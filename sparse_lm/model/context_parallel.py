@@ -75,10 +75,11 @@ def fold_states(S_ext: jax.Array, M: jax.Array, keep: jax.Array) -> jax.Array:
 
 
 def _kda_cp_body(q, k, v, g, beta, seg, *, axis, scale, chunk_size, backend, want_final,
-                 interpret=False):
+                 interpret=False, gate_lower_bound=None):
   B, T, H, K = q.shape
   V = v.shape[-1]
-  kw = dict(scale=scale, chunk_size=chunk_size, backend=backend, interpret=interpret)
+  kw = dict(scale=scale, chunk_size=chunk_size, backend=backend, interpret=interpret,
+            gate_lower_bound=gate_lower_bound)
   if axis is None:  # no context sharding: the kernel per (batch, head) shard
     o, S = chunk_kda(q, k, v, g, beta, output_final_state=want_final, segment_ids=seg, **kw)
     return o, (S if want_final else jnp.zeros((), jnp.float32))
@@ -109,10 +110,28 @@ def _kda_cp_body(q, k, v, g, beta, seg, *, axis, scale, chunk_size, backend, wan
   return o, jnp.zeros((), jnp.float32)
 
 
+def kda_under_mesh(mesh: jax.sharding.Mesh | None, backend: str) -> bool:
+  """Whether a KDA layer must call `cp_chunk_kda` under `mesh`: with a `context` axis > 1
+  (context parallelism), or when the kernel is a Pallas (Mosaic) one, which GSPMD cannot
+  partition (backend "pallas_*", or "auto" on a TPU mesh)."""
+  if mesh is None:
+    return False
+  if mesh.shape.get("context", 1) > 1:
+    return True
+  platform = mesh.devices.flat[0].platform
+  return backend.startswith("pallas") or (backend == "auto" and platform == "tpu")
+
+
+def mla_under_mesh(mesh: jax.sharding.Mesh | None) -> bool:
+  """Whether an MLA layer takes the context-parallel latent attention."""
+  return mesh is not None and mesh.shape.get("context", 1) > 1
+
+
 def cp_chunk_kda(q, k, v, g, beta, *, mesh: jax.sharding.Mesh, axis: str = "context",
                  scale: float | None = None, segment_ids: jax.Array | None = None,
                  initial_state: jax.Array | None = None, output_final_state: bool = False,
-                 chunk_size: int = 64, backend: str = "auto", interpret: bool = False):
+                 chunk_size: int = 64, backend: str = "auto", interpret: bool = False,
+                 gate_lower_bound: float | None = None):
   """`chunk_kda` with T sharded over mesh axis `axis` (see the module docstring).
 
   With `axis` of size 1 (or absent) it is the plain kernel inside a `shard_map` over the batch
@@ -141,7 +160,8 @@ def cp_chunk_kda(q, k, v, g, beta, *, mesh: jax.sharding.Mesh, axis: str = "cont
     backend = "pallas_tpu" if mesh.devices.flat[0].platform == "tpu" else "xla"
   body = functools.partial(_kda_cp_body, axis=axis if Pn > 1 else None, scale=scale,
                            chunk_size=chunk_size, backend=backend,
-                           want_final=output_final_state, interpret=interpret)
+                           want_final=output_final_state, interpret=interpret,
+                           gate_lower_bound=gate_lower_bound)
 
   def wrapped(q, k, v, g, beta, seg):
     with shd.use_mesh(None):

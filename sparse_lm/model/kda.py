@@ -25,7 +25,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from pallas_kernels.kda import chunk_kda, kda_gate, recurrent_step
 from sparse_lm.config import ModelConfig
-from sparse_lm.model import layers
+from sparse_lm import sharding
+from sparse_lm.model import context_parallel, layers
 
 
 def short_conv(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None,
@@ -194,8 +195,15 @@ class KDA(nnx.Module):
     dtype = jnp.dtype(cfg.dtype)
     proj, _ = kda_projections(p, x, lower_bound=cfg.kda_gate_lower_bound, eps=cfg.norm_eps,
                               dtype=dtype, segment_ids=segment_ids)
-    o, _ = chunk_kda(*proj, segment_ids=segment_ids, chunk_size=cfg.kda_chunk_size,
-                     backend=cfg.kda_backend, gate_lower_bound=cfg.kda_gate_lower_bound)
+    mesh = sharding.current_mesh()
+    if context_parallel.kda_under_mesh(mesh, cfg.kda_backend):  # CP and/or a Pallas kernel
+      o, _ = context_parallel.cp_chunk_kda(*proj, mesh=mesh, segment_ids=segment_ids,
+                                           chunk_size=cfg.kda_chunk_size,
+                                           backend=cfg.kda_backend,
+                                           gate_lower_bound=cfg.kda_gate_lower_bound)
+    else:
+      o, _ = chunk_kda(*proj, segment_ids=segment_ids, chunk_size=cfg.kda_chunk_size,
+                       backend=cfg.kda_backend, gate_lower_bound=cfg.kda_gate_lower_bound)
     return kda_output(p, x, o, eps=cfg.norm_eps, dtype=dtype)
 
   # ------------------------------------------------------------------ decoding

@@ -24,7 +24,8 @@ from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
 from sparse_lm.config import ModelConfig
-from sparse_lm.model import layers
+from sparse_lm import sharding
+from sparse_lm.model import context_parallel, layers
 from sparse_lm.model.attention import dot_product_attention
 
 
@@ -101,6 +102,14 @@ class MLA(nnx.Module):
   def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
                backend: str | None = None) -> jax.Array:
     """x [B, T, D] (pre-normalised) -> y [B, T, D] in cfg.dtype (causal, segment-masked)."""
+    mesh = sharding.current_mesh()
+    if context_parallel.mla_under_mesh(mesh):  # T sharded over `context`: gather the latent
+      c_kv, k_rope = self._latent(x)
+      o = context_parallel.mla_latent_attention(
+          self._query(x), c_kv, k_rope, self.w_ukv[...], nope_dim=self.cfg.qk_nope_head_dim,
+          scale=self.scale, mesh=mesh, segment_ids=segment_ids,
+          block=self.cfg.attention_chunk_size)
+      return self._gated_out(x, o)
     q, k, v = self.qkv(x)
     o = dot_product_attention(q, k, v, segment_ids=segment_ids, scale=self.scale,
                               backend=backend or self.cfg.attention_backend,

@@ -93,9 +93,23 @@ def resolve_impl(impl: str, ep_size: int, top_k: int, platform: str | None = Non
   return "dense" if platform == "cpu" else "ragged"
 
 
+def _gmm(lhs, rhs, sizes, backend: str, platform: str):
+  """Grouped matmul of the local experts. On a TPU mesh (also when compiling ahead of time
+  from a CPU host, where `gmm`'s "auto" would pick XLA's ragged_dot, which the compiler may
+  expand densely over groups) the Pallas megablox kernel, legal here inside the shard_map."""
+  if platform == "tpu" and backend in ("auto", "megablox", "tokamax"):
+    from jax.experimental.pallas.ops.tpu.megablox import gmm as mblx  # pylint: disable=g-import-not-at-top
+    m, k = lhs.shape
+    n = rhs.shape[-1]
+    tiling = tuple(min(512, d) for d in (m, k, n))
+    return mblx(lhs, rhs.astype(lhs.dtype), sizes.astype(jnp.int32),
+                preferred_element_type=lhs.dtype, tiling=tiling)
+  return gmm(lhs, rhs, sizes, backend=backend)
+
+
 def expert_ffn_local(x: jax.Array, local_ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                      w_down: jax.Array, *, beta1: float, beta2: float,
-                     gmm_backend: str = "auto") -> jax.Array:
+                     gmm_backend: str = "auto", platform: str = "cpu") -> jax.Array:
   """SiTU-GLU experts on rows x [R, L] with local expert ids [R] (id >= G marks an empty row).
 
   w_gate, w_up: [G, L, F]; w_down: [G, F, L]. Returns [R, L] in x's dtype; empty rows give 0.
@@ -104,10 +118,10 @@ def expert_ffn_local(x: jax.Array, local_ids: jax.Array, w_gate: jax.Array, w_up
   order = jnp.argsort(local_ids, stable=True)
   xs = x[order]
   sizes = jax.ops.segment_sum(jnp.ones_like(local_ids), local_ids, num_segments=G)
-  g = gmm(xs, w_gate, sizes, backend=gmm_backend)
-  u = gmm(xs, w_up, sizes, backend=gmm_backend)
+  g = _gmm(xs, w_gate, sizes, gmm_backend, platform)
+  u = _gmm(xs, w_up, sizes, gmm_backend, platform)
   h = situ_activation(g, u, beta1, beta2).astype(x.dtype)
-  ys = gmm(h, w_down, sizes, backend=gmm_backend)
+  ys = _gmm(h, w_down, sizes, gmm_backend, platform)
   valid = (jnp.arange(x.shape[0]) < jnp.sum(sizes))[:, None]
   ys = jnp.where(valid, ys, 0)  # rows past the groups: zero whatever the backend returns
   return jnp.zeros_like(ys).at[order].set(ys)
@@ -145,7 +159,7 @@ def _local_ids(ids_s, me, num_local, keep_s):
 
 
 def _ep_body(z, ids, gates, w_gate, w_up, w_down, *, axis, impl, recv_cap, beta1, beta2,
-             gmm_backend, tensor_axis):
+             gmm_backend, tensor_axis, platform):
   n, L = z.shape
   k = ids.shape[-1]
   num_ranks = jax.lax.axis_size(axis)
@@ -158,7 +172,8 @@ def _ep_body(z, ids, gates, w_gate, w_up, w_down, *, axis, impl, recv_cap, beta1
   ids_s = ids_f[order]
   tok_s = order // k
   ffn = functools.partial(expert_ffn_local, w_gate=w_gate, w_up=w_up, w_down=w_down,
-                          beta1=beta1, beta2=beta2, gmm_backend=gmm_backend)
+                          beta1=beta1, beta2=beta2, gmm_backend=gmm_backend,
+                          platform=platform)
 
   def tensor_sum(y):
     return y if tensor_axis is None else jax.lax.psum(y, tensor_axis)
@@ -273,7 +288,8 @@ def ep_dispatch_and_compute(z: jax.Array, expert_ids: jax.Array, gates: jax.Arra
   n = N // n_shards
   if capacity_factor is not None and recv_cap is None:
     recv_cap = int(math.ceil(capacity_factor * n * k))
-  impl = resolve_impl(impl, ep, k, mesh.devices.flat[0].platform)
+  platform = mesh.devices.flat[0].platform
+  impl = resolve_impl(impl, ep, k, platform)
   if gmm_backend == "dense":  # the MoE's dense reference is not a grouped matmul
     gmm_backend = "auto"
   F = expert_params["w_gate"].shape[-1]
@@ -287,7 +303,8 @@ def ep_dispatch_and_compute(z: jax.Array, expert_ids: jax.Array, gates: jax.Arra
   scalar = P(_present(mesh, shd.MESH_AXES) or None)
 
   body = functools.partial(_ep_body, axis=axis, impl=impl, recv_cap=recv_cap, beta1=beta1,
-                           beta2=beta2, gmm_backend=gmm_backend, tensor_axis=tensor_axis)
+                           beta2=beta2, gmm_backend=gmm_backend, tensor_axis=tensor_axis,
+                           platform=platform)
 
   def wrapped(*args):
     with shd.use_mesh(None):  # manual axes: no sharding constraints inside
