@@ -268,7 +268,7 @@ def main(argv=None) -> int:
                                           z_loss_coef=z,
                                           balancer_update=not args.no_balancer_update)
   except ValueError as e:
-    print(f"[aot_plan] invalid layout: {e}", file=sys.stderr)
+    print(f"[aot_plan] failed: {e}", file=sys.stderr)
     return 1
   rep = memory_report(compiled, hbm)
   print(f"[aot_plan] mesh {info['mesh']}; {info['num_params'] / 1e9:.2f}B params; train state "

@@ -122,9 +122,18 @@ def kda_under_mesh(mesh: jax.sharding.Mesh | None, backend: str) -> bool:
   return backend.startswith("pallas") or (backend == "auto" and platform == "tpu")
 
 
-def mla_under_mesh(mesh: jax.sharding.Mesh | None) -> bool:
-  """Whether an MLA layer takes the context-parallel latent attention."""
-  return mesh is not None and mesh.shape.get("context", 1) > 1
+def mla_under_mesh(mesh: jax.sharding.Mesh | None, backend: str = "auto") -> str | None:
+  """How an MLA layer attends under `mesh`: "latent" (context > 1: the context-parallel latent
+  attention), "sharded" (a TPU mesh, where the attention kernel would be a Mosaic one that
+  GSPMD cannot partition: `flash_attention` per batch/head shard), or None (the layer's own
+  backend)."""
+  if mesh is None:
+    return None
+  if mesh.shape.get("context", 1) > 1:
+    return "latent"
+  if mesh.devices.flat[0].platform == "tpu" and backend in ("auto", "splash"):
+    return "sharded"
+  return None
 
 
 def cp_chunk_kda(q, k, v, g, beta, *, mesh: jax.sharding.Mesh, axis: str = "context",

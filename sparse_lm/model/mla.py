@@ -103,7 +103,8 @@ class MLA(nnx.Module):
                backend: str | None = None) -> jax.Array:
     """x [B, T, D] (pre-normalised) -> y [B, T, D] in cfg.dtype (causal, segment-masked)."""
     mesh = sharding.current_mesh()
-    if context_parallel.mla_under_mesh(mesh):  # T sharded over `context`: gather the latent
+    how = context_parallel.mla_under_mesh(mesh, backend or self.cfg.attention_backend)
+    if how == "latent":  # T sharded over `context`: gather the latent
       c_kv, k_rope = self._latent(x)
       o = context_parallel.mla_latent_attention(
           self._query(x), c_kv, k_rope, self.w_ukv[...], nope_dim=self.cfg.qk_nope_head_dim,
@@ -111,6 +112,10 @@ class MLA(nnx.Module):
           block=self.cfg.attention_chunk_size)
       return self._gated_out(x, o)
     q, k, v = self.qkv(x)
+    if how == "sharded":  # TPU mesh: flash attention per batch / head shard
+      o = context_parallel.cp_attention(q, k, v, mesh=mesh, segment_ids=segment_ids,
+                                        scale=self.scale, block=self.cfg.attention_chunk_size)
+      return self._gated_out(x, o)
     o = dot_product_attention(q, k, v, segment_ids=segment_ids, scale=self.scale,
                               backend=backend or self.cfg.attention_backend,
                               chunk_size=self.cfg.attention_chunk_size)

@@ -97,10 +97,11 @@ def _gmm(lhs, rhs, sizes, backend: str, platform: str):
   """Grouped matmul of the local experts. On a TPU mesh (also when compiling ahead of time
   from a CPU host, where `gmm`'s "auto" would pick XLA's ragged_dot, which the compiler may
   expand densely over groups) the Pallas megablox kernel, legal here inside the shard_map."""
-  if platform == "tpu" and backend in ("auto", "megablox", "tokamax"):
+  m, k = lhs.shape
+  n = rhs.shape[-1]
+  tileable = k % 128 == 0 and n % 128 == 0 and m % 8 == 0  # Mosaic block-shape rule
+  if platform == "tpu" and backend in ("auto", "megablox", "tokamax") and tileable:
     from jax.experimental.pallas.ops.tpu.megablox import gmm as mblx  # pylint: disable=g-import-not-at-top
-    m, k = lhs.shape
-    n = rhs.shape[-1]
     tiling = tuple(min(512, d) for d in (m, k, n))
     return mblx(lhs, rhs.astype(lhs.dtype), sizes.astype(jnp.int32),
                 preferred_element_type=lhs.dtype, tiling=tiling)
