@@ -9,6 +9,9 @@ so the batch shrinks 8x (full: 512 x 64K; small: 4 x 64K); the schedule re-warms
 steps (full) to a peak a little below stage_8k's and decays over the last 20%. The stage is
 short: 4,000 steps x 33.5M = 134B tokens at full scale. NoPE attention needs no RoPE rescaling.
 `tiny` doubles its length instead (256 -> 512 tokens, 4 sequences per step, 150 steps).
+Its held-out set is the long-document view too, so its step-0 loss is stage_8k's final weights
+measured on longer documents (with `--set data.long_documents=false` it equals stage_8k's
+final loss at twice its length exactly; tests/experiments/test_cli.py checks that).
 """
 
 import dataclasses
