@@ -100,7 +100,9 @@ def loss_fn(model: Transformer, batch: dict, *, train: bool = True,
   Args:
     model: the Transformer.
     batch: "tokens" [B, T] int32; optional "segment_ids" [B, T] int32 (0 = padding; default
-      all ones) and "loss_mask" [B, T] (default ones). Convention in the module docstring.
+      all ones), "loss_mask" [B, T] (default ones) and "images" (a vision.ImageBatch whose
+      tokens fill the `<image>` spans; those positions are never targets). Convention in the
+      module docstring.
     train: forwarded to the model (MoE balancer statistics accumulate in training mode).
     z_loss_coef: weight of the z-loss mean(logsumexp²) (PaLM), 0 to disable.
 
@@ -116,7 +118,11 @@ def loss_fn(model: Transformer, batch: dict, *, train: bool = True,
   if seg is None:
     seg = jnp.ones_like(tokens, jnp.int32)
   targets, weights = next_token_targets(tokens, seg, batch.get("loss_mask"))
-  h, aux = model.forward_hidden(tokens, segment_ids=seg, train=train)
+  images = batch.get("images")
+  if images is not None:  # no loss on image positions (ARCHITECTURE §7)
+    from sparse_lm.vision.merge import image_placeholder_mask
+    weights = jnp.where(image_placeholder_mask(targets), 0.0, weights)
+  h, aux = model.forward_hidden(tokens, segment_ids=seg, images=images, train=train)
   sums = chunked_cross_entropy(h, model.lm_head[...], targets, weights,
                                chunk_size=model.cfg.loss_chunk_size,
                                dtype=jnp.dtype(model.cfg.dtype))

@@ -158,6 +158,12 @@ class Transformer(nnx.Module):
     self.final_norm = layers.RMSNorm(cfg.d_model, cfg=cfg, rngs=rngs)
     self.lm_head = layers.dense_param(rngs, (cfg.d_model,), (cfg.vocab_size,),
                                       ("embed", "vocab"), cfg)
+    # Created last so a text-only model's parameters do not depend on cfg.vision.
+    if cfg.vision:
+      from sparse_lm.vision.encoder import VisionEncoder  # vision imports model.layers
+      self.vision = VisionEncoder(cfg, rngs=rngs)
+    else:
+      self.vision = None
 
   # ------------------------------------------------------------------ stack
   def _run_groups(self, stream, *, segment_ids, valid, train):
@@ -199,7 +205,9 @@ class Transformer(nnx.Module):
     Args:
       tokens: [B, T] int32.
       segment_ids: [B, T] int32 packed-document ids (0 = padding) or None (one document).
-      images: must be None (the vision encoder is not part of this model yet).
+      images: None, or a `sparse_lm.vision.ImageBatch` (pixels [N, H, W, 3], sizes [N, 2])
+        whose encoded tokens replace the `<image>` placeholder spans of `tokens` in reading
+        order (ARCHITECTURE §7); needs cfg.vision.
       train: accumulate the balancer statistics of the MoE layers.
 
     Returns:
@@ -209,14 +217,17 @@ class Transformer(nnx.Module):
         "load" [L, E], "aux_loss" [L].
 
     Raises:
-      NotImplementedError: images is not None.
+      ValueError: images given to a model built without cfg.vision.
     """
-    if images is not None:
-      raise NotImplementedError("image inputs need the vision encoder (ARCHITECTURE §7), which "
-                                "is not implemented yet; pass images=None")
     cfg = self.cfg
     valid = None if segment_ids is None else segment_ids != 0
-    stream = attnres.init_stream(cfg, self.embed(tokens))
+    x = self.embed(tokens)
+    if images is not None:
+      if self.vision is None:
+        raise ValueError("images were given but the model has no vision encoder: build it "
+                         "with get_preset(..., vision=True) (ModelConfig.vision)")
+      x = self.vision.embed_into(x, tokens, images)
+    stream = attnres.init_stream(cfg, x)
     kw = dict(segment_ids=segment_ids, valid=valid, train=train)
     stream, auxes = self.head(stream, opens_block=True, **kw)
     aux = [_stack_aux(auxes)] if auxes else []
