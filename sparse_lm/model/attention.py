@@ -49,7 +49,8 @@ def attention_xla(q, k, v, *, segment_ids=None, scale: float):
 def attention_xla_chunked(q, k, v, *, segment_ids=None, scale: float, chunk_size: int = 512):
   """Online-softmax attention over [chunk_size] query and key blocks.
 
-  Memory O(B·H·chunk²) for scores instead of O(B·H·T²). T is padded to a multiple of the
+  Memory O(B·H·chunk²) for scores instead of O(B·H·T²), in the forward and (the block loops
+  are `jax.checkpoint`-ed) in the backward pass. T is padded to a multiple of the
   block; padded keys are masked (they sit after every real query, so causality masks them).
   Key blocks entirely in a query block's future are still visited (static shapes) but
   contribute exactly zero, which keeps the result bit-identical under changes of later tokens.
@@ -92,10 +93,14 @@ def attention_xla_chunked(q, k, v, *, segment_ids=None, scale: float, chunk_size
 
     init = (jnp.full((B, H, C), _NEG, jnp.float32), jnp.zeros((B, H, C), jnp.float32),
             jnp.zeros((B, H, C, Dv), jnp.float32))
-    (m, l, acc), _ = jax.lax.scan(body, init, (kb, vb, sb, pos))
+    # Checkpointed body: the backward pass recomputes each block's scores instead of keeping
+    # every [B, H, C, C] score block of the scan (which would make it O(T²) again).
+    (m, l, acc), _ = jax.lax.scan(jax.checkpoint(body), init, (kb, vb, sb, pos))
     return acc / l[..., None]
 
-  o = jax.lax.map(one_query_block, (qb, sb, pos))  # [n, B, H, C, Dv]
+  # Checkpointed per query block too, so the map keeps only its inputs for the backward pass,
+  # not the per-step carries of all n query blocks (O(n² · B·H·C·Dv)).
+  o = jax.lax.map(jax.checkpoint(one_query_block), (qb, sb, pos))  # [n, B, H, C, Dv]
   o = o.transpose(1, 0, 3, 2, 4).reshape(B, n * C, H, Dv)[:, :T]
   return o.astype(q.dtype)
 

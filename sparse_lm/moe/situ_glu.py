@@ -12,6 +12,7 @@ The math is in pure functions (`situ_activation`, `situ_glu`); `SiTUGLU` holds t
 
 from __future__ import annotations
 
+import functools
 from typing import Sequence
 
 import jax
@@ -32,6 +33,15 @@ def situ_activation(g: jax.Array, u: jax.Array, beta1: float = 4.0,
   Returns:
     h, same shape, float32; |h| < beta1 * beta2 elementwise.
   """
+  return _situ(g, u, beta1, beta2)
+
+
+# Checkpointed: the backward pass keeps only g and u (in their own, usually bf16, dtype) and
+# recomputes the fp32 tanh / sigmoid terms inside the fused gradient, instead of storing
+# about five fp32 copies of every [tokens·k, F] expert activation (measured: 4 GiB per
+# 8K-token row for the small preset).
+@functools.partial(jax.checkpoint, static_argnums=(2, 3))
+def _situ(g: jax.Array, u: jax.Array, beta1: float, beta2: float) -> jax.Array:
   g = g.astype(jnp.float32)
   u = u.astype(jnp.float32)
   gate = beta1 * jnp.tanh(g / beta1) * jax.nn.sigmoid(g)
