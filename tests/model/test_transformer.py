@@ -188,6 +188,7 @@ def test_count_params_full_preset():
   assert 0 < tiny["active"] < tiny["total"]
 
 
-def test_images_not_supported_yet(model):
-  with pytest.raises(NotImplementedError, match="vision"):
+def test_images_need_the_vision_encoder(model):
+  # The tiny preset has cfg.vision=False; tests/vision/test_vision_in_model.py runs images.
+  with pytest.raises(ValueError, match="vision=True"):
     model(_tokens(0, 1, 4), images=jnp.zeros((1, 14, 14, 3)))
