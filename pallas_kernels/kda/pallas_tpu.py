@@ -56,29 +56,15 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.kda.reference import segment_resets
+# One rule for both backends: "auto" is dense only for a known lower-bounded gate.
+from pallas_kernels.kda.xla import DIAG_MODES, resolve_diag  # noqa: F401 (re-exported)
 
 SUB = 16  # sub-tile size (tokens) of the pairwise products
 LANE = 128
-DIAG_MODES = ("auto", "dense", "safe")
 # Largest |g_min| for which a dense 16-token diagonal tile keeps every exponent inside fp32
 # (r at the tile's first row: 15 · |g_min| < 88 nats).
 DENSE_MAX_ABS_BOUND = 88.0 / (SUB - 1)
 _HI = jax.lax.Precision.HIGHEST
-
-
-def resolve_diag(diag: str, gate_lower_bound: float | None) -> str:
-  """"auto" -> "dense" iff the gate is known lower-bounded by g_min ≥ −88/15, else "safe".
-
-  Raises:
-    ValueError: unknown diag.
-  """
-  if diag not in DIAG_MODES:
-    raise ValueError(f"diag={diag!r}: expected one of {DIAG_MODES}")
-  if diag != "auto":
-    return diag
-  if gate_lower_bound is not None and -DENSE_MAX_ABS_BOUND <= gate_lower_bound < 0:
-    return "dense"
-  return "safe"
 
 
 def diag_tile_max_exponent(g: jax.Array, chunk_size: int = 64,
