@@ -31,7 +31,10 @@ def detect(env: Mapping[str, str] | None = None) -> tuple[str | None, dict]:
     return "explicit", kw
   if int(env.get("SLURM_NTASKS", "1") or 1) > 1:
     return "slurm", {}
-  hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",") if h.strip()]
+  # libtpu, failing its metadata query on a non-TPU machine, puts a "WARNING: could not
+  # determine TPU worker hostnames ..." sentence here: only space-free names are hosts.
+  hosts = [h for h in env.get("TPU_WORKER_HOSTNAMES", "").split(",")
+           if h.strip() and " " not in h.strip()]
   if len(hosts) > 1 or int(env.get("MEGASCALE_NUM_SLICES", "1") or 1) > 1:
     return "tpu", {}
   if int(env.get("OMPI_COMM_WORLD_SIZE", "1") or 1) > 1:
