@@ -182,3 +182,21 @@ def remat_policy(name: str):
 
 def fan_in_std(fan_in: int) -> float:
   return 1.0 / math.sqrt(fan_in)
+
+
+def stack_modules(modules: Sequence[nnx.Module]) -> nnx.Module:
+  """Identical modules -> one module whose every variable has a leading `layers` axis.
+
+  The variables' logical axis names get "layers" prepended (what `nnx.vmap(transform_metadata=
+  ...)` does), so `sharding.state_shardings` sees the stacked axis. Used for the scanned layer
+  groups of the decoder and the vision encoder's blocks.
+  """
+  graphdef, _ = nnx.split(modules[0])
+  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.split(m)[1] for m in modules])
+  out = nnx.merge(graphdef, stacked)
+  for _, node in nnx.iter_graph(out):
+    if isinstance(node, nnx.Variable):
+      names = node.get_metadata().get("out_sharding")
+      if names is not None:
+        node.set_metadata(out_sharding=("layers", *names))
+  return out

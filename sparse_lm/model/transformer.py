@@ -113,18 +113,8 @@ def _stacked_groups(cfg: ModelConfig, n: int, rngs: nnx.Rngs) -> LayerGroup:
     def make(r):
       return LayerGroup(cfg, first_layer=cfg.mla_every, rngs=r)
     return make(rngs)
-  groups = [LayerGroup(cfg, first_layer=cfg.mla_every, rngs=rngs) for _ in range(n)]
-  graphdef, state = nnx.split(groups[0])
-  states = [nnx.split(g)[1] for g in groups]
-  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *states)
-
-  stacked_groups = nnx.merge(graphdef, stacked)
-  for _, node in nnx.iter_graph(stacked_groups):
-    if isinstance(node, nnx.Variable):
-      names = node.get_metadata().get("out_sharding")
-      if names is not None:
-        node.set_metadata(out_sharding=("layers", *names))
-  return stacked_groups
+  return layers.stack_modules(
+      [LayerGroup(cfg, first_layer=cfg.mla_every, rngs=rngs) for _ in range(n)])
 
 
 def _stack_aux(auxes: list[dict]) -> dict:

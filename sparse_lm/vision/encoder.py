@@ -178,16 +178,7 @@ class VisionBlock(nnx.Module):
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> VisionBlock:
   """cfg.vision_layers VisionBlocks with every param stacked on a leading `layers` axis."""
-  blocks = [VisionBlock(cfg, rngs=rngs) for _ in range(cfg.vision_layers)]
-  graphdef, _ = nnx.split(blocks[0])
-  stacked = jax.tree.map(lambda *xs: jnp.stack(xs), *[nnx.split(b)[1] for b in blocks])
-  out = nnx.merge(graphdef, stacked)
-  for _, node in nnx.iter_graph(out):
-    if isinstance(node, nnx.Variable):
-      names = node.get_metadata().get("out_sharding")
-      if names is not None:
-        node.set_metadata(out_sharding=("layers", *names))
-  return out
+  return layers.stack_modules([VisionBlock(cfg, rngs=rngs) for _ in range(cfg.vision_layers)])
 
 
 class VisionEncoder(nnx.Module):
