@@ -21,6 +21,24 @@ import time
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 
+GIB = 1024**3
+
+
+def _parse_value(text: str):
+  """--set values: int, float, bool, None, else the string."""
+  low = text.lower()
+  if low in ("true", "false"):
+    return low == "true"
+  if low == "none":
+    return None
+  for cast in (int, float):
+    try:
+      return cast(text)
+    except ValueError:
+      pass
+  return text
+
+
 def synthetic_batch(rows: int, seq_len: int, vocab: int, seed: int = 0) -> dict:
   import numpy as np
   rng = np.random.default_rng(seed)
@@ -40,6 +58,10 @@ def main(argv=None) -> None:
   p.add_argument("--batch", type=int, default=None,
                  help="sequences per step (default: stage_8k's batch, capped at 8 on 1 device)")
   p.add_argument("--micro-batches", type=int, default=1)
+  p.add_argument("--remat", default=None,
+                 help="override ModelConfig.remat_policy (none, full, save_dots, minimal, ...)")
+  p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
+                 help="override any other ModelConfig field (repeatable)")
   p.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
   p.add_argument("--quick", action="store_true", help="3 timed steps (CPU smoke run)")
   args = p.parse_args(argv)
@@ -52,12 +74,20 @@ def main(argv=None) -> None:
   from sparse_lm.train import loop, metrics
 
   stage = stage_8k.STAGES[args.preset]
+  overrides = dict(stage.model_overrides)
+  if args.remat:
+    overrides["remat_policy"] = args.remat
+  for item in args.set:
+    field, _, value = item.partition("=")
+    if not value:
+      p.error(f"--set {item!r}: expected FIELD=VALUE")
+    overrides[field] = _parse_value(value)
   seq_len = args.seq_len or stage.seq_len
   batch = args.batch or min(stage.global_batch, 8)
   steps = 3 if args.quick else args.steps
   stage = dataclasses.replace(stage, seq_len=seq_len, tokens_per_batch=batch * seq_len,
                               micro_batches=args.micro_batches, steps=1000,
-                              mesh=MeshLayout())
+                              mesh=MeshLayout(), model_overrides=tuple(overrides.items()))
   stage.validate()
   cfg = stage.model_config()
   mesh = shd.make_mesh(stage.mesh, jax.devices()[:1])
@@ -68,14 +98,18 @@ def main(argv=None) -> None:
     batches = [{k: jax.device_put(v, sh[k]) for k, v in
                 synthetic_batch(batch, seq_len, cfg.vocab_size, s).items()} for s in range(2)]
     t0 = time.perf_counter()
-    state, m = parts.train_step(state, batches[0])
-    jax.block_until_ready(m)
+    step_fn = parts.train_step.lower(state, batches[0]).compile()
     compile_s = time.perf_counter() - t0
-    state, m = parts.train_step(state, batches[1])
-    jax.block_until_ready(m)
+    mem = step_fn.memory_analysis()
+    if mem is not None:
+      print(f"compiled: arguments {mem.argument_size_in_bytes / GIB:.2f} GiB, temporaries "
+            f"{mem.temp_size_in_bytes / GIB:.2f} GiB", flush=True)
+    for i in range(2):
+      state, m = step_fn(state, batches[i])
+      jax.block_until_ready(m)
     t0 = time.perf_counter()
     for i in range(steps):
-      state, m = parts.train_step(state, batches[i % 2])
+      state, m = step_fn(state, batches[i % 2])
     jax.block_until_ready(m)
     step_s = (time.perf_counter() - t0) / steps
 
@@ -90,7 +124,9 @@ def main(argv=None) -> None:
       ("preset", f"{args.preset} ({n['total'] / 1e6:,.1f}M total, "
                  f"{n['active'] / 1e6:,.1f}M active params)"),
       ("shape", f"{batch} x {seq_len} tokens, {args.micro_batches} micro-batch(es)"),
-      ("first step (compile)", f"{compile_s:.1f} s"),
+      ("remat policy", cfg.remat_policy),
+      ("compile", f"{compile_s:.1f} s"),
+      ("compiled temporaries", f"{mem.temp_size_in_bytes / GIB:.2f} GiB" if mem else "n/a"),
       ("step time", f"{1e3 * step_s:.1f} ms (mean of {steps})"),
       ("tokens/s", f"{tps:,.0f}"),
       ("model FLOPs/token", f"{fpt / 1e9:.3f} GFLOP"),

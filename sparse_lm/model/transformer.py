@@ -7,13 +7,14 @@ groups of 4 (KDA, KDA, KDA, MLA) plus one final MLA layer. Layer 0 (and any laye
 
 How the stack runs:
   - `head`:   the first group (layers 0 .. mla_every-1), unrolled, because layer 0 has the dense
-              FFN and so different parameters from the repeated groups.
+              FFN and so different parameters from the repeated groups; rematerialised as one
+              unit per cfg.remat_policy, like each scanned group.
   - `groups`: groups 1 .. G-1 (layers mla_every .. num_layers-2), created with `nnx.vmap` so
               every parameter has a leading `layers` axis [G-1, ...]. With cfg.scan_layers the
               groups run as one `jax.lax.scan` (compile time independent of depth), otherwise a
               Python loop over the same stacked parameters (same checkpoint layout, same
               numbers). Each group is wrapped in `jax.checkpoint` per cfg.remat_policy.
-  - `last`:   the final MLA layer, outside the scan.
+  - `last`:   the final MLA layer, outside the scan (rematerialised the same way).
 
 Each decoder layer has two sub-layers (token mixer, FFN), each reading its input from the
 residual stream of `attnres.py` (pre-norm applied to that input) and adding its output back.
@@ -115,6 +116,31 @@ def _stacked_groups(cfg: ModelConfig, n: int, rngs: nnx.Rngs) -> LayerGroup:
     return make(rngs)
   return layers.stack_modules(
       [LayerGroup(cfg, first_layer=cfg.mla_every, rngs=rngs) for _ in range(n)])
+
+
+def _remat_call(cfg: ModelConfig, module: nnx.Module, stream: dict, *, opens_block: bool,
+                segment_ids, valid, train: bool):
+  """`module(stream, ...)` under `jax.checkpoint` with cfg.remat_policy (plain call for "none").
+
+  Used for the layers outside the scanned groups (the head group and the last layer) so that
+  they, too, keep only their input stream for the backward pass. Non-Param variables the call
+  updates (the balancer histograms) are written back to `module`.
+  """
+  policy = layers.remat_policy(cfg.remat_policy)
+  if policy is None:
+    return module(stream, opens_block=opens_block, segment_ids=segment_ids, valid=valid,
+                  train=train)
+  graphdef, params, rest = nnx.split(module, nnx.Param, ...)
+
+  def call(stream, params, rest, segment_ids, valid):
+    m = nnx.merge(graphdef, params, rest)
+    out = m(stream, opens_block=opens_block, segment_ids=segment_ids, valid=valid, train=train)
+    _, _, rest_new = nnx.split(m, nnx.Param, ...)
+    return out, rest_new
+
+  out, rest_new = jax.checkpoint(call, policy=policy)(stream, params, rest, segment_ids, valid)
+  nnx.update(module, rest_new)
+  return out
 
 
 def _stack_aux(auxes: list[dict]) -> dict:
@@ -219,14 +245,14 @@ class Transformer(nnx.Module):
       x = self.vision.embed_into(x, tokens, images)
     stream = attnres.init_stream(cfg, x)
     kw = dict(segment_ids=segment_ids, valid=valid, train=train)
-    stream, auxes = self.head(stream, opens_block=True, **kw)
+    stream, auxes = _remat_call(cfg, self.head, stream, opens_block=True, **kw)
     aux = [_stack_aux(auxes)] if auxes else []
     if self.groups is not None:
       stream, group_aux = self._run_groups(stream, **kw)
       aux.append(group_aux)
     last_first = cfg.num_layers - 1
-    stream, last_aux = self.last(stream, opens_block=last_first % cfg.attnres_block_layers == 0,
-                                 **kw)
+    stream, last_aux = _remat_call(
+        cfg, self.last, stream, opens_block=last_first % cfg.attnres_block_layers == 0, **kw)
     aux.append(_stack_aux([last_aux]))
     aux = {k: jnp.concatenate([a[k] for a in aux]) for k in AUX_KEYS}
     h = attnres.final_output(cfg, stream, self.final_query[...])

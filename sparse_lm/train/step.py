@@ -76,10 +76,16 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
       grads_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_sum, grads)
       return (grads_sum, model_vars), (loss, metrics)
 
-    zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-    (grads, model_vars), (losses, loss_metrics) = jax.lax.scan(
-        accumulate, (zeros, state.model_vars), jax.tree.map(split, batch))
-    grads = jax.tree.map(lambda g, p: (g / micro_batches).astype(p.dtype), grads, state.params)
+    if micro_batches == 1:  # no accumulator: one parameter-sized fp32 buffer less
+      (loss, (metrics, model_vars)), grads = grad_fn(state.params, state.model_vars, batch)
+      losses, loss_metrics = loss[None], jax.tree.map(lambda x: jnp.asarray(x)[None], metrics)
+      grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
+    else:
+      zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
+      (grads, model_vars), (losses, loss_metrics) = jax.lax.scan(
+          accumulate, (zeros, state.model_vars), jax.tree.map(split, batch))
+      grads = jax.tree.map(lambda g, p: (g / micro_batches).astype(p.dtype), grads,
+                           state.params)
     loss = jnp.mean(losses)
     metrics = _mean_metrics(loss_metrics)
     if nan_at_step is not None:

@@ -96,10 +96,13 @@ def test_packing_matches_separate_documents(model):
   np.testing.assert_allclose(logits[0, :A], logits[2, :A], rtol=1e-5, atol=1e-5)
 
 
-def test_scan_equals_unrolled(model):
+@pytest.mark.parametrize("remat", ["minimal", "full"])
+def test_scan_equals_unrolled(model, remat):
+  """Scanned, no remat == unrolled with remat (of the scanned groups, the head group and the
+  last layer): the same numbers from the same parameters."""
   m = _randomise_queries(model, 6)
   graphdef, state = nnx.split(m)
-  cfg_unrolled = dataclasses.replace(CFG, scan_layers=False, remat_policy="minimal")
+  cfg_unrolled = dataclasses.replace(CFG, scan_layers=False, remat_policy=remat)
   unrolled = nnx.eval_shape(lambda: Transformer(cfg_unrolled, rngs=nnx.Rngs(0)))
   gd_u, _ = nnx.split(unrolled)
   tok = _tokens(7, 2, 40)

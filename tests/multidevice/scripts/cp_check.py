@@ -146,6 +146,15 @@ def main():
       ("attn_cp2_heads", lambda: check_attn("attn_cp2_heads", "context=2,tensor=2,fsdp=2", T,
                                             segs, Hk=4)),
   ]
+  # Two real devices (run with `2dev`): CP 2, 36 tokens per shard (not a multiple of 16).
+  two_device = [
+      ("kda_cp2_segments_2dev", lambda: check_kda("kda_cp2_segments_2dev", "context=2", T,
+                                                  segs=segs, want_final=True)),
+      ("conv_cp2_2dev", lambda: check_conv("conv_cp2_2dev", "context=2", T, segs)),
+      ("attn_cp2_mqa_2dev", lambda: check_attn("attn_cp2_mqa_2dev", "context=2", T, segs)),
+  ]
+  if which == "2dev":
+    cases, which = two_device, "all"
   for name, fn in cases:
     if which == "all" or which in name:
       fn()

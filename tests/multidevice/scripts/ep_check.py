@@ -123,6 +123,19 @@ def main():
       ("ep8_cap_one_expert", "expert=8", "dense", dict(one_expert=3, cap=12)),
       ("ep4_allgather_cap", "expert=4,fsdp=2", "allgather", dict(one_expert=0, cap=12, k=4)),
   ]
+  # Two real devices (run with `2dev`; e.g. two GPUs, NCCL): EP 2 with every exchange,
+  # including the ragged all-to-all that XLA:CPU lacks.
+  two_device = [
+      ("ep2_dense_2dev", "expert=2", "dense", {}),
+      ("ep2_ragged_2dev", "expert=2", "ragged", dict(sentinel=True)),
+      ("ep2_allgather_k4_2dev", "expert=2", "allgather", dict(k=4)),
+      ("ep2_one_expert_2dev", "expert=2", "ragged", dict(one_expert=5)),
+      ("ep2_cap_one_expert_2dev", "expert=2", "dense", dict(one_expert=3, cap=40)),
+  ]
+  if which == "2dev":
+    cases, which = two_device, "all"
+    if jax.default_backend() == "cpu":  # XLA:CPU has no ragged_all_to_all
+      cases = [c for c in cases if c[2] != "ragged"]
   for name, layout, impl, kw in cases:
     if which == "all" or which in name:
       check(name, layout, impl, **kw)
