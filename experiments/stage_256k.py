@@ -24,7 +24,7 @@ FULL = _next(stage_64k.FULL, seq_len=262_144, reference_seq_len=262_144, steps=1
              eval_batch_size=16, mesh=MeshLayout(fsdp=-1, expert=16, context=4))
 SMALL = _next(stage_64k.SMALL, seq_len=262_144, reference_seq_len=262_144, steps=1000,
               optim=OptimizerConfig(peak_lr=1.5e-4, warmup_steps=100, decay_fraction=0.2),
-              mesh=MeshLayout(fsdp=1, context=-1))
+              micro_batches=1, mesh=MeshLayout(fsdp=1, context=-1))
 TINY = _next(stage_64k.TINY, seq_len=1024, reference_seq_len=262_144, steps=100,
              optim=OptimizerConfig(peak_lr=1e-3, warmup_steps=10, decay_fraction=0.2,
                                    weight_decay=0.01))

@@ -6,8 +6,9 @@ sees 4,096 sequences x 8K = 33.5M tokens, warms the learning rate up over 2,000 
 holds it, and decays it to a tenth over the last 10% of 120,000 steps: 4.0T tokens, about
 6 x 104B x 4.0T = 2.5e24 FLOPs. The mesh puts the experts on a 16-way `expert` axis and
 shards the rest over `fsdp` (512 chips: fsdp=32 x expert=16). The `small` preset (1.6B total,
-0.3B active) takes 32 x 8K = 262K tokens per step for 20,000 steps (5.2B tokens) on the
-devices it finds. The `tiny` preset scales the stage down to 256 tokens per sequence and
+0.3B active) takes 32 x 8K = 262K tokens per step, in 4 micro-batches of 8 rows (one H200
+holds a micro-batch of 8 x 8K under full remat, docs/benchmarks.md), for 20,000 steps (5.2B
+tokens) on the devices it finds. The `tiny` preset scales the stage down to 256 tokens per sequence and
 8 sequences per step, 500 steps (1M tokens), so it finishes on two CPU cores in minutes.
 """
 
@@ -22,12 +23,12 @@ FULL = StageConfig(
     mesh=MeshLayout(fsdp=-1, expert=16), data=DataConfig(), reference_seq_len=8192)
 
 SMALL = dataclasses.replace(
-    FULL, preset="small", tokens_per_batch=32 * 8192, steps=20_000,
+    FULL, preset="small", tokens_per_batch=32 * 8192, micro_batches=4, steps=20_000,
     optim=OptimizerConfig(peak_lr=3e-4, warmup_steps=1000, decay_fraction=0.1),
     eval_every=500, eval_batch_size=None, checkpoint_every=1000, mesh=MeshLayout(fsdp=-1))
 
 TINY = dataclasses.replace(
-    SMALL, preset="tiny", seq_len=256, tokens_per_batch=8 * 256, steps=500,
+    SMALL, preset="tiny", seq_len=256, tokens_per_batch=8 * 256, micro_batches=1, steps=500,
     optim=OptimizerConfig(peak_lr=3e-3, warmup_steps=50, decay_fraction=0.2, weight_decay=0.01),
     eval_every=100, eval_batches=4, eval_batch_size=8, checkpoint_every=100)
 

@@ -199,7 +199,7 @@ def _small() -> ModelConfig:
       qk_rope_head_dim=64, v_head_dim=128,
       dense_hidden=4096, num_experts=64, experts_per_token=4, moe_latent_dim=512,
       expert_hidden=1024, num_shared_experts=1, shared_expert_hidden=2048,
-      attnres_block_layers=4, remat_policy="save_dots")
+      attnres_block_layers=4, remat_policy="full")
 
 
 def _tiny() -> ModelConfig:
