@@ -27,7 +27,7 @@ import sys
 import time
 from typing import Any
 
-HBM_BYTES = {  # per chip
+HBM_BYTES = {  # per chip (a tpu7x chip is two JAX devices of 96 GB each)
     "v5p": 95 * 1000**3,
     "v5e": 16 * 1000**3,
     "v6e": 32 * 1000**3,
@@ -252,8 +252,13 @@ def main(argv=None) -> int:
   if hbm is None:
     p.error(f"unknown chip {chip!r}; known: {sorted(HBM_BYTES)}")
   devices = topology_devices(args.topology, args.num_slices)
+  # memory_analysis() is per JAX device; a tpu7x chip is two devices (one per TensorCore
+  # die), each with half of the chip's HBM.
+  per_chip = max(1, len({getattr(d, "core_on_chip", 0) for d in devices}))
+  hbm //= per_chip
   print(f"[aot_plan] preset={args.preset} stage={args.stage} topology={args.topology} "
-        f"x{args.num_slices} ({len(devices)} chips) mesh={layout} seq_len={T:,} "
+        f"x{args.num_slices} ({len(devices)} devices, {per_chip} per chip) mesh={layout} "
+        f"seq_len={T:,} "
         f"global_batch={gb} micro_batches={mb} remat={cfg.remat_policy} "
         f"scan_layers={cfg.scan_layers}", flush=True)
   from sparse_lm.moe import expert_parallel
@@ -273,12 +278,12 @@ def main(argv=None) -> int:
   rep = memory_report(compiled, hbm)
   print(f"[aot_plan] mesh {info['mesh']}; {info['num_params'] / 1e9:.2f}B params; train state "
         f"{info['state_bytes_global'] / GB:.1f} GB global = "
-        f"{info['state_bytes_global'] / len(devices) / GB:.2f} GB/chip if evenly sharded; "
+        f"{info['state_bytes_global'] / len(devices) / GB:.2f} GB/device if evenly sharded; "
         f"lower {info['lower_s']:.1f}s, compile {info['compile_s']:.1f}s")
-  print(f"[aot_plan] per chip: arguments {rep['arguments'] / GB:.2f} GB, outputs "
+  print(f"[aot_plan] per device: arguments {rep['arguments'] / GB:.2f} GB, outputs "
         f"{rep['outputs'] / GB:.2f} GB (aliased {rep['aliased'] / GB:.2f}), temporaries "
         f"{rep['temporaries'] / GB:.2f} GB, code {rep['code'] / GB:.3f} GB; total "
-        f"{rep['total'] / GB:.2f} GB of {hbm / GB:.0f} GB HBM ({chip}) -> "
+        f"{rep['total'] / GB:.2f} GB of {hbm / GB:.0f} GB HBM per device ({chip}) -> "
         f"{'FITS' if rep['fits'] else 'DOES NOT FIT'}")
   if args.json:
     with open(args.json, "w") as f:

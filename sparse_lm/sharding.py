@@ -406,8 +406,43 @@ def spec_for(var_or_array, mesh: jax.sharding.Mesh, rules=None) -> P:
       return P()
     if len(names) != len(shape):
       raise ValueError(f"variable of shape {shape} has {len(names)} logical names {names}")
-    return logical_to_spec(names, rules=rules, mesh=mesh, shape=shape)
+    spec = logical_to_spec(names, rules=rules, mesh=mesh, shape=shape)
+    return _place_dropped_axes(spec, names, shape, mesh, rules)
   return P()
+
+
+def _place_dropped_axes(spec: P, names, shape, mesh: jax.sharding.Mesh, rules=None) -> P:
+  """Put the mesh axes the rules meant for this variable, but which did not divide the
+  dimension they were meant for, on another dimension that they do divide (largest first).
+
+  Storage sharding only (parameters and optimizer state, ZeRO-3 style): where the variable is
+  used, GSPMD gathers it as the computation needs. Example: d_model = 7168 over fsdp x context
+  x expert = 4 x 4 x 128 does not divide (7168 / 2048 = 3.5), so `embed` keeps fsdp x context
+  and `expert` moves to the [.., 12288] heads dimension instead of replicating the weight (and
+  its two Adam moments) 128 times.
+  """
+  if mesh is None:
+    return spec
+  rules = dict(_RULES.get() if rules is None else rules)
+  used = {a for entry in spec for a in _as_tuple(entry)}
+  wanted = []
+  for name in names:
+    if name is None:
+      continue
+    target = rules.get(name, name if name in MESH_AXES else None)
+    for a in _as_tuple(target):
+      if a in mesh.shape and mesh.shape[a] > 1 and a not in used and a not in wanted:
+        wanted.append(a)
+  if not wanted:
+    return spec
+  entries = [list(_as_tuple(e)) for e in spec] + [[] for _ in range(len(shape) - len(spec))]
+  for a in wanted:
+    for i in sorted(range(len(shape)), key=lambda i: -shape[i]):
+      size = math.prod(mesh.shape[b] for b in entries[i]) * mesh.shape[a]
+      if shape[i] % size == 0:
+        entries[i].append(a)
+        break
+  return P(*[None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries])
 
 
 def state_shardings(tree, mesh: jax.sharding.Mesh, rules=None):

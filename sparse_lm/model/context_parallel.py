@@ -18,7 +18,8 @@ later factors on the left) and S_ext the shard's final state from zero. Both com
 chunked KDA run with the value width extended by K: values [v | 0] and initial state [0 | I]
 give the final state [S_ext | M] (with v = 0 the delta rule is exactly the homogeneous step).
 A segment reset inside the shard zeroes the state, so M = 0 and S_ext restarts there, as
-required. Then (S_ext, M) are all-gathered over `context`; shard r folds its predecessors,
+required. Then (S_ext, M) are combined over `context` (up to 8 shards all-gathered, above
+that a log-depth prefix exchange, `prefix_states`); shard r folds its predecessors,
 S <- M_j (keep_j S) + S_ext_j for j < r, where keep_j = 0 when shard j's first token starts a
 new document (the reset the local kernel cannot see at its position 0); and the chunked kernel
 runs again from S_in = keep_r S. Backward is the autodiff of this (all-gather transposes to a
@@ -74,8 +75,48 @@ def fold_states(S_ext: jax.Array, M: jax.Array, keep: jax.Array) -> jax.Array:
   return S_in, S_final
 
 
+# Context sizes above this fold the shard maps with the log-depth prefix exchange
+# (`prefix_states`) instead of all-gathering them (`fold_states`).
+GATHER_FOLD_MAX_SHARDS = 8
+
+
+def prefix_states(S_ext: jax.Array, M: jax.Array, keep: jax.Array, axis: str
+                  ) -> tuple[jax.Array, jax.Array]:
+  """Inside a shard_map over `axis`: the state entering this shard and the final state, by a
+  Hillis-Steele inclusive scan of the shards' affine maps f_j(S) = keep_j M_j S + S_ext_j.
+
+  Same result as `fold_states` on the all-gathered maps, but each shard holds O(1) maps at a
+  time and exchanges 2 ceil(log2 P) + 1 of them (ppermute), instead of receiving all P: at
+  context = 512 and the full preset's KDA heads the all-gather is 6.4 GB per layer per
+  chip, the prefix exchange 12.6 MB per step. Composition (g after f):
+  (A_g, E_g) o (A_f, E_f) = (A_g A_f, A_g E_f + E_g).
+
+  Args (this shard's): S_ext [B, H, K, V] fp32, M [B, H, K, K] fp32, keep [B] fp32.
+  Returns: (S_in [B, H, K, V], already multiplied by keep; S_final [B, H, K, V], the state
+  after the last shard, the same on every shard).
+  """
+  n = jax.lax.axis_size(axis)
+  r = jax.lax.axis_index(axis)
+  mm = lambda a, b: jnp.einsum("bhij,bhjv->bhiv", a, b, precision="highest")
+  A = keep[:, None, None, None] * M
+  E = S_ext
+  d = 1
+  while d < n:
+    perm = [(i, i + d) for i in range(n - d)]
+    A_prev, E_prev = jax.lax.ppermute((A, E), axis, perm)
+    has = r >= d
+    E = jnp.where(has, mm(A, E_prev) + E, E)
+    A = jnp.where(has, mm(A, A_prev), A)
+    d *= 2
+  # E is now the inclusive prefix applied to the zero state: the state after this shard.
+  E_before = jax.lax.ppermute(E, axis, [(i, i + 1) for i in range(n - 1)])
+  S_in = jnp.where(r == 0, 0.0, keep[:, None, None, None] * E_before)
+  S_final = jax.lax.psum(jnp.where(r == n - 1, E, 0.0), axis)
+  return S_in, S_final
+
+
 def _kda_cp_body(q, k, v, g, beta, seg, *, axis, scale, chunk_size, backend, want_final,
-                 interpret=False, gate_lower_bound=None):
+                 interpret=False, gate_lower_bound=None, fold=None):
   B, T, H, K = q.shape
   V = v.shape[-1]
   kw = dict(scale=scale, chunk_size=chunk_size, backend=backend, interpret=interpret,
@@ -98,12 +139,21 @@ def _kda_cp_body(q, k, v, g, beta, seg, *, axis, scale, chunk_size, backend, wan
     prev = last[jnp.maximum(r - 1, 0)]
     first = seg[:, 0]
     keep = jnp.where((first != prev) & (first != 0), 0.0, 1.0).astype(jnp.float32)
-  all_S = jax.lax.all_gather(S_ext, axis)
-  all_M = jax.lax.all_gather(M, axis)
-  all_keep = jax.lax.all_gather(keep, axis)
-  S_in, S_final = fold_states(all_S, all_M, all_keep)
+  n = jax.lax.axis_size(axis)
+  if fold is None:
+    fold = "gather" if n <= GATHER_FOLD_MAX_SHARDS else "prefix"
+  if fold == "gather":
+    all_S = jax.lax.all_gather(S_ext, axis)
+    all_M = jax.lax.all_gather(M, axis)
+    all_keep = jax.lax.all_gather(keep, axis)
+    S_in, S_final = fold_states(all_S, all_M, all_keep)
+    S_in = S_in[r]
+  elif fold == "prefix":
+    S_in, S_final = prefix_states(S_ext, M, keep, axis)
+  else:
+    raise ValueError(f"fold={fold!r}: choose 'gather' or 'prefix'")
   # pass 2: the real outputs from the true incoming state
-  o, _ = chunk_kda(q, k, v, g, beta, initial_state=S_in[r], output_final_state=False,
+  o, _ = chunk_kda(q, k, v, g, beta, initial_state=S_in, output_final_state=False,
                    segment_ids=seg, **kw)
   if want_final:
     return o, S_final
@@ -140,7 +190,7 @@ def cp_chunk_kda(q, k, v, g, beta, *, mesh: jax.sharding.Mesh, axis: str = "cont
                  scale: float | None = None, segment_ids: jax.Array | None = None,
                  initial_state: jax.Array | None = None, output_final_state: bool = False,
                  chunk_size: int = 64, backend: str = "auto", interpret: bool = False,
-                 gate_lower_bound: float | None = None):
+                 gate_lower_bound: float | None = None, fold: str | None = None):
   """`chunk_kda` with T sharded over mesh axis `axis` (see the module docstring).
 
   With `axis` of size 1 (or absent) it is the plain kernel inside a `shard_map` over the batch
@@ -149,7 +199,9 @@ def cp_chunk_kda(q, k, v, g, beta, *, mesh: jax.sharding.Mesh, axis: str = "cont
 
   Args and returns as `pallas_kernels.kda.chunk_kda` (global shapes: q, k, g [B, T, H, K],
   v [B, T, H, V], beta [B, T, H], segment_ids [B, T]); B is sharded over data/fsdp/expert,
-  T over `axis`, H over tensor. The final state (if asked) is the state after the whole
+  T over `axis`, H over tensor. `fold` picks how the shards' maps are combined: "gather"
+  (all-gather + `fold_states`), "prefix" (`prefix_states`, log-depth), or None: gather up to
+  GATHER_FOLD_MAX_SHARDS shards, prefix above. The final state (if asked) is the state after the whole
   sequence, replicated over `axis`.
 
   Raises:
@@ -170,7 +222,7 @@ def cp_chunk_kda(q, k, v, g, beta, *, mesh: jax.sharding.Mesh, axis: str = "cont
   body = functools.partial(_kda_cp_body, axis=axis if Pn > 1 else None, scale=scale,
                            chunk_size=chunk_size, backend=backend,
                            want_final=output_final_state, interpret=interpret,
-                           gate_lower_bound=gate_lower_bound)
+                           gate_lower_bound=gate_lower_bound, fold=fold)
 
   def wrapped(q, k, v, g, beta, seg):
     with shd.use_mesh(None):
@@ -281,6 +333,14 @@ def _visible(qp, kp, qs, ks):
   return vis[:, None]
 
 
+def _mask_bias(vis):
+  """[B, 1, bq, bk] additive mask: 0 where visible, -inf elsewhere. Adding it (rather than
+  `where(vis, s, -inf)` on the [B, H, bq, bk] scores) keeps the mask free of the head axis, so
+  that XLA, when it hoists the mask out of the block loops, stores [.., bq, bk] floats and not
+  per-head booleans (1.5 GB per MLA layer for the full preset at 2K tokens per chip)."""
+  return jnp.where(vis, 0.0, -jnp.inf).astype(jnp.float32)
+
+
 def _scores(qb, kb, scale):
   """qb [B, bq, H, Dk], kb [B, bk, Hk, Dk] (Hk in {1, H}) -> [B, H, bq, bk] fp32."""
   if kb.shape[2] == 1:
@@ -310,12 +370,10 @@ def _flash_fwd(q, k, v, qpos, kpos, qseg, kseg, scale, bq, bk):
     def k_block(carry, ys):
       m, l, acc = carry
       kb, vb, kp, ks = ys
-      s = _scores(qb, kb, scale)
-      vis = _visible(qp, kp, qs, ks)
-      s = jnp.where(vis, s, -jnp.inf)
+      s = _scores(qb, kb, scale) + _mask_bias(_visible(qp, kp, qs, ks))
       m_new = jnp.maximum(m, jnp.max(s, axis=-1))
       m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
-      p = jnp.where(vis, jnp.exp(s - m_safe[..., None]), 0.0)
+      p = jnp.exp(s - m_safe[..., None])  # exp(-inf) = 0 for masked keys
       corr = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
       l = l * corr + jnp.sum(p, axis=-1)
       acc = acc * jnp.swapaxes(corr, 1, 2)[..., None] + _pv(p, vb)
@@ -350,9 +408,8 @@ def _flash_bwd(q, k, v, qpos, kpos, qseg, kseg, o, lse, do, scale, bq, bk):
 
     def k_block(dq, ys):
       kb, vb, kp, ks = ys
-      s = _scores(qb, kb, scale)
-      vis = _visible(qp, kp, qs, ks)
-      p = jnp.where(vis, jnp.exp(jnp.where(vis, s, 0.0) - lse_safe[..., None]), 0.0)
+      s = _scores(qb, kb, scale) + _mask_bias(_visible(qp, kp, qs, ks))
+      p = jnp.exp(s - lse_safe[..., None])  # 0 for masked keys
       if Hk == 1:
         dvb = jnp.einsum("bhqk,bqhd->bkd", p, dob)[:, :, None]
         dp = jnp.einsum("bqhd,bkd->bhqk", dob, vb[:, :, 0].astype(jnp.float32))

@@ -54,7 +54,8 @@ def seg_ids(B, T, boundaries):
   return jnp.asarray(seg)
 
 
-def check_kda(name, layout, T, *, segs=None, B=2, H=2, K=16, V=8, chunk=16, want_final=False):
+def check_kda(name, layout, T, *, segs=None, B=2, H=2, K=16, V=8, chunk=16, want_final=False,
+              fold=None):
   mesh = shd.make_mesh(shd.MeshLayout.parse(layout))
   q, k, v, g, beta = kda_inputs(jax.random.key(T + len(name)), B, T, H, K, V)
   w = jax.random.normal(jax.random.key(1), (B, T, H, V))
@@ -72,7 +73,8 @@ def check_kda(name, layout, T, *, segs=None, B=2, H=2, K=16, V=8, chunk=16, want
   ref = loss(lambda *a: chunk_kda(*a, segment_ids=segs, chunk_size=chunk, backend="xla",
                                   output_final_state=want_final))
   par = loss(lambda *a: cp.cp_chunk_kda(*a, mesh=mesh, segment_ids=segs, chunk_size=chunk,
-                                        backend="xla", output_final_state=want_final))
+                                        backend="xla", output_final_state=want_final,
+                                        fold=fold))
   (l0, (o0, S0)), g0 = ref(q, k, v, g, beta)
   (l1, (o1, S1)), g1 = par(q, k, v, g, beta)
   errs = [rel(o1, o0), rel(l1, l0)] + [rel(a, b) for a, b in zip(g1, g0)]
@@ -138,6 +140,12 @@ def main():
                                                    want_final=True)),
       ("kda_cp4_segments", lambda: check_kda("kda_cp4_segments", "context=4,fsdp=2", T,
                                              segs=segs, want_final=True)),
+      # the log-depth prefix exchange (the default above 8 shards), forced at CP 4 and 8
+      ("kda_cp4_prefix_segments", lambda: check_kda("kda_cp4_prefix_segments",
+                                                    "context=4,fsdp=2", T, segs=segs,
+                                                    want_final=True, fold="prefix")),
+      ("kda_cp8_prefix", lambda: check_kda("kda_cp8_prefix", "context=8", 8 * 9,
+                                           segs=segs, want_final=True, fold="prefix")),
       ("kda_cp4_padding", lambda: check_kda(
           "kda_cp4_padding", "context=4,data=2", T,
           segs=segs.at[0, 10:40].set(0).at[1, 50:].set(0), chunk=32)),
@@ -150,6 +158,8 @@ def main():
   two_device = [
       ("kda_cp2_segments_2dev", lambda: check_kda("kda_cp2_segments_2dev", "context=2", T,
                                                   segs=segs, want_final=True)),
+      ("kda_cp2_prefix_2dev", lambda: check_kda("kda_cp2_prefix_2dev", "context=2", T,
+                                                segs=segs, want_final=True, fold="prefix")),
       ("conv_cp2_2dev", lambda: check_conv("conv_cp2_2dev", "context=2", T, segs)),
       ("attn_cp2_mqa_2dev", lambda: check_attn("attn_cp2_mqa_2dev", "context=2", T, segs)),
   ]
