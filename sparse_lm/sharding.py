@@ -411,9 +411,16 @@ def spec_for(var_or_array, mesh: jax.sharding.Mesh, rules=None) -> P:
   return P()
 
 
+ZERO_MIN_SIZE = 1 << 20  # elements; smaller variables (norm scales, biases) stay as the rules say
+
+
 def _place_dropped_axes(spec: P, names, shape, mesh: jax.sharding.Mesh, rules=None) -> P:
   """Put the mesh axes the rules meant for this variable, but which did not divide the
   dimension they were meant for, on another dimension that they do divide (largest first).
+
+  Variables of at least ZERO_MIN_SIZE elements also get the ZeRO axes (those of `embed`:
+  fsdp, context, expert) even when none of their logical axes asks for them, e.g. the MLA
+  up-projections [q_lora, heads, kv], whose logical axes map only to `tensor`.
 
   Storage sharding only (parameters and optimizer state, ZeRO-3 style): where the variable is
   used, GSPMD gathers it as the computation needs. Example: d_model = 7168 over fsdp x context
@@ -426,7 +433,8 @@ def _place_dropped_axes(spec: P, names, shape, mesh: jax.sharding.Mesh, rules=No
   rules = dict(_RULES.get() if rules is None else rules)
   used = {a for entry in spec for a in _as_tuple(entry)}
   wanted = []
-  for name in names:
+  extra = ("embed",) if math.prod(shape) >= ZERO_MIN_SIZE else ()
+  for name in tuple(names) + extra:
     if name is None:
       continue
     target = rules.get(name, name if name in MESH_AXES else None)

@@ -23,8 +23,11 @@ def _storage_spec(names, shape, mesh):
     # the routed experts already use every axis: unchanged
     (("layers", "exp", "latent", "expert_mlp"), (22, 896, 3584, 3072),
      P(None, "expert", ("fsdp", "context"), None)),
-    # a norm scale has no sharded logical axis: stays replicated
+    # a norm scale (small) has no sharded logical axis: stays replicated
     (("norm",), (7168,), P(None)),
+    # a large weight whose logical axes map to `tensor` only still gets the ZeRO axes
+    (("layers", "q_lora", "heads", "kv"), (22, 1536, 96, 192),
+     P(None, ("fsdp", "context"), None, None)),
 ])
 def test_dropped_axes_move_to_a_dimension_they_divide(names, shape, want):
   assert _storage_spec(names, shape, _mesh(fsdp=4, expert=128, context=4)) == want
