@@ -17,7 +17,7 @@ final loss at twice its length exactly; tests/experiments/test_cli.py checks tha
 import dataclasses
 
 from experiments import stage_8k
-from experiments.base import OptimizerConfig, main
+from experiments.base import MeshLayout, OptimizerConfig, main
 
 
 def _next(prev, **changes):
@@ -27,7 +27,7 @@ def _next(prev, **changes):
 
 FULL = _next(stage_8k.FULL, seq_len=65_536, reference_seq_len=65_536, steps=4000,
              optim=OptimizerConfig(peak_lr=1.5e-4, warmup_steps=500, decay_fraction=0.2),
-             eval_batch_size=64)
+             eval_batch_size=64, micro_batches=1, mesh=MeshLayout(fsdp=-1, expert=16))
 SMALL = _next(stage_8k.SMALL, seq_len=65_536, reference_seq_len=65_536, steps=2000,
               optim=OptimizerConfig(peak_lr=2e-4, warmup_steps=200, decay_fraction=0.2))
 TINY = _next(stage_8k.TINY, seq_len=512, reference_seq_len=65_536, steps=150,

@@ -4,8 +4,10 @@ The first stage of the context curriculum trains the model from a fresh initiali
 packed short documents. At full scale (`full`, 2.8T total / 104B active parameters) each step
 sees 4,096 sequences x 8K = 33.5M tokens, warms the learning rate up over 2,000 steps to 2e-4,
 holds it, and decays it to a tenth over the last 10% of 120,000 steps: 4.0T tokens, about
-6 x 104B x 4.0T = 2.5e24 FLOPs. The mesh puts the experts on a 16-way `expert` axis and
-shards the rest over `fsdp` (512 chips: fsdp=32 x expert=16). The `small` preset (1.6B total,
+6 x 104B x 4.0T = 2.5e24 FLOPs. The mesh is the layout that fits v5p HBM (docs/scaling.md:
+79.8 of 95 GB per chip, compiled for v5p:8x16x16): 2,048 chips as fsdp=2 x expert=128 x
+context=8 (7 experts per chip; each 8K sequence over 8 chips), 16 micro-batches of 256
+sequences, full remat. The `small` preset (1.6B total,
 0.3B active) takes 32 x 8K = 262K tokens per step, in 4 micro-batches of 8 rows (one H200
 holds a micro-batch of 8 x 8K under full remat, docs/benchmarks.md), for 20,000 steps (5.2B
 tokens) on the devices it finds. The `tiny` preset scales the stage down to 256 tokens per sequence and
@@ -20,7 +22,8 @@ FULL = StageConfig(
     name="stage_8k", preset="full", seq_len=8192, tokens_per_batch=4096 * 8192, steps=120_000,
     optim=OptimizerConfig(peak_lr=2e-4, warmup_steps=2000, decay_fraction=0.1),
     eval_every=1000, eval_batches=8, eval_batch_size=512, checkpoint_every=1000,
-    mesh=MeshLayout(fsdp=-1, expert=16), data=DataConfig(), reference_seq_len=8192)
+    micro_batches=16, mesh=MeshLayout(fsdp=-1, expert=128, context=8), data=DataConfig(),
+    reference_seq_len=8192)
 
 SMALL = dataclasses.replace(
     FULL, preset="small", tokens_per_batch=32 * 8192, micro_batches=4, steps=20_000,
