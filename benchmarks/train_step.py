@@ -24,21 +24,6 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 GIB = 1024**3
 
 
-def _parse_value(text: str):
-  """--set values: int, float, bool, None, else the string."""
-  low = text.lower()
-  if low in ("true", "false"):
-    return low == "true"
-  if low == "none":
-    return None
-  for cast in (int, float):
-    try:
-      return cast(text)
-    except ValueError:
-      pass
-  return text
-
-
 def synthetic_batch(rows: int, seq_len: int, vocab: int, seed: int = 0) -> dict:
   import numpy as np
   rng = np.random.default_rng(seed)
@@ -67,27 +52,26 @@ def main(argv=None) -> None:
   args = p.parse_args(argv)
 
   import jax
-  from experiments import stage_8k
+  from experiments import base, stage_8k
   from sparse_lm import sharding as shd
   from sparse_lm.model.params import count_params, flops_per_token
   from sparse_lm.sharding import MeshLayout
   from sparse_lm.train import loop, metrics
 
   stage = stage_8k.STAGES[args.preset]
-  overrides = dict(stage.model_overrides)
+  sets = [f"model.{item}" for item in args.set]
   if args.remat:
-    overrides["remat_policy"] = args.remat
-  for item in args.set:
-    field, _, value = item.partition("=")
-    if not value:
-      p.error(f"--set {item!r}: expected FIELD=VALUE")
-    overrides[field] = _parse_value(value)
+    sets.append(f"model.remat_policy={args.remat}")
+  try:  # the experiments' own --set parser: typed values, unknown fields listed
+    stage = base.apply_overrides(stage, sets)
+  except ValueError as e:
+    p.error(str(e))
   seq_len = args.seq_len or stage.seq_len
   batch = args.batch or min(stage.global_batch, 8)
   steps = 3 if args.quick else args.steps
   stage = dataclasses.replace(stage, seq_len=seq_len, tokens_per_batch=batch * seq_len,
                               micro_batches=args.micro_batches, steps=1000,
-                              mesh=MeshLayout(), model_overrides=tuple(overrides.items()))
+                              mesh=MeshLayout())
   stage.validate()
   cfg = stage.model_config()
   mesh = shd.make_mesh(stage.mesh, jax.devices()[:1])
