@@ -98,10 +98,9 @@ def logical_to_spec(names: Sequence[str | None] | P, rules=None, mesh=None,
       out.append(None)
       continue
     if isinstance(name, (tuple, list)):  # already a tuple of names
-      target = tuple(a for n in name for a in _as_tuple(rules.get(n, n if n in MESH_AXES
-                                                                  else None)))
+      target = tuple(a for n in name for a in _as_tuple(_rule_target(rules, n)))
     else:
-      target = rules.get(name, name if name in MESH_AXES else None)
+      target = _rule_target(rules, name)
     axes = _as_tuple(target)
     if mesh is not None:
       axes = tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1)
@@ -116,6 +115,12 @@ def logical_to_spec(names: Sequence[str | None] | P, rules=None, mesh=None,
     used.update(axes)
     out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
   return P(*out)
+
+
+def _rule_target(rules: Mapping, name: str):
+  """The mesh axis / axes the rules give logical axis `name` (a mesh axis name maps to
+  itself; an unknown name to None)."""
+  return rules.get(name, name if name in MESH_AXES else None)
 
 
 def _as_tuple(target) -> tuple[str, ...]:
@@ -437,8 +442,7 @@ def _place_dropped_axes(spec: P, names, shape, mesh: jax.sharding.Mesh, rules=No
   for name in tuple(names) + extra:
     if name is None:
       continue
-    target = rules.get(name, name if name in MESH_AXES else None)
-    for a in _as_tuple(target):
+    for a in _as_tuple(_rule_target(rules, name)):
       if a in mesh.shape and mesh.shape[a] > 1 and a not in used and a not in wanted:
         wanted.append(a)
   if not wanted:
