@@ -161,7 +161,7 @@ def compile_train_step(cfg, *, devices, layout, seq_len: int, global_batch: int,
     balance_fn = balancing.update_balancers
   info: dict[str, Any] = {}
   t0 = time.time()
-  with shd.use_mesh(mesh):
+  with shd.use_mesh(mesh, layout.rules):
     graphdef = graphdef_of(factory, 0)
     abstract = jax.eval_shape(init)
     state_sh = shd.state_shardings(abstract, mesh)
@@ -185,6 +185,7 @@ def compile_train_step(cfg, *, devices, layout, seq_len: int, global_batch: int,
   params = jax.tree.leaves(abstract.params)
   info["num_params"] = int(sum(math.prod(x.shape) for x in params))
   info["mesh"] = dict(mesh.shape)
+  info["expert_shards"] = layout.expert_shards
   return compiled, info
 
 

@@ -19,7 +19,9 @@ Mesh axes, outermost (slowest network) first:
   data    - pure data parallel (replicated params); across slices (DCN) usually.
   fsdp    - data parallel with parameters / optimizer state sharded (ZeRO-3).
   expert  - routed experts sharded; tokens exchanged by all-to-all (moe/expert_parallel.py).
-            Also a batch axis for everything outside the routed experts.
+            Outside the routed experts it is a batch axis (`expert_shards="batch"`, the
+            default) or a second sequence axis (`expert_shards="context"`, for 1M-token
+            stages whose few sequences per step cannot feed a large expert-parallel degree).
   tensor  - Megatron-style head / hidden sharding.
   context - sequence sharding for the 256K and 1M stages (model/context_parallel.py).
 """
@@ -37,7 +39,6 @@ import numpy as np
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 MESH_AXES = ("data", "fsdp", "expert", "tensor", "context")
-BATCH_AXES = ("data", "fsdp", "expert")  # mesh axes a global batch is split over
 
 # logical axis -> mesh axis (or tuple of mesh axes, or None = replicated).
 LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
@@ -69,6 +70,34 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("conv", None),
     ("norm", None),
 )
+
+# What the `expert` mesh axis shards outside the routed experts (MeshLayout.expert_shards).
+EXPERT_SHARDS = ("batch", "context")
+
+
+def logical_axis_rules(expert_shards: str = "batch") -> tuple:
+  """The rules table for a layout: LOGICAL_AXIS_RULES, or with `expert_shards="context"` the
+  same table with `expert` moved from the batch of every activation to the front of its
+  sequence axis (activation_batch -> data, fsdp; activation_length -> expert, context).
+
+  With "context" the expert-parallel degree no longer has to divide the sequences per
+  micro-batch: the 1M stage has 16 sequences per micro-batch but needs EP 128 so that each
+  chip holds 7 of the 896 experts instead of 56. Tokens of different sequence shards are
+  independent tokens for the MoE, so the expert exchange is unchanged; the context-parallel
+  layers run over the sequence axes (expert, context) as one axis, expert-major (shard
+  r = expert_index * context + context_index holds tokens [r T/P, (r+1) T/P)). This is
+  MaxText's `expert_shard_attention_option="context"`.
+
+  Raises:
+    ValueError: expert_shards not in EXPERT_SHARDS.
+  """
+  if expert_shards not in EXPERT_SHARDS:
+    raise ValueError(f"expert_shards={expert_shards!r}: choose one of {EXPERT_SHARDS}")
+  if expert_shards == "batch":
+    return LOGICAL_AXIS_RULES
+  moved = {"activation_batch": ("data", "fsdp"), "activation_length": ("expert", "context")}
+  return tuple((name, moved.get(name, target)) for name, target in LOGICAL_AXIS_RULES)
+
 
 _MESH: contextvars.ContextVar[jax.sharding.Mesh | None] = contextvars.ContextVar(
     "sparse_lm_mesh", default=None)
@@ -115,6 +144,21 @@ def logical_to_spec(names: Sequence[str | None] | P, rules=None, mesh=None,
     used.update(axes)
     out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
   return P(*out)
+
+
+def mesh_axes(name: str, mesh: jax.sharding.Mesh | None = None, rules=None) -> tuple[str, ...]:
+  """The mesh axes (of size > 1 in `mesh`, default the active one) that logical axis `name`
+  maps to under `rules` (default the active rules), in order; () without a mesh.
+
+  E.g. `mesh_axes("activation_length")` is ("context",) by default and ("expert", "context")
+  with `expert_shards="context"`: the axes the context-parallel layers run over.
+  """
+  rules = dict(_RULES.get() if rules is None else rules)
+  mesh = _MESH.get() if mesh is None else mesh
+  if mesh is None:
+    return ()
+  return tuple(a for a in _as_tuple(_rule_target(rules, name))
+               if a in mesh.shape and mesh.shape[a] > 1)
 
 
 def _rule_target(rules: Mapping, name: str):
@@ -193,6 +237,19 @@ class MeshLayout:
   dcn_expert: int = 1
   dcn_tensor: int = 1
   dcn_context: int = 1
+  # What `expert` shards outside the routed experts: "batch" or "context" (see
+  # `logical_axis_rules`).
+  expert_shards: str = "batch"
+
+  def __post_init__(self):
+    if self.expert_shards not in EXPERT_SHARDS:
+      raise ValueError(f"MeshLayout.expert_shards={self.expert_shards!r}: choose one of "
+                       f"{EXPERT_SHARDS} ('context' shards the sequence over expert x context)")
+
+  @property
+  def rules(self) -> tuple:
+    """The logical-axis rules of this layout: pass to `use_mesh(mesh, layout.rules)`."""
+    return logical_axis_rules(self.expert_shards)
 
   @property
   def ici(self) -> dict[str, int]:
@@ -204,10 +261,11 @@ class MeshLayout:
 
   @classmethod
   def parse(cls, text: str) -> "MeshLayout":
-    """From "fsdp=-1,expert=8,dcn_data=2" (empty string = all devices on fsdp).
+    """From "fsdp=-1,expert=8,dcn_data=2" (empty string = all devices on fsdp); the
+    non-size field too: "fsdp=8,expert=128,context=8,expert_shards=context".
 
     Raises:
-      ValueError: unknown axis name or a non-integer size.
+      ValueError: unknown axis name, a non-integer size or an unknown expert_shards.
     """
     kwargs = {}
     fields = {f.name for f in dataclasses.fields(cls)}
@@ -216,6 +274,9 @@ class MeshLayout:
       key = key.strip()
       if key not in fields:
         raise ValueError(f"mesh layout {text!r}: unknown axis {key!r}; valid: {sorted(fields)}")
+      if key == "expert_shards":
+        kwargs[key] = val.strip()
+        continue
       try:
         kwargs[key] = int(val)
       except ValueError:
@@ -240,6 +301,8 @@ class MeshLayout:
   def __str__(self) -> str:
     parts = [f"{a}={v}" for a, v in self.ici.items() if v != 1]
     parts += [f"dcn_{a}={v}" for a, v in self.dcn.items() if v != 1]
+    if self.expert_shards != "batch":
+      parts.append(f"expert_shards={self.expert_shards}")
     return ",".join(parts) or "single-device"
 
 
@@ -328,7 +391,8 @@ def mesh_sizes(mesh: jax.sharding.Mesh | Mapping[str, int] | MeshLayout) -> dict
 
 def validate_layout(model_cfg, layout: MeshLayout | None = None,
                     mesh: jax.sharding.Mesh | Mapping[str, int] | None = None, *,
-                    global_batch: int, seq_len: int, num_microbatches: int = 1) -> None:
+                    global_batch: int, seq_len: int, num_microbatches: int = 1,
+                    rules=None) -> None:
   """Check at start-up that the model, batch and sequence divide over the mesh.
 
   Args:
@@ -338,6 +402,8 @@ def validate_layout(model_cfg, layout: MeshLayout | None = None,
     global_batch: sequences per optimizer step (all micro-batches).
     seq_len: tokens per sequence.
     num_microbatches: gradient-accumulation steps per optimizer step.
+    rules: the logical-axis rules; default `layout.rules` when a layout is given, else the
+      active rules. They say which mesh axes split the batch and the sequence.
   Raises:
     ValueError: listing every violated constraint, each naming the field and a fix.
   """
@@ -348,6 +414,11 @@ def validate_layout(model_cfg, layout: MeshLayout | None = None,
   s = mesh_sizes(mesh)
   c = model_cfg
   errs: list[str] = []
+  if rules is None:
+    rules = layout.rules if layout is not None else _RULES.get()
+  rules = dict(rules)
+  batch_axes = tuple(a for a in _as_tuple(_rule_target(rules, "activation_batch")) if a in s)
+  seq_axes = tuple(a for a in _as_tuple(_rule_target(rules, "activation_length")) if a in s)
 
   def need(value: int, field: str, axes: tuple[str, ...], what: str):
     n = math.prod(s[a] for a in axes)
@@ -370,12 +441,13 @@ def validate_layout(model_cfg, layout: MeshLayout | None = None,
                 f"{num_microbatches}")
   else:
     need(global_batch // num_microbatches, "global_batch/num_microbatches" if
-         num_microbatches > 1 else "global_batch", BATCH_AXES,
-         "each micro-batch is split over data*fsdp*expert")
-  if s["context"] > 1:
-    need(seq_len, "seq_len", ("context",), "the sequence is sharded over context")
-    if seq_len % s["context"] == 0 and (seq_len // s["context"]) < c.kda_conv_size - 1:
-      errs.append(f"seq_len={seq_len} over context={s['context']} leaves fewer than "
+         num_microbatches > 1 else "global_batch", batch_axes,
+         f"each micro-batch is split over {'*'.join(batch_axes)}")
+  n_seq = math.prod(s[a] for a in seq_axes)
+  if n_seq > 1:
+    need(seq_len, "seq_len", seq_axes, f"the sequence is sharded over {'*'.join(seq_axes)}")
+    if seq_len % n_seq == 0 and (seq_len // n_seq) < c.kda_conv_size - 1:
+      errs.append(f"seq_len={seq_len} over {'*'.join(seq_axes)}={n_seq} leaves fewer than "
                   f"{c.kda_conv_size - 1} tokens per shard (the short-conv halo)")
   if s["expert"] > 1 and c.num_experts < s["expert"]:
     errs.append(f"num_experts={c.num_experts} < expert={s['expert']}: every expert rank needs "
@@ -486,14 +558,16 @@ def with_shardings(abstract_tree, shardings):
 
 
 def batch_spec(mesh: jax.sharding.Mesh | None = None, ndim: int = 2) -> P:
-  """Spec of a [B, T, ...] batch: B over data*fsdp*expert, T over context."""
+  """Spec of a [B, T, ...] batch under the active rules: B over data*fsdp*expert, T over
+  context (with `expert_shards="context"`: B over data*fsdp, T over expert*context)."""
   mesh = _MESH.get() if mesh is None else mesh
   return logical_to_spec(("activation_batch", "activation_length") + (None,) * (ndim - 2),
                          mesh=mesh)
 
 
 def batch_sharding(mesh: jax.sharding.Mesh, ndim: int = 2) -> NamedSharding:
-  """NamedSharding of a [B, T(, ...)] batch: B over data*fsdp*expert, T over context."""
+  """NamedSharding of a [B, T(, ...)] batch (see `batch_spec`; call under `use_mesh(mesh,
+  rules)` so that the layout's rules apply)."""
   return NamedSharding(mesh, batch_spec(mesh, ndim))
 
 

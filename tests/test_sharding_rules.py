@@ -41,3 +41,52 @@ def test_divisible_dimensions_keep_the_rules_placement():
 
 def test_axis_that_divides_nothing_stays_replicated():
   assert _storage_spec(("embed", "heads"), (7, 9), _mesh(fsdp=2)) == P(None, None)
+
+
+# ------------------------------------------------ expert_shards: what `expert` splits outside
+# the routed experts
+
+
+def test_expert_shards_context_moves_expert_from_batch_to_sequence():
+  mesh = _mesh(fsdp=8, expert=128, context=8)
+  batch = shd.logical_to_spec(("activation_batch", "activation_length"), mesh=mesh)
+  assert batch == P(("fsdp", "expert"), "context")
+  rules = shd.MeshLayout(fsdp=8, expert=128, context=8, expert_shards="context").rules
+  seq = shd.logical_to_spec(("activation_batch", "activation_length"), rules=rules, mesh=mesh)
+  assert seq == P("fsdp", ("expert", "context"))
+  assert shd.mesh_axes("activation_length", mesh, rules) == ("expert", "context")
+  # parameters are placed as before: the routed experts over expert, d_model ZeRO-sharded
+  for names, shape in [(("layers", "exp", "latent", "expert_mlp"), (22, 896, 3584, 3072)),
+                       (("embed", "heads"), (7168, 12288))]:
+    assert (shd.logical_to_spec(names, rules=rules, mesh=mesh, shape=shape)
+            == shd.logical_to_spec(names, mesh=mesh, shape=shape))
+
+
+def test_mesh_layout_parses_expert_shards_and_rejects_unknown_values():
+  lay = shd.MeshLayout.parse("fsdp=8,expert=128,context=8,expert_shards=context")
+  assert (lay.fsdp, lay.expert, lay.context, lay.expert_shards) == (8, 128, 8, "context")
+  assert str(lay) == "fsdp=8,expert=128,context=8,expert_shards=context"
+  assert shd.MeshLayout.parse(str(lay)) == lay
+  assert shd.MeshLayout().rules is shd.LOGICAL_AXIS_RULES
+  with pytest.raises(ValueError, match="expert_shards='sequence'.*'batch', 'context'"):
+    shd.MeshLayout.parse("expert=2,expert_shards=sequence")
+
+
+def test_validate_layout_follows_the_layouts_batch_and_sequence_axes():
+  from sparse_lm.config import get_preset
+  cfg = get_preset("full")
+  sizes = {"fsdp": 8, "expert": 128, "context": 8}
+  batch_lay = shd.MeshLayout(**sizes)
+  seq_lay = shd.MeshLayout(**sizes, expert_shards="context")
+  # 1M stage: 8 sequences per micro-batch cannot feed fsdp x expert = 1024 batch shards...
+  with pytest.raises(ValueError, match=r"global_batch/num_microbatches=8 is not divisible by "
+                     r"data=1\*fsdp=8\*expert=128 \(= 1024\)"):
+    shd.validate_layout(cfg, batch_lay, sizes, global_batch=32, seq_len=1 << 20,
+                        num_microbatches=4)
+  # ...but with the sequence over expert x context they divide (8 over fsdp, 1M over 1024)
+  shd.validate_layout(cfg, seq_lay, sizes, global_batch=32, seq_len=1 << 20,
+                      num_microbatches=4)
+  # 2,048 tokens over 1,024 sequence shards: 2 per shard, less than the 3-token conv halo
+  with pytest.raises(ValueError, match=r"seq_len=2048 over expert\*context=1024 leaves fewer"):
+    shd.validate_layout(cfg, seq_lay, sizes, global_batch=32, seq_len=2048,
+                        num_microbatches=4)

@@ -1,5 +1,10 @@
 """Context parallelism: KDA and attention over a sequence sharded on the `context` mesh axis.
 
+The sequence axes are those the active rules give `activation_length`: ("context",) by default,
+("expert", "context") with `MeshLayout(expert_shards="context")`; every function here runs
+over them as one combined axis (shard index expert-major), or over an explicit `axis` (a mesh
+axis name or a tuple of them).
+
 Layout: plain contiguous sequence sharding. Shard r of P holds tokens [r T/P, (r+1) T/P) of
 every sequence. KDA needs contiguous shards (its state flows left to right), and every other
 sequence op of the model (short conv, packing masks, the loss shift, which the data pipeline
@@ -38,20 +43,32 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from pallas_kernels.kda import chunk_kda
 from sparse_lm import sharding as shd
 
-BATCH_AXES = shd.BATCH_AXES
+def seq_axes(mesh: jax.sharding.Mesh | None, axis: str | tuple[str, ...] | None = None):
+  """The mesh axes (of size > 1) the sequence is sharded over, as one collective axis name:
+  None (no sequence sharding), a mesh axis name, or a tuple of names (combined, first axis
+  major). `axis` None means the active rules' `activation_length` axes."""
+  if mesh is None:
+    return None
+  names = (shd.mesh_axes("activation_length", mesh) if axis is None else
+           tuple(a for a in ((axis,) if isinstance(axis, str) else axis)
+                 if mesh.shape.get(a, 1) > 1))
+  return None if not names else names[0] if len(names) == 1 else names
 
 
-def _present(mesh, axes):
-  return tuple(a for a in axes if a in mesh.shape and mesh.shape[a] > 1)
+def seq_shards(mesh: jax.sharding.Mesh | None, axis=None) -> int:
+  """How many shards the sequence is split into (1 without sequence sharding)."""
+  names = seq_axes(mesh, axis)
+  return 1 if names is None else math.prod(mesh.shape[a] for a in
+                                           ((names,) if isinstance(names, str) else names))
 
 
 def _specs(mesh, axis, B, H):
-  """(batch axes, context axis, tensor axis) for [B, T, H, ...] arrays; batch axes and tensor
-  that do not divide B or H are left out (those dimensions are replicated over them)."""
+  """(batch axes, sequence axes, tensor axis) for [B, T, H, ...] arrays; batch axes and
+  tensor that do not divide B or H are left out (those dimensions are replicated over them).
+  `axis` is a `seq_axes` result."""
   b = shd.logical_to_spec(("activation_batch",), mesh=mesh, shape=(B,))[0]
-  c = axis if mesh.shape.get(axis, 1) > 1 else None
   t = "tensor" if mesh.shape.get("tensor", 1) > 1 and H % mesh.shape["tensor"] == 0 else None
-  return b, c, t
+  return b, axis, t
 
 
 def fold_states(S_ext: jax.Array, M: jax.Array, keep: jax.Array) -> jax.Array:
@@ -161,37 +178,39 @@ def _kda_cp_body(q, k, v, g, beta, seg, *, axis, scale, chunk_size, backend, wan
 
 
 def kda_under_mesh(mesh: jax.sharding.Mesh | None, backend: str) -> bool:
-  """Whether a KDA layer must call `cp_chunk_kda` under `mesh`: with a `context` axis > 1
-  (context parallelism), or when the kernel is a Pallas (Mosaic) one, which GSPMD cannot
+  """Whether a KDA layer must call `cp_chunk_kda` under `mesh`: with the sequence sharded
+  (context parallelism over the `activation_length` axes), or when the kernel is a Pallas (Mosaic) one, which GSPMD cannot
   partition (backend "pallas_*", or "auto" on a TPU mesh)."""
   if mesh is None:
     return False
-  if mesh.shape.get("context", 1) > 1:
+  if seq_shards(mesh) > 1:
     return True
   platform = mesh.devices.flat[0].platform
   return backend.startswith("pallas") or (backend == "auto" and platform == "tpu")
 
 
 def mla_under_mesh(mesh: jax.sharding.Mesh | None, backend: str = "auto") -> str | None:
-  """How an MLA layer attends under `mesh`: "latent" (context > 1: the context-parallel latent
-  attention), "sharded" (a TPU mesh, where the attention kernel would be a Mosaic one that
+  """How an MLA layer attends under `mesh`: "latent" (sequence sharded: the context-parallel
+  latent attention), "sharded" (a TPU mesh, where the attention kernel would be a Mosaic one that
   GSPMD cannot partition: `flash_attention` per batch/head shard), or None (the layer's own
   backend)."""
   if mesh is None:
     return None
-  if mesh.shape.get("context", 1) > 1:
+  if seq_shards(mesh) > 1:
     return "latent"
   if mesh.devices.flat[0].platform == "tpu" and backend in ("auto", "splash"):
     return "sharded"
   return None
 
 
-def cp_chunk_kda(q, k, v, g, beta, *, mesh: jax.sharding.Mesh, axis: str = "context",
+def cp_chunk_kda(q, k, v, g, beta, *, mesh: jax.sharding.Mesh,
+                 axis: str | tuple[str, ...] | None = None,
                  scale: float | None = None, segment_ids: jax.Array | None = None,
                  initial_state: jax.Array | None = None, output_final_state: bool = False,
                  chunk_size: int = 64, backend: str = "auto", interpret: bool = False,
                  gate_lower_bound: float | None = None, fold: str | None = None):
-  """`chunk_kda` with T sharded over mesh axis `axis` (see the module docstring).
+  """`chunk_kda` with T sharded over mesh axis `axis` (see the module docstring; a tuple of
+  axes is one combined axis; None = the active rules' `activation_length` axes).
 
   With `axis` of size 1 (or absent) it is the plain kernel inside a `shard_map` over the batch
   and head shardings: what a Pallas (Mosaic) kernel needs under a mesh, since custom calls
@@ -208,7 +227,8 @@ def cp_chunk_kda(q, k, v, g, beta, *, mesh: jax.sharding.Mesh, axis: str = "cont
     ValueError: T not divisible by the axis size; initial_state given (CP runs train/prefill
       from the start of the sequence).
   """
-  Pn = int(mesh.shape.get(axis, 1))
+  axis = seq_axes(mesh, axis)
+  Pn = seq_shards(mesh, axis)
   B, T, H, K = q.shape
   if initial_state is not None:
     raise ValueError("cp_chunk_kda: initial_state is not supported (sequences start at 0)")
@@ -219,7 +239,7 @@ def cp_chunk_kda(q, k, v, g, beta, *, mesh: jax.sharding.Mesh, axis: str = "cont
   sf = P(b, t, None, None)
   if backend == "auto":  # the mesh's platform decides (AOT compiles for TPU from a CPU host)
     backend = "pallas_tpu" if mesh.devices.flat[0].platform == "tpu" else "xla"
-  body = functools.partial(_kda_cp_body, axis=axis if Pn > 1 else None, scale=scale,
+  body = functools.partial(_kda_cp_body, axis=axis, scale=scale,
                            chunk_size=chunk_size, backend=backend,
                            want_final=output_final_state, interpret=interpret,
                            gate_lower_bound=gate_lower_bound, fold=fold)
@@ -244,7 +264,7 @@ def cp_chunk_kda(q, k, v, g, beta, *, mesh: jax.sharding.Mesh, axis: str = "cont
   return o, (S if output_final_state else None)
 
 
-def prev_shard_halo(x: jax.Array, size: int, axis: str, *, time_axis: int = 1,
+def prev_shard_halo(x: jax.Array, size: int, axis: str | tuple[str, ...], *, time_axis: int = 1,
                     fill=0) -> jax.Array:
   """Inside a shard_map over `axis`: the last `size` steps of the previous shard along
   `time_axis` (shard 0 gets `fill`), e.g. the 3-token short-conv halo and its segment ids."""
@@ -256,13 +276,22 @@ def prev_shard_halo(x: jax.Array, size: int, axis: str, *, time_axis: int = 1,
 
 
 def cp_short_conv(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None, *,
-                  mesh: jax.sharding.Mesh, axis: str = "context") -> jax.Array:
+                  mesh: jax.sharding.Mesh, axis: str | tuple[str, ...] | None = None
+                  ) -> jax.Array:
   """Causal depthwise conv y[t] = sum_i w[i] x[t - (W-1) + i] with T sharded over `axis`,
   masked across documents (only taps of the same segment id contribute), by a halo of W - 1
   tokens (and their segment ids) from the previous shard.
 
-  Args: x [B, T, C]; w [W, C]; segment_ids [B, T] int32 or None. Returns y [B, T, C].
+  Args: x [B, T, C]; w [W, C]; segment_ids [B, T] int32 or None; axis as `cp_chunk_kda`.
+  Returns y [B, T, C].
+
+  Raises:
+    ValueError: the sequence is not sharded over `axis`.
   """
+  axis = seq_axes(mesh, axis)
+  if axis is None:
+    raise ValueError("cp_short_conv: no sequence axis of size > 1 in the mesh; use the plain "
+                     "conv")
   W = w.shape[0]
   b, c, _ = _specs(mesh, axis, x.shape[0], 1)
 
@@ -292,16 +321,20 @@ def cp_short_conv(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None, *,
 def _attn_cp_body(q, k, v, qseg, kseg, *, axis, scale, block_q, block_k):
   """Local queries [B, Tq, H, Dk] against all-gathered keys/values (global causal mask)."""
   Tq = q.shape[1]
-  r = jax.lax.axis_index(axis)
-  k_all = jax.lax.all_gather(k, axis, axis=1, tiled=True)  # [B, T, Hk, Dk]
-  v_all = jax.lax.all_gather(v, axis, axis=1, tiled=True)
+  if axis is None:  # sequence not sharded: plain flash attention per batch / head shard
+    gather, r = (lambda x: x), 0
+  else:
+    gather, r = (lambda x: jax.lax.all_gather(x, axis, axis=1, tiled=True),
+                 jax.lax.axis_index(axis))
+  k_all = gather(k)  # [B, T, Hk, Dk]
+  v_all = gather(v)
   qpos = r * Tq + jnp.arange(Tq, dtype=jnp.int32)
   kpos = jnp.arange(k_all.shape[1], dtype=jnp.int32)
   if kseg is None:
     qseg = jnp.ones(q.shape[:2], jnp.int32)
     kseg_all = jnp.ones(k_all.shape[:2], jnp.int32)
   else:
-    kseg_all = jax.lax.all_gather(kseg, axis, axis=1, tiled=True)
+    kseg_all = gather(kseg)
   return flash_attention(q, k_all, v_all, qpos, kpos, qseg, kseg_all, scale=scale,
                          block_q=block_q, block_k=block_k)
 
@@ -482,7 +515,8 @@ def flash_attention(q, k, v, qpos, kpos, qseg, kseg, *, scale: float, block_q: i
 
 def mla_latent_attention(q: jax.Array, c_kv: jax.Array, k_rope: jax.Array, w_ukv: jax.Array,
                          *, nope_dim: int, scale: float, mesh: jax.sharding.Mesh,
-                         axis: str = "context", segment_ids: jax.Array | None = None,
+                         axis: str | tuple[str, ...] | None = None,
+                         segment_ids: jax.Array | None = None,
                          block: int = 512) -> jax.Array:
   """Gated MLA attention over a context-sharded sequence in the absorbed (latent) form.
 
@@ -508,7 +542,7 @@ def mla_latent_attention(q: jax.Array, c_kv: jax.Array, k_rope: jax.Array, w_ukv
                     preferred_element_type=jnp.float32).astype(dt)
 
 
-def cp_attention(q, k, v, *, mesh: jax.sharding.Mesh, axis: str = "context",
+def cp_attention(q, k, v, *, mesh: jax.sharding.Mesh, axis: str | tuple[str, ...] | None = None,
                  segment_ids: jax.Array | None = None, scale: float, block: int = 512):
   """Causal attention with T sharded over `axis`: keys/values all-gathered over `axis`
   (pass MLA's latent [c_kv; k_rope] as a single MQA head, Hk = 1, so only 576 values per
@@ -517,6 +551,7 @@ def cp_attention(q, k, v, *, mesh: jax.sharding.Mesh, axis: str = "context",
   q [B, T, H, Dk]; k [B, T, Hk, Dk]; v [B, T, Hk, Dv]; segment_ids [B, T] or None.
   Returns [B, T, H, Dv] in q's dtype.
   """
+  axis = seq_axes(mesh, axis)
   b, c, t = _specs(mesh, axis, q.shape[0], q.shape[2])
   Hk = k.shape[2]
   kt = t if Hk > 1 else None

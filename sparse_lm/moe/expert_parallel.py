@@ -50,7 +50,10 @@ from sparse_lm.moe.gmm import gmm
 from sparse_lm.moe.situ_glu import situ_activation
 
 EP_IMPLS = ("auto", "ragged", "dense", "allgather")
-TOKEN_AXES = ("data", "fsdp", "expert", "context")  # mesh axes the flattened tokens span
+# Mesh axes the flattened [B, T] tokens span, in order. The same tuple for both values of
+# MeshLayout.expert_shards: B over (data, fsdp, expert) and T over context, or B over
+# (data, fsdp) and T over (expert, context), both flatten to data, fsdp, expert, context.
+TOKEN_AXES = ("data", "fsdp", "expert", "context")
 
 
 @dataclasses.dataclass(frozen=True)

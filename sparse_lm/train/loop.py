@@ -134,7 +134,7 @@ _PARTS: dict[tuple, Parts] = {}
 def build(stage: StageConfig, mesh: jax.sharding.Mesh) -> Parts:
   """The model graph, optimizer, abstract state with shardings and the jitted steps."""
   key = (stage.model_config(), stage.optim, stage.steps, stage.micro_batches,
-         stage.z_loss_coef, stage.nan_at_step, stage.seed, mesh)
+         stage.z_loss_coef, stage.nan_at_step, stage.seed, mesh, stage.mesh.rules)
   if key in _PARTS:
     return _PARTS[key]
   model_cfg = stage.model_config()
@@ -143,11 +143,11 @@ def build(stage: StageConfig, mesh: jax.sharding.Mesh) -> Parts:
   factory = _model_factory(stage)
   init = make_init_fn(factory, tx, stage.seed)
   repl = NamedSharding(mesh, P())
-  with shd.use_mesh(mesh):
+  with shd.use_mesh(mesh, stage.mesh.rules):
     graphdef = graphdef_of(factory, stage.seed)
     abstract = jax.eval_shape(init)
     state_sh = shd.state_shardings(abstract, mesh)
-  batch_sh = {k: shd.batch_sharding(mesh) for k in BATCH_KEYS}
+    batch_sh = {k: shd.batch_sharding(mesh) for k in BATCH_KEYS}
   balance = _balance_fn if model_cfg.balancer != "none" else None
   train_step = jax.jit(
       make_train_step(graphdef, tx, schedule, _loss_fn(), micro_batches=stage.micro_batches,
@@ -209,7 +209,7 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
   graphdef, tx, state_sh = parts.graphdef, parts.tx, parts.state_shardings
   repl = NamedSharding(mesh, P())
 
-  with shd.use_mesh(mesh):
+  with shd.use_mesh(mesh, stage.mesh.rules):
     target = shd.with_shardings(parts.abstract_state, state_sh)
     ckpt = Checkpointer(stage_dir / "checkpoints", keep=stage.keep_checkpoints)
     restored = ckpt.restore_latest(target)

@@ -3,7 +3,8 @@ KDA without CP (the kernel in a shard_map over batch and heads) and over CP 2 an
 shard not a multiple of the chunk, documents crossing and starting on shard boundaries,
 padding, final state), both ways of combining the shards' state maps (all-gather, and the
 log-depth prefix exchange at CP 4 and 8), the short-conv halo, and attention with gathered
-keys/values (MQA latent form and per-head). See scripts/cp_check.py."""
+keys/values (MQA latent form and per-head); KDA, conv and attention again with the sequence
+over expert x context (`MeshLayout.expert_shards="context"`). See scripts/cp_check.py."""
 
 from tests.multidevice._subproc import run_script
 
@@ -11,4 +12,4 @@ from tests.multidevice._subproc import run_script
 def test_context_parallel_matches_single_device():
   out = run_script("cp_check.py")
   lines = [l for l in out.splitlines() if l.startswith(("OK", "FAIL"))]
-  assert len(lines) == 9 and all(l.startswith("OK") for l in lines), out
+  assert len(lines) == 13 and all(l.startswith("OK") for l in lines), out

@@ -1,13 +1,15 @@
 """One train step of a 5-layer model (KDA, MLA, LatentMoE, AttnRes) on 8 fake CPU devices vs
 one device (fp32): loss, gradient norm and every gradient leaf within 1e-4 relative, for
 FSDP x tensor and for FSDP x expert x context combined (EP through the LatentMoE seam, CP
-through the KDA / MLA layers). See scripts/train_check.py."""
+through the KDA / MLA layers), and the same with the sequence over expert x context
+(`expert_shards="context"`: EP over `expert` while `expert` splits the sequence). See scripts/train_check.py."""
 
 from tests.multidevice._subproc import run_script
 
 
 def test_sharded_train_step_matches_single_device():
-  layouts = ["fsdp=4,tensor=2", "fsdp=2,expert=2,context=2"]
+  layouts = ["fsdp=4,tensor=2", "fsdp=2,expert=2,context=2",
+             "fsdp=2,expert=2,context=2,expert_shards=context"]
   out = run_script("train_check.py", *layouts, timeout=900)
   lines = [l for l in out.splitlines() if l.startswith(("OK", "FAIL"))]
   assert len(lines) == len(layouts) and all(l.startswith("OK") for l in lines), out

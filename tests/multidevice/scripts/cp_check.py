@@ -54,6 +54,17 @@ def seg_ids(B, T, boundaries):
   return jnp.asarray(seg)
 
 
+def under_layout(check):
+  """Run `check(name, layout, ...)` under its layout's rules (`expert_shards=context` puts the
+  sequence on expert x context; the CP functions read the sequence axes from the rules)."""
+  def run(name, layout, *args, **kw):
+    lay = shd.MeshLayout.parse(layout)
+    with shd.use_mesh(None, lay.rules):
+      return check(name, layout, *args, **kw)
+  return run
+
+
+@under_layout
 def check_kda(name, layout, T, *, segs=None, B=2, H=2, K=16, V=8, chunk=16, want_final=False,
               fold=None):
   mesh = shd.make_mesh(shd.MeshLayout.parse(layout))
@@ -83,6 +94,7 @@ def check_kda(name, layout, T, *, segs=None, B=2, H=2, K=16, V=8, chunk=16, want
   report(name, errs, 2e-5)
 
 
+@under_layout
 def check_conv(name, layout, T, segs, B=2, C=6, W=4):
   mesh = shd.make_mesh(shd.MeshLayout.parse(layout))
   x = jax.random.normal(jax.random.key(3), (B, T, C))
@@ -102,6 +114,7 @@ def check_conv(name, layout, T, segs, B=2, C=6, W=4):
   report(name, [rel(y1, y0)] + [rel(a, b) for a, b in zip(g1, g0)], 1e-5)
 
 
+@under_layout
 def check_attn(name, layout, T, segs, B=2, H=4, Hk=1, Dk=8, Dv=6, block=8):
   mesh = shd.make_mesh(shd.MeshLayout.parse(layout))
   ks = jax.random.split(jax.random.key(5), 3)
@@ -125,6 +138,9 @@ def check_attn(name, layout, T, segs, B=2, H=4, Hk=1, Dk=8, Dv=6, block=8):
   l0, g0 = jax.jit(gr(ref))(q, k, v)
   l1, g1 = jax.jit(gr(par))(q, k, v)
   report(name, [rel(l1, l0)] + [rel(a, b) for a, b in zip(g1, g0)], 1e-5)
+
+
+EP_CP = "expert=2,context=2,fsdp=2,expert_shards=context"
 
 
 def main():
@@ -153,6 +169,14 @@ def main():
       ("attn_cp4_mqa", lambda: check_attn("attn_cp4_mqa", "context=4,fsdp=2", T, segs)),
       ("attn_cp2_heads", lambda: check_attn("attn_cp2_heads", "context=2,tensor=2,fsdp=2", T,
                                             segs, Hk=4)),
+      # the sequence over expert x context (MeshLayout.expert_shards="context"): 4 shards of
+      # 18 tokens, shard index expert-major
+      ("kda_ep2xcp2_segments", lambda: check_kda("kda_ep2xcp2_segments",
+                                                 EP_CP, T, segs=segs, want_final=True)),
+      ("kda_ep2xcp2_prefix", lambda: check_kda("kda_ep2xcp2_prefix", EP_CP, T, segs=segs,
+                                               want_final=True, fold="prefix")),
+      ("conv_ep2xcp2", lambda: check_conv("conv_ep2xcp2", EP_CP, T, segs)),
+      ("attn_ep2xcp2_mqa", lambda: check_attn("attn_ep2xcp2_mqa", EP_CP, T, segs)),
   ]
   # Two real devices (run with `2dev`): CP 2, 36 tokens per shard (not a multiple of 16).
   two_device = [
@@ -162,6 +186,8 @@ def main():
                                                 segs=segs, want_final=True, fold="prefix")),
       ("conv_cp2_2dev", lambda: check_conv("conv_cp2_2dev", "context=2", T, segs)),
       ("attn_cp2_mqa_2dev", lambda: check_attn("attn_cp2_mqa_2dev", "context=2", T, segs)),
+      ("kda_ep2_seq_2dev", lambda: check_kda("kda_ep2_seq_2dev", "expert=2,expert_shards=context",
+                                             T, segs=segs, want_final=True)),
   ]
   if which == "2dev":
     cases, which = two_device, "all"

@@ -74,9 +74,10 @@ def main():
   gnorm = float(np.sqrt(sum(np.sum(g ** 2) for g in g0)))
   failed = []
   for layout in layouts:
-    mesh = shd.make_mesh(shd.MeshLayout.parse(layout))
-    shd.validate_layout(CFG, None, mesh, global_batch=B, seq_len=T)
-    with shd.use_mesh(mesh):
+    lay = shd.MeshLayout.parse(layout)
+    mesh = shd.make_mesh(lay)
+    shd.validate_layout(CFG, lay, mesh, global_batch=B, seq_len=T)
+    with shd.use_mesh(mesh, lay.rules):
       abstract = jax.eval_shape(init)
       state_sh = shd.state_shardings(abstract, mesh)
       bsh = {k: shd.batch_sharding(mesh) for k in data}
