@@ -118,6 +118,16 @@ def _stacked_groups(cfg: ModelConfig, n: int, rngs: nnx.Rngs) -> LayerGroup:
       [LayerGroup(cfg, first_layer=cfg.mla_every, rngs=rngs) for _ in range(n)])
 
 
+def _pure_call(graphdef, params, rest, stream, **kw):
+  """Call the module (graphdef, params, rest) on `stream` as a pure function: returns (its
+  output, its non-Param state after the call, e.g. updated balancer histograms). What
+  `jax.checkpoint` and `lax.scan` wrap."""
+  m = nnx.merge(graphdef, params, rest)
+  out = m(stream, **kw)
+  _, _, rest_new = nnx.split(m, nnx.Param, ...)
+  return out, rest_new
+
+
 def _remat_call(cfg: ModelConfig, module: nnx.Module, stream: dict, *, opens_block: bool,
                 segment_ids, valid, train: bool):
   """`module(stream, ...)` under `jax.checkpoint` with cfg.remat_policy (plain call for "none").
@@ -133,10 +143,8 @@ def _remat_call(cfg: ModelConfig, module: nnx.Module, stream: dict, *, opens_blo
   graphdef, params, rest = nnx.split(module, nnx.Param, ...)
 
   def call(stream, params, rest, segment_ids, valid):
-    m = nnx.merge(graphdef, params, rest)
-    out = m(stream, opens_block=opens_block, segment_ids=segment_ids, valid=valid, train=train)
-    _, _, rest_new = nnx.split(m, nnx.Param, ...)
-    return out, rest_new
+    return _pure_call(graphdef, params, rest, stream, opens_block=opens_block,
+                      segment_ids=segment_ids, valid=valid, train=train)
 
   out, rest_new = jax.checkpoint(call, policy=policy)(stream, params, rest, segment_ids, valid)
   nnx.update(module, rest_new)
@@ -192,10 +200,8 @@ class Transformer(nnx.Module):
 
     def body(stream, xs):
       p, r, o = xs
-      group = nnx.merge(graphdef, p, r)
-      stream, auxes = group(stream, opens_block=o, segment_ids=segment_ids, valid=valid,
-                            train=train)
-      _, _, r_new = nnx.split(group, nnx.Param, ...)
+      (stream, auxes), r_new = _pure_call(graphdef, p, r, stream, opens_block=o,
+                                          segment_ids=segment_ids, valid=valid, train=train)
       return stream, (_stack_aux(auxes), r_new)
 
     policy = layers.remat_policy(cfg.remat_policy)
