@@ -1,7 +1,8 @@
 """Ahead-of-time memory plan: compile the real train step for a TPU topology, no TPU needed.
 
     JAX_PLATFORMS=cpu python -m launch.aot_plan --preset full --stage stage_8k \
-        --topology v5p:8x16x16 --mesh fsdp=-1,expert=16 [--micro-batches 8] [--remat full]
+        --topology v5p:8x16x16 [--mesh fsdp=2,expert=128,context=8] [--micro-batches 16] \
+        [--remat full] [--ep-capacity-factor 1.25]   # defaults: the stage's own settings
 
 It builds the abstract train state (`jax.eval_shape` of the model and its AdamW state, the same
 `make_init_fn` the training loop uses) with the shardings of `sparse_lm.sharding`, lowers the
@@ -131,7 +132,7 @@ def topology_devices(topology: str, num_slices: int = 1):
 
 def compile_train_step(cfg, *, devices, layout, seq_len: int, global_batch: int,
                        micro_batches: int, optim=None, z_loss_coef: float = 1e-4,
-                       balancer_update: bool = True, ep_impl: str | None = None):
+                       balancer_update: bool = True):
   """Lower and compile the train step; returns (compiled, info dict).
 
   Raises:
@@ -218,11 +219,13 @@ def main(argv=None) -> int:
   p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                  help="ModelConfig override, e.g. --set num_layers=9")
   p.add_argument("--no-balancer-update", action="store_true")
-  p.add_argument("--ep-impl", default="auto", help="expert-parallel exchange: auto (ragged "
-                 "on TPU when expert >= top-k), ragged, dense, allgather")
-  p.add_argument("--ep-capacity-factor", type=float, default=None,
-                 help="per-rank receive cap of the expert all-to-all, in units of n*k rows "
-                 "(None = dropless, worst-case buffers)")
+  p.add_argument("--ep-impl", default=None, help="expert-parallel exchange: auto (ragged "
+                 "on TPU when expert >= top-k), ragged, dense, allgather (default: the "
+                 "stage's ep_impl)")
+  p.add_argument("--ep-capacity-factor", default=None,
+                 help="per-rank receive cap of the expert all-to-all, in units of n*k rows; "
+                 "'none' = dropless, worst-case buffers (default: the stage's "
+                 "ep_capacity_factor)")
   p.add_argument("--json", default=None, help="also write the report here")
   args = p.parse_args(argv)
 
@@ -248,6 +251,15 @@ def main(argv=None) -> int:
   sc = _stage_config(args.stage, args.preset) if args.stage else None
   layout = (shd.MeshLayout.parse(args.mesh) if args.mesh is not None
             else (sc.mesh if sc is not None else shd.MeshLayout()))
+  ep_impl = args.ep_impl or (sc.ep_impl if sc is not None else "auto")
+  if args.ep_capacity_factor is None:
+    ep_cap = sc.ep_capacity_factor if sc is not None else None
+  else:
+    try:
+      ep_cap = (None if args.ep_capacity_factor.lower() == "none"
+                else float(args.ep_capacity_factor))
+    except ValueError:
+      p.error(f"--ep-capacity-factor={args.ep_capacity_factor!r}: a number or 'none'")
   chip = chip_of(args.topology)
   hbm = HBM_BYTES.get(chip)
   if hbm is None:
@@ -264,11 +276,10 @@ def main(argv=None) -> int:
         f"scan_layers={cfg.scan_layers}", flush=True)
   from sparse_lm.moe import expert_parallel
   print(f"[aot_plan] kda_backend={cfg.kda_backend} gmm_backend={cfg.gmm_backend} "
-        f"attention_backend={cfg.attention_backend} ep_impl={args.ep_impl} "
-        f"ep_capacity_factor={args.ep_capacity_factor}", flush=True)
+        f"attention_backend={cfg.attention_backend} ep_impl={ep_impl} "
+        f"ep_capacity_factor={ep_cap}", flush=True)
   try:
-    with expert_parallel.options(impl=args.ep_impl,
-                                 recv_capacity_factor=args.ep_capacity_factor):
+    with expert_parallel.options(impl=ep_impl, recv_capacity_factor=ep_cap):
       compiled, info = compile_train_step(cfg, devices=devices, layout=layout, seq_len=T,
                                           global_batch=gb, micro_batches=mb, optim=optim,
                                           z_loss_coef=z,
@@ -290,6 +301,7 @@ def main(argv=None) -> int:
     with open(args.json, "w") as f:
       json.dump(dict(args=vars(args), layout=str(layout), seq_len=T, global_batch=gb,
                      micro_batches=mb, remat=cfg.remat_policy, kda_backend=cfg.kda_backend,
+                     ep_impl=ep_impl, ep_capacity_factor=ep_cap,
                      gmm_backend=cfg.gmm_backend, attention_backend=cfg.attention_backend,
                      **info, **rep), f, indent=1)
   return 0 if rep["fits"] else 2

@@ -28,6 +28,7 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sparse_lm import sharding as shd
+from sparse_lm.moe import expert_parallel
 from sparse_lm.train import metrics as metrics_lib
 from sparse_lm.train.checkpoint import Checkpointer, check_tokenizer, reset_schedule_count
 from sparse_lm.train.config import StageConfig
@@ -134,7 +135,8 @@ _PARTS: dict[tuple, Parts] = {}
 def build(stage: StageConfig, mesh: jax.sharding.Mesh) -> Parts:
   """The model graph, optimizer, abstract state with shardings and the jitted steps."""
   key = (stage.model_config(), stage.optim, stage.steps, stage.micro_batches,
-         stage.z_loss_coef, stage.nan_at_step, stage.seed, mesh, stage.mesh.rules)
+         stage.z_loss_coef, stage.nan_at_step, stage.seed, mesh, stage.mesh.rules,
+         stage.ep_impl, stage.ep_capacity_factor)
   if key in _PARTS:
     return _PARTS[key]
   model_cfg = stage.model_config()
@@ -209,7 +211,9 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
   graphdef, tx, state_sh = parts.graphdef, parts.tx, parts.state_shardings
   repl = NamedSharding(mesh, P())
 
-  with shd.use_mesh(mesh, stage.mesh.rules):
+  # The steps are traced on first use, below: under the layout's rules and EP options.
+  with shd.use_mesh(mesh, stage.mesh.rules), expert_parallel.options(
+      impl=stage.ep_impl, recv_capacity_factor=stage.ep_capacity_factor):
     target = shd.with_shardings(parts.abstract_state, state_sh)
     ckpt = Checkpointer(stage_dir / "checkpoints", keep=stage.keep_checkpoints)
     restored = ckpt.restore_latest(target)

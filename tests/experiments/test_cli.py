@@ -57,6 +57,25 @@ def test_stage_files_derive_from_each_other():
       256, 512, 1024, 2048]
   assert stage_64k.FULL.seq_len == 8 * stage_8k.FULL.seq_len
   assert stage_256k.FULL.mesh.context > 1 and stage_1m.FULL.mesh.context > 1
+  # the layouts whose memory plans fit v5p HBM (docs/scaling.md)
+  assert (stage_1m.FULL.mesh.expert, stage_1m.FULL.mesh.expert_shards) == (128, "context")
+  assert stage_8k.FULL.ep_capacity_factor == stage_1m.FULL.ep_capacity_factor == 1.25
+  assert stage_8k.TINY.ep_capacity_factor is None  # dropless below full scale
+
+
+def test_mesh_and_expert_parallel_options_from_the_command_line():
+  s = base.apply_overrides(stage_8k.TINY, ["mesh=expert=2,context=2,expert_shards=context",
+                                           "ep_capacity_factor=2.0", "ep_impl=dense"])
+  assert (s.mesh.expert, s.mesh.expert_shards, s.ep_capacity_factor, s.ep_impl) == (
+      2, "context", 2.0, "dense")
+  s = base.apply_overrides(stage_8k.TINY, ["mesh.expert_shards=context"])
+  assert s.mesh.expert_shards == "context"
+  with pytest.raises(ValueError, match="expert_shards='seq'"):
+    base.apply_overrides(stage_8k.TINY, ["mesh.expert_shards=seq"])
+  with pytest.raises(ValueError, match="ep_impl='fast'"):
+    base.apply_overrides(stage_8k.TINY, ["ep_impl=fast"]).validate()
+  with pytest.raises(ValueError, match="ep_capacity_factor=0.0 must be > 0"):
+    base.apply_overrides(stage_8k.TINY, ["ep_capacity_factor=0"]).validate()
 
 
 @pytest.mark.parametrize("kind", ["missing", "empty"])

@@ -1,12 +1,15 @@
 """CI check of launch/aot_plan.py: the `tiny` preset's full train step (forward, backward,
 AdamW, balancer update) compiles with the real TPU compiler for v5p:2x2x2 (8 chips) with the
-fsdp, expert and context axes all > 1, and the reported per-chip total is below HBM."""
+fsdp, expert and context axes all > 1, and the reported per-chip total is below HBM; also with
+the sequence over expert x context (`expert_shards=context`, the stage_1m layout's mode)."""
 
 import json
 import os
 import pathlib
 import subprocess
 import sys
+
+import pytest
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -15,10 +18,12 @@ SMALLER = ["num_layers=5", "d_model=32", "vocab_size=128", "dense_hidden=64",
            "balancer_bins=64", "attention_chunk_size=16", "loss_chunk_size=64"]
 
 
-def test_tiny_compiles_for_v5p_2x2x2_with_fsdp_expert_context(tmp_path):
+@pytest.mark.parametrize("layout", ["fsdp=2,expert=2,context=2",
+                                    "fsdp=2,expert=2,context=2,expert_shards=context"])
+def test_tiny_compiles_for_v5p_2x2x2_with_fsdp_expert_context(tmp_path, layout):
   out = tmp_path / "plan.json"
   cmd = [sys.executable, "-m", "launch.aot_plan", "--preset", "tiny", "--stage", "stage_8k",
-         "--topology", "v5p:2x2x2", "--mesh", "fsdp=2,expert=2,context=2",
+         "--topology", "v5p:2x2x2", "--mesh", layout,
          "--global-batch", "4", "--seq-len", "64", "--json", str(out)]
   for s in SMALLER:
     cmd += ["--set", s]
@@ -31,3 +36,4 @@ def test_tiny_compiles_for_v5p_2x2x2_with_fsdp_expert_context(tmp_path):
   assert 0 < plan["total"] < plan["hbm"] and plan["fits"]
   assert plan["arguments"] > 0 and plan["temporaries"] > 0
   assert "FITS" in proc.stdout
+  assert plan["expert_shards"] == ("context" if "expert_shards=context" in layout else "batch")
