@@ -211,7 +211,7 @@ def main(argv=None) -> int:
                  "tpu7x:8x8x8")
   p.add_argument("--num-slices", type=int, default=1)
   p.add_argument("--mesh", default=None, help="e.g. fsdp=-1,expert=16,context=2 (default: "
-                 "the stage's layout)")
+                 "the stage's layout; its expert_shards is kept unless given here)")
   p.add_argument("--seq-len", type=int, default=None)
   p.add_argument("--global-batch", type=int, default=None, help="sequences per step")
   p.add_argument("--micro-batches", type=int, default=None)
@@ -249,8 +249,12 @@ def main(argv=None) -> int:
       args.preset, args.stage, seq_len=args.seq_len, global_batch=args.global_batch,
       micro_batches=args.micro_batches, remat=args.remat, overrides=overrides)
   sc = _stage_config(args.stage, args.preset) if args.stage else None
-  layout = (shd.MeshLayout.parse(args.mesh) if args.mesh is not None
-            else (sc.mesh if sc is not None else shd.MeshLayout()))
+  layout = sc.mesh if sc is not None else shd.MeshLayout()
+  if args.mesh is not None:  # the stage's expert_shards unless --mesh sets it
+    given = shd.MeshLayout.parse(args.mesh)
+    if "expert_shards" not in args.mesh:
+      given = dataclasses.replace(given, expert_shards=layout.expert_shards)
+    layout = given
   ep_impl = args.ep_impl or (sc.ep_impl if sc is not None else "auto")
   if args.ep_capacity_factor is None:
     ep_cap = sc.ep_capacity_factor if sc is not None else None

@@ -10,7 +10,7 @@ Typical use (a train script):
     layout = MeshLayout.parse("fsdp=-1,expert=8,context=2")
     mesh = make_mesh(layout)
     validate_layout(cfg, layout, mesh, global_batch=256, seq_len=8192)
-    with use_mesh(mesh):
+    with use_mesh(mesh, layout.rules):
       abstract = nnx.eval_shape(lambda: make_state(cfg))
       shardings = state_shardings(nnx.state(abstract), mesh)
       ...jax.jit(step, in_shardings=(shardings, batch_sharding(mesh)), ...)
@@ -52,8 +52,9 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("activation_exp", "expert"),
     ("activation_vocab", "tensor"),
     # parameters: ZeRO-3 over every axis that replicates them otherwise. `context` ranks (and,
-    # for the non-expert weights, `expert` ranks, a batch axis there) hold the same parameters,
-    # so d_model is split over fsdp x context x expert (axes that do not divide are dropped).
+    # for the non-expert weights, `expert` ranks: a batch or sequence axis there) hold the same
+    # parameters, so d_model is split over fsdp x context x expert (axes that do not divide
+    # are dropped).
     ("embed", ("fsdp", "context", "expert")),
     ("vocab", "tensor"),
     ("heads", "tensor"),
@@ -81,12 +82,15 @@ def logical_axis_rules(expert_shards: str = "batch") -> tuple:
   sequence axis (activation_batch -> data, fsdp; activation_length -> expert, context).
 
   With "context" the expert-parallel degree no longer has to divide the sequences per
-  micro-batch: the 1M stage has 16 sequences per micro-batch but needs EP 128 so that each
-  chip holds 7 of the 896 experts instead of 56. Tokens of different sequence shards are
+  micro-batch: the full 1M stage has 8 sequences per micro-batch but needs EP 128 so that
+  each chip holds 7 of the 896 experts instead of 56. Tokens of different sequence shards are
   independent tokens for the MoE, so the expert exchange is unchanged; the context-parallel
   layers run over the sequence axes (expert, context) as one axis, expert-major (shard
   r = expert_index * context + context_index holds tokens [r T/P, (r+1) T/P)). This is
-  MaxText's `expert_shard_attention_option="context"`.
+  MaxText's `expert_shard_attention_option="context"` (its "fsdp" is our "batch"), except
+  for the order: MaxText maps the sequence to (context, expert), here it is (expert, context),
+  so that the flattened [B, T] tokens stay sharded over data, fsdp, expert, context in both
+  modes (moe/expert_parallel.TOKEN_AXES).
 
   Raises:
     ValueError: expert_shards not in EXPERT_SHARDS.
@@ -397,7 +401,8 @@ def validate_layout(model_cfg, layout: MeshLayout | None = None,
 
   Args:
     model_cfg: a `sparse_lm.config.ModelConfig`.
-    layout: the requested layout (only used in messages; may be None).
+    layout: the requested layout (named in messages, and its rules are the default `rules`;
+      may be None).
     mesh: the mesh (or {axis: size}); default the mesh made from `layout` on all devices.
     global_batch: sequences per optimizer step (all micro-batches).
     seq_len: tokens per sequence.
@@ -442,7 +447,10 @@ def validate_layout(model_cfg, layout: MeshLayout | None = None,
   else:
     need(global_batch // num_microbatches, "global_batch/num_microbatches" if
          num_microbatches > 1 else "global_batch", batch_axes,
-         f"each micro-batch is split over {'*'.join(batch_axes)}")
+         f"each micro-batch is split over {'*'.join(batch_axes)}"
+         + ("; with few long sequences, MeshLayout(expert_shards='context') splits the "
+            "sequence over expert instead" if "expert" in batch_axes and s["expert"] > 1
+            else ""))
   n_seq = math.prod(s[a] for a in seq_axes)
   if n_seq > 1:
     need(seq_len, "seq_len", seq_axes, f"the sequence is sharded over {'*'.join(seq_axes)}")
@@ -591,3 +599,54 @@ def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
 def shard_pytree(tree, shardings):
   """`jax.device_put` each leaf onto its sharding (trees of Variables are unwrapped)."""
   return jax.device_put(tree, shardings)
+
+
+# ------------------------------------------------------------------------------ host feeding
+
+
+def process_rows(sharding: jax.sharding.Sharding, global_shape: Sequence[int], *,
+                 process_index: int | None = None) -> tuple[int, int]:
+  """Which rows of a [B, T, ...] global batch this process must load: (shard, num_shards).
+
+  The rows of B are split into `num_shards` equal groups; this process loads group `shard`
+  (B / num_shards rows, every T) and passes them to
+  `jax.make_array_from_process_local_data(sharding, rows, global_shape)`, which takes the
+  T-slices its devices hold. Processes whose devices hold the same rows (a sequence split over
+  several hosts, e.g. `context` or `expert_shards="context"` wider than the chips of a host)
+  get the same shard and must load identical rows (the data pipeline is deterministic per
+  shard); processes with disjoint rows get disjoint shards. One process: (0, 1).
+
+  Args:
+    sharding: the batch's sharding (e.g. `batch_sharding(mesh)`), over all processes' devices.
+    global_shape: (B, T, ...).
+    process_index: default `jax.process_index()`.
+  Raises:
+    ValueError: the processes' row sets overlap without being equal, or differ in size (a
+      mesh whose hosts do not tile the batch rows; reorder the mesh axes or change sizes).
+  """
+  index_map = sharding.devices_indices_map(tuple(global_shape))
+  me = jax.process_index() if process_index is None else process_index
+  return row_groups({d: idx[0] for d, idx in index_map.items()},
+                    {d: d.process_index for d in index_map}, int(global_shape[0]), me)
+
+
+def row_groups(rows_of_device: Mapping[Any, slice], process_of_device: Mapping[Any, int],
+               num_rows: int, process: int) -> tuple[int, int]:
+  """The pure part of `process_rows`: from each device's row slice and process,
+  (`process`'s group, number of groups); see `process_rows`."""
+  sets: dict[int, set] = {}
+  for d, rows in rows_of_device.items():
+    start, stop, _ = rows.indices(num_rows)
+    sets.setdefault(process_of_device[d], set()).add((start, stop))
+  if process not in sets:
+    raise ValueError(f"process {process} holds none of the batch's devices")
+  groups = sorted({tuple(sorted(v)) for v in sets.values()})
+  sizes = {sum(b - a for a, b in g) for g in groups}
+  covered = sorted(r for g in groups for r in g)
+  overlap = any(a[1] > b[0] for a, b in zip(covered, covered[1:]))
+  if len(sizes) != 1 or overlap or sum(b - a for a, b in covered) != num_rows:
+    raise ValueError(
+        f"the processes' batch rows do not split the {num_rows} rows into equal disjoint "
+        f"groups (row sets {groups[:4]}{'...' if len(groups) > 4 else ''}); reorder or resize "
+        "the mesh axes so that each host's devices hold whole row groups")
+  return groups.index(tuple(sorted(sets[process]))), len(groups)

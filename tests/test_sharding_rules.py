@@ -90,3 +90,40 @@ def test_validate_layout_follows_the_layouts_batch_and_sequence_axes():
   with pytest.raises(ValueError, match=r"seq_len=2048 over expert\*context=1024 leaves fewer"):
     shd.validate_layout(cfg, seq_lay, sizes, global_batch=32, seq_len=2048,
                         num_microbatches=4)
+
+
+# ------------------------------------------------ which batch rows each host loads
+
+
+def _rows(per_device_rows, hosts_of):
+  """Synthetic device -> row slice / process maps (devices are ints)."""
+  rows = {d: slice(a, b) for d, (a, b) in enumerate(per_device_rows)}
+  return rows, {d: hosts_of(d) for d in rows}
+
+
+def test_hosts_with_disjoint_rows_load_disjoint_shards():
+  rows, procs = _rows([(i, i + 1) for i in range(8)], lambda d: d // 4)  # 2 hosts x 4 chips
+  assert [shd.row_groups(rows, procs, 8, p) for p in (0, 1)] == [(0, 2), (1, 2)]
+
+
+def test_hosts_splitting_the_same_sequences_load_the_same_rows():
+  # fsdp=2 (rows) x context=4 (T), 2 chips per host: hosts 0, 1 hold T-quarters of row 0
+  rows, procs = _rows([(d // 4, d // 4 + 1) for d in range(8)], lambda d: d // 2)
+  assert [shd.row_groups(rows, procs, 2, p) for p in range(4)] == [(0, 2), (0, 2), (1, 2),
+                                                                   (1, 2)]
+  # one sequence over every chip (a batch replicated over the batch axes): everyone loads it
+  rows, procs = _rows([(0, 1)] * 8, lambda d: d // 4)
+  assert shd.row_groups(rows, procs, 1, 1) == (0, 1)
+
+
+def test_overlapping_host_rows_are_rejected():
+  rows, procs = _rows([(0, 2), (1, 3), (2, 4), (3, 4)], lambda d: d)
+  with pytest.raises(ValueError, match="do not split the 4 rows into equal disjoint groups"):
+    shd.row_groups(rows, procs, 4, 0)
+
+
+def test_process_rows_on_one_process_is_everything():
+  import jax
+  from jax.sharding import NamedSharding
+  mesh = shd.make_mesh(shd.MeshLayout(), jax.devices()[:1])
+  assert shd.process_rows(NamedSharding(mesh, P("fsdp", None)), (4, 16)) == (0, 1)

@@ -1,4 +1,4 @@
-"""Context parallelism: KDA and attention over a sequence sharded on the `context` mesh axis.
+"""Context parallelism: KDA and attention over a sequence sharded over mesh axes.
 
 The sequence axes are those the active rules give `activation_length`: ("context",) by default,
 ("expert", "context") with `MeshLayout(expert_shards="context")`; every function here runs
@@ -23,7 +23,7 @@ later factors on the left) and S_ext the shard's final state from zero. Both com
 chunked KDA run with the value width extended by K: values [v | 0] and initial state [0 | I]
 give the final state [S_ext | M] (with v = 0 the delta rule is exactly the homogeneous step).
 A segment reset inside the shard zeroes the state, so M = 0 and S_ext restarts there, as
-required. Then (S_ext, M) are combined over `context` (up to 8 shards all-gathered, above
+required. Then (S_ext, M) are combined over the sequence axes (up to 8 shards all-gathered, above
 that a log-depth prefix exchange, `prefix_states`); shard r folds its predecessors,
 S <- M_j (keep_j S) + S_ext_j for j < r, where keep_j = 0 when shard j's first token starts a
 new document (the reset the local kernel cannot see at its position 0); and the chunked kernel
@@ -66,7 +66,10 @@ def _specs(mesh, axis, B, H):
   """(batch axes, sequence axes, tensor axis) for [B, T, H, ...] arrays; batch axes and
   tensor that do not divide B or H are left out (those dimensions are replicated over them).
   `axis` is a `seq_axes` result."""
+  seq = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
   b = shd.logical_to_spec(("activation_batch",), mesh=mesh, shape=(B,))[0]
+  b = tuple(a for a in ((b,) if isinstance(b, str) else b or ()) if a not in seq)
+  b = None if not b else b[0] if len(b) == 1 else b  # (an explicit `axis` wins over batch)
   t = "tensor" if mesh.shape.get("tensor", 1) > 1 and H % mesh.shape["tensor"] == 0 else None
   return b, axis, t
 
@@ -97,8 +100,8 @@ def fold_states(S_ext: jax.Array, M: jax.Array, keep: jax.Array) -> jax.Array:
 GATHER_FOLD_MAX_SHARDS = 8
 
 
-def prefix_states(S_ext: jax.Array, M: jax.Array, keep: jax.Array, axis: str
-                  ) -> tuple[jax.Array, jax.Array]:
+def prefix_states(S_ext: jax.Array, M: jax.Array, keep: jax.Array,
+                  axis: str | tuple[str, ...]) -> tuple[jax.Array, jax.Array]:
   """Inside a shard_map over `axis`: the state entering this shard and the final state, by a
   Hillis-Steele inclusive scan of the shards' affine maps f_j(S) = keep_j M_j S + S_ext_j.
 
@@ -233,7 +236,8 @@ def cp_chunk_kda(q, k, v, g, beta, *, mesh: jax.sharding.Mesh,
   if initial_state is not None:
     raise ValueError("cp_chunk_kda: initial_state is not supported (sequences start at 0)")
   if T % Pn:
-    raise ValueError(f"sequence length {T} is not divisible by {axis}={Pn}")
+    raise ValueError(f"sequence length {T} is not divisible by "
+                     f"{'*'.join((axis,) if isinstance(axis, str) else axis)}={Pn}")
   b, c, t = _specs(mesh, axis, B, H)
   s4, s3, s2 = P(b, c, t, None), P(b, c, t), P(b, c)
   sf = P(b, t, None, None)

@@ -32,7 +32,8 @@ class StageConfig:
     eval_every / eval_batches: held-out evaluation period (steps) and size (batches of
       `eval_batch_size` rows, default the global batch).
     checkpoint_every / keep_checkpoints: save period (steps) and how many to keep.
-    mesh: device-mesh layout (a `context` axis for the long stages).
+    mesh: device-mesh layout (a `context` axis for the long stages; `expert_shards="context"`
+      when the sequences per micro-batch are fewer than the expert-parallel degree).
     ep_impl / ep_capacity_factor: the expert-parallel exchange (`moe.expert_parallel.options`:
       "auto", "ragged", "dense", "allgather") and its per-rank receive cap in units of the
       mean n x k rows (None = dropless, worst-case buffers); used when mesh.expert > 1.

@@ -101,9 +101,18 @@ def _flops_per_token(model_cfg, seq_len: int) -> float | None:
     return None
 
 
-def _put(batch: dict[str, np.ndarray], shardings: dict[str, NamedSharding]) -> dict:
-  return {k: jax.make_array_from_process_local_data(shardings[k], np.asarray(v))
-          for k, v in batch.items() if k in shardings}
+def _put(batch: dict[str, np.ndarray], shardings: dict[str, NamedSharding],
+         global_rows: int | None = None) -> dict:
+  """Global arrays from this process's rows (all of T): `global_rows` rows in all (default:
+  the batch is the whole global batch, the same on every process; see
+  `sharding.process_rows`)."""
+  out = {}
+  for k, v in batch.items():
+    if k in shardings:
+      v = np.asarray(v)
+      shape = (global_rows or v.shape[0],) + v.shape[1:]
+      out[k] = jax.make_array_from_process_local_data(shardings[k], v, shape)
+  return out
 
 
 def _evaluate(eval_step, state, batches, shardings) -> float:
@@ -132,6 +141,17 @@ class Parts:
 _PARTS: dict[tuple, Parts] = {}
 
 
+def _traced_in(stage: StageConfig, mesh: jax.sharding.Mesh, fn: Callable) -> Callable:
+  """`fn` that is traced under the stage's mesh, logical-axis rules and expert-parallel
+  options, whatever context the caller has active (they decide the shardings, the
+  context-parallel axes and the expert exchange inside the step)."""
+  def traced(*args):
+    with shd.use_mesh(mesh, stage.mesh.rules), expert_parallel.options(
+        impl=stage.ep_impl, recv_capacity_factor=stage.ep_capacity_factor):
+      return fn(*args)
+  return traced
+
+
 def build(stage: StageConfig, mesh: jax.sharding.Mesh) -> Parts:
   """The model graph, optimizer, abstract state with shardings and the jitted steps."""
   key = (stage.model_config(), stage.optim, stage.steps, stage.micro_batches,
@@ -152,11 +172,11 @@ def build(stage: StageConfig, mesh: jax.sharding.Mesh) -> Parts:
     batch_sh = {k: shd.batch_sharding(mesh) for k in BATCH_KEYS}
   balance = _balance_fn if model_cfg.balancer != "none" else None
   train_step = jax.jit(
-      make_train_step(graphdef, tx, schedule, _loss_fn(), micro_batches=stage.micro_batches,
-                      z_loss_coef=stage.z_loss_coef, balance_fn=balance,
-                      nan_at_step=stage.nan_at_step),
+      _traced_in(stage, mesh, make_train_step(
+          graphdef, tx, schedule, _loss_fn(), micro_batches=stage.micro_batches,
+          z_loss_coef=stage.z_loss_coef, balance_fn=balance, nan_at_step=stage.nan_at_step)),
       in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, repl), donate_argnums=0)
-  eval_fn = make_eval_step(graphdef, _loss_fn())
+  eval_fn = _traced_in(stage, mesh, make_eval_step(graphdef, _loss_fn()))
   eval_step = jax.jit(eval_fn, in_shardings=(state_sh, batch_sh), out_shardings=repl)
   if mesh.size == 1:
     # One device: initialise op by op (compiling the init program of a small model takes
@@ -211,9 +231,7 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
   graphdef, tx, state_sh = parts.graphdef, parts.tx, parts.state_shardings
   repl = NamedSharding(mesh, P())
 
-  # The steps are traced on first use, below: under the layout's rules and EP options.
-  with shd.use_mesh(mesh, stage.mesh.rules), expert_parallel.options(
-      impl=stage.ep_impl, recv_capacity_factor=stage.ep_capacity_factor):
+  with shd.use_mesh(mesh, stage.mesh.rules):
     target = shd.with_shardings(parts.abstract_state, state_sh)
     ckpt = Checkpointer(stage_dir / "checkpoints", keep=stage.keep_checkpoints)
     restored = ckpt.restore_latest(target)
@@ -228,17 +246,21 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
       state = parts.init()
     start = int(jax.device_get(state.step))
 
+    batch_sh = {k: shd.batch_sharding(mesh) for k in BATCH_KEYS}
+    # This host loads its row group, all T (hosts that split the same rows over T load the
+    # same rows); one process loads everything.
+    shard, num_shards = shd.process_rows(batch_sh["tokens"], (stage.global_batch,
+                                                              stage.seq_len))
     train_iter = data_lib.make_train_iterator(
         stage.data, tokenizer, seq_len=stage.seq_len,
-        batch_size=stage.global_batch // jax.process_count(),
-        process_index=jax.process_index(), process_count=jax.process_count())
+        batch_size=stage.global_batch // num_shards, process_index=shard,
+        process_count=num_shards)
     if data_state:
       train_iter.set_state(data_state)
     eval_rows = stage.eval_batch_size or stage.global_batch
     eval_batches = data_lib.make_eval_batches(
         stage.data, tokenizer, seq_len=stage.seq_len, batch_size=eval_rows,
         num_batches=stage.eval_batches)
-    batch_sh = {k: shd.batch_sharding(mesh) for k in BATCH_KEYS}
 
     train_step, eval_step = parts.train_step, parts.eval_step
     writer = metrics_lib.MetricsWriter(stage_dir / "tb")
@@ -297,7 +319,7 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
     with _Preemption() as preemption:
       for step in range(start, stage.steps):
         t0 = time.perf_counter()
-        state, m = train_step(state, _put(next(train_iter), batch_sh))
+        state, m = train_step(state, _put(next(train_iter), batch_sh, stage.global_batch))
         if step == start:
           jax.block_until_ready(m)
           say(f"[{stage.name}] first step (trace + compile + run) took "
@@ -336,7 +358,10 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
       writer.write(end, {k.replace("@", "_at_"): v for k, v in final_eval.items()},
                    prefix="final/")
       if stage.sample_tokens > 0:
-        sample = _sample(graphdef, state, tokenizer, stage)
+        # Generation uses the default (batch) rules: a short prompt cannot be split over
+        # expert x context (as in MaxText, expert_shards applies to training only).
+        with shd.use_mesh(mesh):
+          sample = _sample(graphdef, state, tokenizer, stage)
         writer.text("sample", sample, end)
     bar.close()
     ckpt.close()

@@ -37,3 +37,37 @@ def test_tiny_compiles_for_v5p_2x2x2_with_fsdp_expert_context(tmp_path, layout):
   assert plan["arguments"] > 0 and plan["temporaries"] > 0
   assert "FITS" in proc.stdout
   assert plan["expert_shards"] == ("context" if "expert_shards=context" in layout else "batch")
+
+
+ROWS_SCRIPT = """
+import collections
+from launch.aot_plan import topology_devices
+from sparse_lm import sharding as shd
+devs = topology_devices("v5p:4x4x4")  # 64 chips, 16 hosts of 4
+for text, B in [("fsdp=4,expert=4,context=4", 16),
+                ("fsdp=2,expert=4,context=8,expert_shards=context", 4)]:
+  layout = shd.MeshLayout.parse(text)
+  mesh = shd.make_mesh(layout, devs)
+  with shd.use_mesh(mesh, layout.rules):
+    sh = shd.batch_sharding(mesh)
+  got = [shd.process_rows(sh, (B, 4096), process_index=p)
+         for p in sorted({d.process_index for d in devs})]
+  print(text, sorted(collections.Counter(got).items()))
+"""
+
+
+def test_hosts_of_a_v5p_slice_load_their_row_groups():
+  """`sharding.process_rows` on the real device layout of a 16-host v5p slice. Batch over
+  fsdp x expert, sequence over context = 4: the device mesh puts each sequence's 4 chips on 2
+  hosts, so 8 row groups of 2 rows, each loaded by 2 hosts. Sequence over expert x context =
+  32 chips (8 hosts): 8 hosts load the same 2 rows."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1",
+             ALLOW_MULTIPLE_LIBTPU_LOAD="1")
+  env.pop("XLA_FLAGS", None)
+  proc = subprocess.run([sys.executable, "-c", ROWS_SCRIPT], cwd=ROOT, env=env,
+                        capture_output=True, text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("fsdp=")]
+  assert lines == [
+      "fsdp=4,expert=4,context=4 " + str([((i, 8), 2) for i in range(8)]),
+      "fsdp=2,expert=4,context=8,expert_shards=context [((0, 2), 8), ((1, 2), 8)]"], proc.stdout
