@@ -115,6 +115,42 @@ def _put(batch: dict[str, np.ndarray], shardings: dict[str, NamedSharding],
   return out
 
 
+def _all_shard_states(state: dict, shard: int) -> dict:
+  """{"shards": {row group: its data-iterator state}} from every process (the checkpoint's
+  JSON item is written by the primary process only, so it must hold every row group's
+  position; processes of one row group hold equal states)."""
+  if jax.process_count() == 1:
+    return {"shards": {str(shard): state}}
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  blob = np.frombuffer(json.dumps(state).encode(), np.uint8)
+  sizes = np.asarray(multihost_utils.process_allgather(np.array([blob.size], np.int32)))
+  padded = np.zeros(int(sizes.max()), np.uint8)
+  padded[:blob.size] = blob
+  blobs = np.asarray(multihost_utils.process_allgather(padded))
+  shards = np.asarray(multihost_utils.process_allgather(np.array([shard], np.int32)))
+  return {"shards": {str(int(shards[i].reshape(-1)[0])): json.loads(
+      bytes(blobs[i][:int(sizes[i].reshape(-1)[0])]).decode()) for i in range(len(blobs))}}
+
+
+def _shard_state(data_state: dict | None, shard: int) -> dict | None:
+  """This row group's iterator state from a checkpoint's data item (None: start fresh).
+
+  Raises:
+    ValueError: the checkpoint has no position for this row group (written with another
+      number of row groups, i.e. another mesh or batch over hosts).
+  """
+  if not data_state:
+    return None
+  if "shards" not in data_state:  # written before the per-row-group format: one process
+    return data_state
+  if str(shard) not in data_state["shards"]:
+    raise ValueError(
+        f"the checkpoint's data position has row groups {sorted(data_state['shards'])}, not "
+        f"{shard}: it was written with another split of the batch over hosts; resume with the "
+        "same mesh and batch, or start the data stream afresh from a new workdir")
+  return data_state["shards"][str(shard)]
+
+
 def _evaluate(eval_step, state, batches, shardings) -> float:
   loss_sum, tokens = 0.0, 0.0
   for b in batches:
@@ -255,8 +291,9 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
         stage.data, tokenizer, seq_len=stage.seq_len,
         batch_size=stage.global_batch // num_shards, process_index=shard,
         process_count=num_shards)
-    if data_state:
-      train_iter.set_state(data_state)
+    mine = _shard_state(data_state, shard)
+    if mine:
+      train_iter.set_state(mine)
     eval_rows = stage.eval_batch_size or stage.global_batch
     eval_batches = data_lib.make_eval_batches(
         stage.data, tokenizer, seq_len=stage.seq_len, batch_size=eval_rows,
@@ -275,7 +312,8 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
 
     def save(final=False):
       nonlocal last_saved
-      data_state = data_lib.state_to_json_compatible(train_iter.get_state())
+      data_state = _all_shard_states(
+          data_lib.state_to_json_compatible(train_iter.get_state()), shard)
       last_saved = ckpt.save(state, data_state=data_state, meta=meta, final=final)
 
     def drain():

@@ -91,3 +91,14 @@ def test_reset_schedule_count_keeps_adam_count():
       o, is_leaf=lambda x: isinstance(x, cls)) if isinstance(x, cls)]
   assert [int(c) for c in counts(reset, optax.ScaleByScheduleState)] == [0]
   assert [int(c) for c in counts(reset, optax.ScaleByAdamState)] == [3]
+
+
+def test_data_positions_are_kept_per_row_group():
+  from sparse_lm.train import loop
+  saved = loop._all_shard_states({"pos": 7}, 0)  # one process: its own row group
+  assert saved == {"shards": {"0": {"pos": 7}}}
+  assert loop._shard_state(saved, 0) == {"pos": 7}
+  assert loop._shard_state({"pos": 3}, 0) == {"pos": 3}  # the earlier one-process format
+  assert loop._shard_state(None, 0) is None
+  with pytest.raises(ValueError, match="row groups \\['0'\\], not 1"):
+    loop._shard_state(saved, 1)
