@@ -76,7 +76,7 @@ def main(argv=None) -> None:
   cfg = stage.model_config()
   mesh = shd.make_mesh(stage.mesh, jax.devices()[:1])
   parts = loop.build(stage, mesh)
-  sh = {k: shd.batch_sharding(mesh) for k in loop.BATCH_KEYS}
+  sh = parts.batch_shardings
   with shd.use_mesh(mesh):
     state = parts.init()
     batches = [{k: jax.device_put(v, sh[k]) for k, v in

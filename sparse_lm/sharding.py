@@ -146,7 +146,7 @@ def logical_to_spec(names: Sequence[str | None] | P, rules=None, mesh=None,
           size *= mesh.shape[a]
       axes = tuple(kept)
     used.update(axes)
-    out.append(None if not axes else axes[0] if len(axes) == 1 else axes)
+    out.append(spec_entry(axes))
   return P(*out)
 
 
@@ -169,6 +169,12 @@ def _rule_target(rules: Mapping, name: str):
   """The mesh axis / axes the rules give logical axis `name` (a mesh axis name maps to
   itself; an unknown name to None)."""
   return rules.get(name, name if name in MESH_AXES else None)
+
+
+def spec_entry(axes: Sequence[str]) -> str | tuple[str, ...] | None:
+  """One PartitionSpec entry from a sequence of mesh axes: None, the name, or the tuple."""
+  axes = tuple(axes)
+  return None if not axes else axes[0] if len(axes) == 1 else axes
 
 
 def _as_tuple(target) -> tuple[str, ...]:
@@ -534,7 +540,7 @@ def _place_dropped_axes(spec: P, names, shape, mesh: jax.sharding.Mesh, rules=No
       if shape[i] % size == 0:
         entries[i].append(a)
         break
-  return P(*[None if not e else e[0] if len(e) == 1 else tuple(e) for e in entries])
+  return P(*[spec_entry(e) for e in entries])
 
 
 def state_shardings(tree, mesh: jax.sharding.Mesh, rules=None):

@@ -52,7 +52,7 @@ def seq_axes(mesh: jax.sharding.Mesh | None, axis: str | tuple[str, ...] | None 
   names = (shd.mesh_axes("activation_length", mesh) if axis is None else
            tuple(a for a in ((axis,) if isinstance(axis, str) else axis)
                  if mesh.shape.get(a, 1) > 1))
-  return None if not names else names[0] if len(names) == 1 else names
+  return shd.spec_entry(names)
 
 
 def seq_shards(mesh: jax.sharding.Mesh | None, axis=None) -> int:
@@ -68,8 +68,8 @@ def _specs(mesh, axis, B, H):
   `axis` is a `seq_axes` result."""
   seq = () if axis is None else (axis,) if isinstance(axis, str) else tuple(axis)
   b = shd.logical_to_spec(("activation_batch",), mesh=mesh, shape=(B,))[0]
-  b = tuple(a for a in ((b,) if isinstance(b, str) else b or ()) if a not in seq)
-  b = None if not b else b[0] if len(b) == 1 else b  # (an explicit `axis` wins over batch)
+  # (an explicit `axis` wins over the batch axes)
+  b = shd.spec_entry(a for a in ((b,) if isinstance(b, str) else b or ()) if a not in seq)
   t = "tensor" if mesh.shape.get("tensor", 1) > 1 and H % mesh.shape["tensor"] == 0 else None
   return b, axis, t
 

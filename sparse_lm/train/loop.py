@@ -170,6 +170,7 @@ class Parts:
   init: Callable[[], TrainState]  # jitted, returns the sharded fresh state
   abstract_state: TrainState
   state_shardings: TrainState
+  batch_shardings: dict[str, NamedSharding]  # per BATCH_KEYS entry, under the stage's rules
   train_step: Callable
   eval_step: Callable
 
@@ -220,7 +221,7 @@ def build(stage: StageConfig, mesh: jax.sharding.Mesh) -> Parts:
     init_fn = lambda: jax.device_put(init(), state_sh)
   else:
     init_fn = jax.jit(init, out_shardings=state_sh)
-  parts = Parts(graphdef, tx, init_fn, abstract, state_sh, train_step, eval_step)
+  parts = Parts(graphdef, tx, init_fn, abstract, state_sh, batch_sh, train_step, eval_step)
   _PARTS[key] = parts
   return parts
 
@@ -282,7 +283,7 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
       state = parts.init()
     start = int(jax.device_get(state.step))
 
-    batch_sh = {k: shd.batch_sharding(mesh) for k in BATCH_KEYS}
+    batch_sh = parts.batch_shardings
     # This host loads its row group, all T (hosts that split the same rows over T load the
     # same rows); one process loads everything.
     shard, num_shards = shd.process_rows(batch_sh["tokens"], (stage.global_batch,
