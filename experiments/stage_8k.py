@@ -22,14 +22,15 @@ FULL = StageConfig(
     name="stage_8k", preset="full", seq_len=8192, tokens_per_batch=4096 * 8192, steps=120_000,
     optim=OptimizerConfig(peak_lr=2e-4, warmup_steps=2000, decay_fraction=0.1),
     eval_every=1000, eval_batches=8, eval_batch_size=512, checkpoint_every=1000,
-    micro_batches=16, mesh=MeshLayout(fsdp=-1, expert=128, context=8), ep_capacity_factor=1.25,
+    micro_batches=16, mesh=MeshLayout(fsdp=-1, expert=128, context=8),
+    model_overrides=(("ragged_buffer_factor", 1.25),),
     data=DataConfig(), reference_seq_len=8192)
 
 SMALL = dataclasses.replace(
     FULL, preset="small", tokens_per_batch=32 * 8192, micro_batches=4, steps=20_000,
     optim=OptimizerConfig(peak_lr=3e-4, warmup_steps=1000, decay_fraction=0.1),
     eval_every=500, eval_batch_size=None, checkpoint_every=1000, mesh=MeshLayout(fsdp=-1),
-    ep_capacity_factor=None)
+    model_overrides=())
 
 TINY = dataclasses.replace(
     SMALL, preset="tiny", seq_len=256, tokens_per_batch=8 * 256, micro_batches=1, steps=500,

@@ -221,11 +221,11 @@ def main(argv=None) -> int:
   p.add_argument("--no-balancer-update", action="store_true")
   p.add_argument("--ep-impl", default=None, help="expert-parallel exchange: auto (ragged "
                  "on TPU when expert >= top-k), ragged, dense, allgather (default: the "
-                 "stage's ep_impl)")
+                 "stage's ModelConfig.ep_exchange)")
   p.add_argument("--ep-capacity-factor", default=None,
                  help="per-rank receive cap of the expert all-to-all, in units of n*k rows; "
                  "'none' = dropless, worst-case buffers (default: the stage's "
-                 "ep_capacity_factor)")
+                 "ModelConfig.ragged_buffer_factor)")
   p.add_argument("--json", default=None, help="also write the report here")
   args = p.parse_args(argv)
 
@@ -245,6 +245,14 @@ def main(argv=None) -> int:
     cur = getattr(ModelConfig(), key)
     overrides[key] = (None if val.lower() == "none" else type(cur)(val) if cur is not None
                       and not isinstance(cur, bool) else val.lower() in ("1", "true"))
+  if args.ep_impl:  # the expert-parallel exchange and receive cap are ModelConfig fields
+    overrides["ep_exchange"] = args.ep_impl
+  if args.ep_capacity_factor is not None:
+    try:
+      overrides["ragged_buffer_factor"] = (None if args.ep_capacity_factor.lower() == "none"
+                                           else float(args.ep_capacity_factor))
+    except ValueError:
+      p.error(f"--ep-capacity-factor={args.ep_capacity_factor!r}: a number or 'none'")
   cfg, T, gb, mb, optim, z = make_plan_inputs(
       args.preset, args.stage, seq_len=args.seq_len, global_batch=args.global_batch,
       micro_batches=args.micro_batches, remat=args.remat, overrides=overrides)
@@ -255,15 +263,7 @@ def main(argv=None) -> int:
     if "expert_shards" not in args.mesh:
       given = dataclasses.replace(given, expert_shards=layout.expert_shards)
     layout = given
-  ep_impl = args.ep_impl or (sc.ep_impl if sc is not None else "auto")
-  if args.ep_capacity_factor is None:
-    ep_cap = sc.ep_capacity_factor if sc is not None else None
-  else:
-    try:
-      ep_cap = (None if args.ep_capacity_factor.lower() == "none"
-                else float(args.ep_capacity_factor))
-    except ValueError:
-      p.error(f"--ep-capacity-factor={args.ep_capacity_factor!r}: a number or 'none'")
+  ep_impl, ep_cap = cfg.ep_exchange, cfg.ragged_buffer_factor
   chip = chip_of(args.topology)
   hbm = HBM_BYTES.get(chip)
   if hbm is None:
@@ -278,16 +278,14 @@ def main(argv=None) -> int:
         f"seq_len={T:,} "
         f"global_batch={gb} micro_batches={mb} remat={cfg.remat_policy} "
         f"scan_layers={cfg.scan_layers}", flush=True)
-  from sparse_lm.moe import expert_parallel
   print(f"[aot_plan] kda_backend={cfg.kda_backend} gmm_backend={cfg.gmm_backend} "
         f"attention_backend={cfg.attention_backend} ep_impl={ep_impl} "
         f"ep_capacity_factor={ep_cap}", flush=True)
   try:
-    with expert_parallel.options(impl=ep_impl, recv_capacity_factor=ep_cap):
-      compiled, info = compile_train_step(cfg, devices=devices, layout=layout, seq_len=T,
-                                          global_batch=gb, micro_batches=mb, optim=optim,
-                                          z_loss_coef=z,
-                                          balancer_update=not args.no_balancer_update)
+    compiled, info = compile_train_step(cfg, devices=devices, layout=layout, seq_len=T,
+                                        global_batch=gb, micro_batches=mb, optim=optim,
+                                        z_loss_coef=z,
+                                        balancer_update=not args.no_balancer_update)
   except ValueError as e:
     print(f"[aot_plan] failed: {e}", file=sys.stderr)
     return 1

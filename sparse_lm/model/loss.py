@@ -110,8 +110,9 @@ def loss_fn(model: Transformer, batch: dict, *, train: bool = True,
     loss: fp32 scalar = mean NLL (nats / counted token) + z-loss + sum over MoE layers of
       aux_loss (non-zero only for balancer="aux_loss").
     metrics: "loss" (mean NLL), "z_loss", "aux_loss", "total_loss", "num_tokens", "accuracy"
-      (fp32 scalars); "moe/max_violation", "moe/dead_frac", "moe/drop_rate" ([num MoE layers]
-      arrays, layer order) and "moe/load" [layers, E].
+      (fp32 scalars); "moe/<key>" for every key of the MoE layers' aux ([num MoE layers]
+      arrays, layer order, "moe/load" [layers, E]): balance, drops ("moe/assigned",
+      "moe/dropped", "moe/drop_rate") and, under expert parallelism, receive rows.
   """
   tokens = batch["tokens"]
   seg = batch.get("segment_ids")
@@ -135,7 +136,6 @@ def loss_fn(model: Transformer, batch: dict, *, train: bool = True,
   metrics = {
       "loss": nll, "z_loss": z_loss, "aux_loss": aux_loss, "total_loss": total,
       "num_tokens": num, "accuracy": sums["correct_sum"] / denom,
-      "moe/max_violation": aux["max_violation"], "moe/dead_frac": aux["dead_frac"],
-      "moe/drop_rate": aux["drop_rate"], "moe/load": aux["load"],
+      **{f"moe/{k}": v for k, v in aux.items() if k != "aux_loss"},
   }
   return total, metrics

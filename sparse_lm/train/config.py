@@ -11,7 +11,6 @@ from typing import Any
 
 from sparse_lm.config import ModelConfig, get_preset
 from sparse_lm.data import DataConfig
-from sparse_lm.moe.expert_parallel import EP_IMPLS
 from sparse_lm.sharding import MeshLayout
 from sparse_lm.train.optimizer import OptimizerConfig
 
@@ -34,9 +33,6 @@ class StageConfig:
     checkpoint_every / keep_checkpoints: save period (steps) and how many to keep.
     mesh: device-mesh layout (a `context` axis for the long stages; `expert_shards="context"`
       when the sequences per micro-batch are fewer than the expert-parallel degree).
-    ep_impl / ep_capacity_factor: the expert-parallel exchange (`moe.expert_parallel.options`:
-      "auto", "ragged", "dense", "allgather") and its per-rank receive cap in units of the
-      mean n x k rows (None = dropless, worst-case buffers); used when mesh.expert > 1.
     init_from: the stage (by name, in the same workdir) whose final checkpoint initialises
       this one when it has no checkpoint of its own; None = from scratch.
     keep_optimizer_state: carry the AdamW moments over from `init_from` (§8: by default yes).
@@ -60,8 +56,6 @@ class StageConfig:
   checkpoint_every: int = 500
   keep_checkpoints: int = 3
   mesh: MeshLayout = MeshLayout()
-  ep_impl: str = "auto"
-  ep_capacity_factor: float | None = None
   data: DataConfig = DataConfig()
   init_from: str | None = None
   keep_optimizer_state: bool = True
@@ -91,10 +85,4 @@ class StageConfig:
     if self.global_batch % self.micro_batches:
       raise ValueError(f"StageConfig({self.name}): global batch {self.global_batch} sequences "
                        f"does not divide into micro_batches={self.micro_batches}")
-    if self.ep_impl not in EP_IMPLS:
-      raise ValueError(f"StageConfig({self.name}): ep_impl={self.ep_impl!r}; choose one of "
-                       f"{EP_IMPLS}")
-    if self.ep_capacity_factor is not None and self.ep_capacity_factor <= 0:
-      raise ValueError(f"StageConfig({self.name}): ep_capacity_factor="
-                       f"{self.ep_capacity_factor} must be > 0 (or None: dropless)")
-    self.model_config()  # validates the overrides
+    self.model_config().check_segment_ids()  # validates the overrides; training packs

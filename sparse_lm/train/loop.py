@@ -28,7 +28,6 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sparse_lm import sharding as shd
-from sparse_lm.moe import expert_parallel
 from sparse_lm.train import metrics as metrics_lib
 from sparse_lm.train.checkpoint import Checkpointer, check_tokenizer, reset_schedule_count
 from sparse_lm.train.config import StageConfig
@@ -179,12 +178,11 @@ _PARTS: dict[tuple, Parts] = {}
 
 
 def _traced_in(stage: StageConfig, mesh: jax.sharding.Mesh, fn: Callable) -> Callable:
-  """`fn` that is traced under the stage's mesh, logical-axis rules and expert-parallel
-  options, whatever context the caller has active (they decide the shardings, the
-  context-parallel axes and the expert exchange inside the step)."""
+  """`fn` that is traced under the stage's mesh and logical-axis rules, whatever context the
+  caller has active (they decide the shardings and the context- and expert-parallel axes
+  inside the step)."""
   def traced(*args):
-    with shd.use_mesh(mesh, stage.mesh.rules), expert_parallel.options(
-        impl=stage.ep_impl, recv_capacity_factor=stage.ep_capacity_factor):
+    with shd.use_mesh(mesh, stage.mesh.rules):
       return fn(*args)
   return traced
 
@@ -192,8 +190,7 @@ def _traced_in(stage: StageConfig, mesh: jax.sharding.Mesh, fn: Callable) -> Cal
 def build(stage: StageConfig, mesh: jax.sharding.Mesh) -> Parts:
   """The model graph, optimizer, abstract state with shardings and the jitted steps."""
   key = (stage.model_config(), stage.optim, stage.steps, stage.micro_batches,
-         stage.z_loss_coef, stage.nan_at_step, stage.seed, mesh, stage.mesh.rules,
-         stage.ep_impl, stage.ep_capacity_factor)
+         stage.z_loss_coef, stage.nan_at_step, stage.seed, mesh, stage.mesh.rules)
   if key in _PARTS:
     return _PARTS[key]
   model_cfg = stage.model_config()

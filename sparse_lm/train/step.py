@@ -27,8 +27,21 @@ LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
 
 
 def _mean_metrics(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
-  """Average per-micro-batch metrics over the leading (micro-batch) axis."""
-  return {k: jnp.mean(jnp.asarray(v, jnp.float32), axis=0) for k, v in metrics.items()}
+  """Average per-micro-batch metrics over the leading (micro-batch) axis (maxima, "*_max",
+  take the max); MoE drop rates are recomputed from the averaged counts (`drop_rates`)."""
+  out = {k: (jnp.max if k.endswith("_max") else jnp.mean)(jnp.asarray(v, jnp.float32), axis=0)
+         for k, v in metrics.items()}
+  return drop_rates(out)
+
+
+def drop_rates(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """With MoE counts "moe/dropped", "moe/assigned" ([MoE layers]): per-layer "moe/drop_rate"
+  and "moe/drop_rate_total" = dropped / all (token, expert) assignments. Returns `metrics`."""
+  if "moe/dropped" in metrics:
+    dropped, assigned = metrics["moe/dropped"], metrics["moe/assigned"]
+    metrics["moe/drop_rate"] = dropped / jnp.maximum(assigned, 1.0)
+    metrics["moe/drop_rate_total"] = jnp.sum(dropped) / jnp.maximum(jnp.sum(assigned), 1.0)
+  return metrics
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
@@ -120,7 +133,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
 
 
 def make_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn):
-  """Build `eval_step(state, batch) -> {"loss_sum", "tokens"}` (nats summed, token count).
+  """Build `eval_step(state, batch) -> {"loss_sum", "tokens"}` (nats summed, token count),
+  plus the MoE drop counts "moe/dropped", "moe/assigned" ([MoE layers]) when the loss
+  function reports them (sum them over batches for the held-out drop rate).
 
   The loss is the mean next-token NLL (`metrics["loss"]` of the loss function, without z-loss
   or aux loss) weighted by the tokens it counted (`metrics["num_tokens"]`). The model runs with
@@ -134,6 +149,8 @@ def make_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn):
     nll = metrics.get("loss", total).astype(jnp.float32)
     tokens = metrics["num_tokens"] if "num_tokens" in metrics else jnp.sum(
         batch["loss_mask"].astype(jnp.float32))
-    return {"loss_sum": nll * tokens, "tokens": tokens.astype(jnp.float32)}
+    out = {"loss_sum": nll * tokens, "tokens": tokens.astype(jnp.float32)}
+    out.update({k: metrics[k] for k in ("moe/dropped", "moe/assigned") if k in metrics})
+    return out
 
   return eval_step
