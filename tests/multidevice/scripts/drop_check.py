@@ -33,18 +33,7 @@ from sparse_lm.model.transformer import Transformer
 from sparse_lm.moe import latent_moe
 from sparse_lm.train.state import graphdef_of, make_init_fn
 from sparse_lm.train.step import make_train_step
-from train_check import CFG, T, batch as batch4
-
-B = 8  # rows: 8 token shards for expert_shards="batch" (fsdp 2 x expert 4)
-
-
-def batch():
-  """train_check's 4 rows (documents, padding) and 4 more of other random tokens."""
-  b = batch4()
-  rng = np.random.default_rng(1)
-  more = dict(b, tokens=jnp.asarray(rng.integers(1, CFG.vocab_size, b["tokens"].shape),
-                                    jnp.int32))
-  return {k: jnp.concatenate([b[k], more[k]]) for k in b}
+from train_check import CFG, B, T, batch  # 8 rows of 40 tokens
 
 RECORD = []
 _dispatch = latent_moe.dispatch_and_compute
