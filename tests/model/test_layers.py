@@ -72,11 +72,11 @@ def _seed():
   return seed
 
 
-@pytest.mark.parametrize("lower_bound", [-5.0, None])
-def test_kda_layer_matches_numpy_forward(lower_bound):
+@pytest.mark.parametrize("gate_lower_bound", [-5.0, None])
+def test_kda_layer_matches_numpy_forward(gate_lower_bound):
   """The whole layer (§2.2-§2.3: short conv, SiLU, L2 norm, low-rank gate, beta, recurrence,
   output RMSNorm and sigmoid gate) against an fp64 NumPy forward reading only the params."""
-  cfg = dataclasses.replace(CFG, kda_gate_lower_bound=lower_bound)
+  cfg = dataclasses.replace(CFG, kda_gate_lower_bound=gate_lower_bound)
   seed = _seed()
   layer = KDA(cfg, rngs=nnx.Rngs(seed))
   rng = np.random.default_rng(seed)
@@ -90,7 +90,7 @@ def test_kda_layer_matches_numpy_forward(lower_bound):
   p = _params(layer, ("w_q", "w_k", "w_v", "conv_q", "conv_k", "conv_v", "w_g_down", "w_g_up",
                       "A_log", "dt_bias", "w_beta", "w_og", "o_norm", "w_o"))
   ref = numpy_layers.kda_layer(p, np.asarray(x, np.float64), np.asarray(seg),
-                               gate_lower_bound=lower_bound, eps=cfg.norm_eps)
+                               gate_lower_bound=gate_lower_bound, eps=cfg.norm_eps)
   assert rel_rmse(ref, y) < 1e-5
   assert float(jnp.std(y)) > 0
 
