@@ -93,8 +93,8 @@ class Checkpointer:
     return self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
 
   def restore_latest(self, abstract_state: Any,
-                     check_meta: Callable[[dict[str, Any]], None] | None = None
-                     ) -> tuple[TrainState, dict, dict] | None:
+                     check_meta: Callable[[dict[str, Any]], None] | None = None, *,
+                     set_aside: bool = True) -> tuple[TrainState, dict, dict] | None:
     """(state, data_state, meta) of the newest readable checkpoint, or None if there is none.
 
     `abstract_state` is a tree of `jax.ShapeDtypeStruct`s with shardings. `check_meta(meta)` is
@@ -102,7 +102,8 @@ class Checkpointer:
     ConfigMismatchError) stops the search at once. An unreadable (truncated, corrupt)
     checkpoint is skipped with a warning and the previous one is tried; once an older one
     restores, the unreadable ones are moved to `<stage_dir>/unreadable_checkpoints/` so that
-    their step numbers are saved again (nothing is moved when none can be read).
+    their step numbers are saved again (nothing is moved when none can be read, or with
+    `set_aside=False`, as a reader that does not train uses).
 
     Raises:
       RuntimeError: checkpoints exist but none of them can be read.
@@ -120,7 +121,8 @@ class Checkpointer:
         try:
           restored = self._mgr.restore(step, args=ocp.args.Composite(
               state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
-          self._set_aside(unreadable)
+          if set_aside:
+            self._set_aside(unreadable)
           return restored.state, dict(restored.data or {}), meta
         except Exception as e:  # pylint: disable=broad-except  (any read failure: corrupt)
           failure = e
