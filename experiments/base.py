@@ -240,7 +240,7 @@ def main(stages: Mapping[str, StageConfig], argv: Sequence[str] | None = None) -
     for key, value in current_values(stage).items():
       print(f"{key}={value}")
     return 0
-  from launch.distributed import maybe_initialize
+  from sparse_lm.distributed import maybe_initialize
   maybe_initialize()  # jax.distributed on pods / Slurm / mpirun; nothing on one host
   # pylint: disable=g-import-not-at-top  (after the CLI is validated: --help stays fast)
   from sparse_lm.train.loop import NonFiniteLossError, run
