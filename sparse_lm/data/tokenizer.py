@@ -290,11 +290,10 @@ def _training_sample(data_cfg, max_bytes: int) -> Iterator[str]:
 
 
 def source_key(data_cfg) -> dict:
-  """What a tokenizer trained here depends on besides the vocabulary size: the training split
-  of the source (recorded beside the cached tokenizer; a cache for another source is not
-  reused)."""
-  return {"source": data_cfg.source, "eval_fraction": data_cfg.eval_fraction,
-          "eval_split": getattr(data_cfg, "eval_split", "auto"), "seed": data_cfg.seed}
+  """What a cached tokenizer is keyed by: the data source it was trained on (recorded beside
+  it; a cache trained on another source is not reused, one trained on another held-out split
+  or seed of the same source is)."""
+  return {"source": data_cfg.source}
 
 
 def _cache_paths(workdir: str, key: dict) -> list[str]:
