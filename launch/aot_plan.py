@@ -162,14 +162,20 @@ def main(argv=None) -> int:
   p.add_argument("--eval", action="store_true", help="also the eval step at the eval batch, "
                  "at the stage's length and at twice it")
   p.add_argument("--json", default=None, help="also write the report here")
+  p.add_argument("--malloc-arenas", type=int, default=int(os.environ.get(
+      "SPARSE_LM_MALLOC_ARENAS", 2)), help="glibc malloc arenas (0 = glibc's default)")
+  p.add_argument("--trim-every", type=float, default=float(os.environ.get(
+      "SPARSE_LM_TRIM_EVERY", 5)), help="seconds between malloc_trim calls (0 = never)")
   args = p.parse_args(argv)
 
+  from launch.host_memory import GB as _GB, RssSampler, bound_malloc, peak_rss_bytes
+  if args.malloc_arenas > 0:  # before jax starts its threads
+    bound_malloc(args.malloc_arenas)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   # compile-only use of libtpu: do not take (or wait for) the single-process TPU lockfile
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
   from experiments.base import apply_overrides
-  from launch.host_memory import GB as _GB, RssSampler, peak_rss_bytes
 
   try:
     stage = apply_overrides(stage_config(args.stage, args.preset), args.sets)
@@ -184,7 +190,7 @@ def main(argv=None) -> int:
   if hbm is None:
     p.error(f"unknown chip {chip!r}; known: {sorted(HBM_BYTES)}")
   cfg = stage.model_config()
-  with RssSampler() as rss:
+  with RssSampler(trim_every=args.trim_every or None) as rss:
     with rss.phase("topology devices"):
       devices = topology_devices(topology, num_slices)
     # memory_analysis() is per JAX device; a tpu7x chip is two devices (one per TensorCore
