@@ -165,12 +165,15 @@ def main(argv=None) -> int:
   p.add_argument("--malloc-arenas", type=int, default=int(os.environ.get(
       "SPARSE_LM_MALLOC_ARENAS", 2)), help="glibc malloc arenas (0 = glibc's default)")
   p.add_argument("--trim-every", type=float, default=float(os.environ.get(
-      "SPARSE_LM_TRIM_EVERY", 5)), help="seconds between malloc_trim calls (0 = never)")
+      "SPARSE_LM_TRIM_EVERY", 2)), help="seconds between malloc_trim calls (0 = never)")
+  p.add_argument("--mmap-threshold", type=int, default=int(os.environ.get(
+      "SPARSE_LM_MMAP_THRESHOLD", 0)), help="bytes from which malloc uses mmap (0 = glibc's "
+                 "dynamic threshold)")
   args = p.parse_args(argv)
 
   from launch.host_memory import GB as _GB, RssSampler, bound_malloc, peak_rss_bytes
   if args.malloc_arenas > 0:  # before jax starts its threads
-    bound_malloc(args.malloc_arenas)
+    bound_malloc(args.malloc_arenas, args.mmap_threshold or None)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   # compile-only use of libtpu: do not take (or wait for) the single-process TPU lockfile
