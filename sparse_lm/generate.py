@@ -78,9 +78,16 @@ def load_checkpoint(path: str | pathlib.Path, *, preset: str | None = None):
   graphdef, params, model_vars = nnx.split(abstract, nnx.Param, ...)
   state = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state
   mgr.close()
+  def pure(tree):  # a restored Variable is {"value": array}
+    if isinstance(tree, dict):
+      if set(tree) == {"value"} and not isinstance(tree["value"], dict):
+        return tree["value"]
+      return {k: pure(v) for k, v in tree.items()}
+    return tree
+
   try:
-    nnx.replace_by_pure_dict(params, state["params"])
-    nnx.replace_by_pure_dict(model_vars, state["model_vars"])
+    nnx.replace_by_pure_dict(params, pure(state["params"]))
+    nnx.replace_by_pure_dict(model_vars, pure(state["model_vars"]))
     model = nnx.merge(graphdef, params, model_vars)
     for (p, want), got in zip(jax.tree_util.tree_leaves_with_path(nnx.state(abstract)),
                               jax.tree.leaves(nnx.state(model))):
