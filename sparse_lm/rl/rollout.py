@@ -104,7 +104,8 @@ def run_episodes(engine, tok, tasks: Sequence[Task], *, max_steps: int, max_turn
     tok: the tokenizer (special ids of format.py).
     tasks: one per episode (repeat a task G times for a GRPO group).
     max_steps: model turns per episode; max_turn_tokens: new tokens per turn.
-    max_length: an episode whose next turn could exceed this many tokens ends (reward 0).
+    max_length: an episode whose next turn could exceed this many tokens ends (reward 0);
+      episodes never hold more than max_length tokens.
     temperature, top_p, seed: sampling (seed + turn index per turn).
     sampling_cls: the engine's SamplingParams (default: sparse_lm.inference.SamplingParams).
   """
@@ -143,13 +144,13 @@ def run_episodes(engine, tok, tasks: Sequence[Task], *, max_steps: int, max_turn
       ep.num_calls += 1
       ep.num_errors += int(malformed)
       obs = observation_ids(tok, result)
+      if ep.steps >= max_steps or len(ep.tokens) + len(obs) + max_turn_tokens > max_length:
+        ep.done = True  # no turn follows, so the observation is not appended
+        continue
       ep.tokens += obs
       ep.generated += [False] * len(obs)
       ep.logprobs += [0.0] * len(obs)
-      if ep.steps >= max_steps:
-        ep.done = True
-      else:
-        pending[i] = obs
+      pending[i] = obs
   for ep in episodes:
     ep.done, ep.state = True, None  # drop the engine states (memory)
   return episodes
