@@ -10,8 +10,8 @@ def test_phase_peak_sees_a_200_mb_allocation_and_the_process_peak_covers_it():
     with rss.phase("idle", echo=False):
       pass
     with rss.phase("allocate", echo=False) as rec:
-      block = np.ones(200 * 2**20, np.uint8)  # touched: resident
-      del block
+      block = np.ones(200 * 2**20, np.uint8)  # touched: resident until after the phase
+  del block
   idle, alloc = rss.phases
   assert alloc["peak_rss"] - alloc["start_rss"] >= 150 * 2**20, alloc
   assert host_memory.peak_rss_bytes() >= alloc["peak_rss"]
