@@ -81,8 +81,10 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-  """The peak resident set of this process so far (bytes): VmHWM, else ru_maxrss."""
-  return _status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  """The peak resident set of this process so far (bytes): the largest of VmHWM, ru_maxrss
+  and the current VmRSS (the kernel updates its high-water mark lazily)."""
+  return max(_status_bytes("VmHWM"), _status_bytes("VmRSS"),
+             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
 class RssSampler:
