@@ -14,7 +14,8 @@ def test_phase_peak_sees_a_200_mb_allocation_and_the_process_peak_covers_it():
   del block
   idle, alloc = rss.phases
   assert alloc["peak_rss"] - alloc["start_rss"] >= 150 * 2**20, alloc
-  assert host_memory.peak_rss_bytes() >= alloc["peak_rss"]
+  # the kernel's per-thread RSS counters lag by up to 64 pages per thread
+  assert host_memory.peak_rss_bytes() >= alloc["peak_rss"] - 2**20
   assert rec is alloc and alloc["seconds"] > 0 and idle["name"] == "idle"
   assert "allocate" in rss.report() and "peak" in rss.report()
 
