@@ -224,6 +224,10 @@ class KDA(nnx.Module):
     self.o_norm = nn.param(rngs, (V,), ("norm",), init=nn.ones_init)
     self.w_o = dense((H, V), (D,), ("heads", "kv", "embed"))
 
+  def arrays(self) -> dict:
+    """The parameter arrays by name, as `kda_projections` / `kda_output` take them."""
+    return self._arrays()
+
   def _arrays(self) -> dict:
     names = ("w_q", "w_k", "w_v", "conv_q", "conv_k", "conv_v", "w_g_down", "w_g_up", "A_log",
              "dt_bias", "w_beta", "w_og", "o_norm", "w_o")

@@ -94,6 +94,15 @@ class MLA(nnx.Module):
   def scale(self) -> float:
     return self.cfg.qk_head_dim ** -0.5
 
+  def query(self, x: jax.Array) -> jax.Array:
+    """x [B,T,D] -> q [B,T,H,qk_nope+qk_rope] in cfg.dtype (the inference engine's entry)."""
+    return self._query(x)
+
+  def latent(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [B,T,D] -> (c_kv [B,T,kv_lora] normalised, k_rope [B,T,rope]) in cfg.dtype: what a
+    latent cache stores per token."""
+    return self._latent(x)
+
   def _query(self, x):
     dtype = jnp.dtype(self.cfg.dtype)
     c_q = self.q_norm(nn.project(x, self.w_dq[...], dtype=dtype)).astype(dtype)
@@ -165,10 +174,22 @@ class MLA(nnx.Module):
     W_uk is folded into the query (q_lat = q_nope W_ukᵀ, [B,T,H,kv_lora]) and W_uv into the
     output (o = (p · c_kv) W_uv), so attention runs as one (kv_lora + rope)-wide MQA head over
     the cache. The T new tokens attend causally to the cache and to each other (one document).
+
+    Raises:
+      ValueError: the T tokens do not fit: cache.length + T > the cache's max_length (checked
+        when cache.length is concrete; under jit, where it is traced, the outputs of a call that
+        would pass the end are NaN instead of silently wrong).
     """
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
     B, T, _ = x.shape
+    max_length = cache.c_kv.shape[1]
+    if T > max_length or (not isinstance(cache.length, jax.core.Tracer)
+                          and int(cache.length) + T > max_length):
+      raise ValueError(
+          f"MLA.decode: writing {T} token(s) at position {cache.length} passes the end of the "
+          f"cache (max_length={max_length}); make it with init_cache(batch_size, max_length=...) "
+          "large enough for the prompt and every generated token")
     q = self._query(x).astype(jnp.float32)
     q_nope, q_rope = q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
     c_kv, k_rope = self._latent(x)
@@ -188,4 +209,6 @@ class MLA(nnx.Module):
     p = jax.nn.softmax(s, axis=-1)
     o_lat = jnp.einsum("bhts,bsc->bthc", p, c_all.astype(jnp.float32))
     o = jnp.einsum("bthc,chd->bthd", o_lat, w_uv).astype(dtype)
-    return self._gated_out(x, o), MLACache(c_all, r_all, start + T)
+    y = self._gated_out(x, o)
+    y = jnp.where(start + T > max_length, jnp.asarray(jnp.nan, y.dtype), y)  # traced overflow
+    return y, MLACache(c_all, r_all, start + T)
