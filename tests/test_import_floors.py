@@ -11,7 +11,7 @@ or lower ones. Floors, bottom to top:
   4  sparse_lm.model
   5  sparse_lm.train, sparse_lm.inference, sparse_lm.interop
   6  sparse_lm.rl
-  7  experiments, launch, benchmarks, notebooks
+  7  experiments, launch, benchmarks, notebooks, sparse_lm.generate (the generation CLI)
 
 On top of the floors: the module graph and the package graph (sparse_lm.model, launch, ...)
 have no cycles, so two packages of one floor never import each other both ways.
@@ -38,6 +38,7 @@ FLOORS = {
     "sparse_lm.train": 5, "sparse_lm.inference": 5, "sparse_lm.interop": 5,
     "sparse_lm.rl": 6,
     "experiments": 7, "launch": 7, "benchmarks": 7, "notebooks": 7,
+    "sparse_lm.generate": 7,  # the generation CLI
 }
 
 
