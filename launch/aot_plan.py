@@ -9,7 +9,7 @@ model overrides and expert-parallel options. `--set key=value` changes any field
 the training command line does (`experiments.base.apply_overrides`: `micro_batches=32`,
 `mesh=fsdp=-1,expert=16`, `model.num_layers=9`, ...).
 
-The steps are the training loop's own (`sparse_lm.train.loop.build`, as MaxText's
+The steps are the training loop's own (`sparse_lm.train.builder.build`, as MaxText's
 `train_compile.py` reuses its `train_step`): the train step (micro-batch scan, forward,
 backward, clipping, AdamW, balancer update, donated state) and, with `--eval`, the eval step
 at the stage's eval batch, at its length and at twice its length. Each is lowered with the
@@ -103,14 +103,14 @@ def plan_steps(stage, devices, *, hbm: int, rss, eval_steps: bool = False) -> li
   """
   import jax
   from sparse_lm import sharding as shd
-  from sparse_lm.train import loop
+  from sparse_lm.train.builder import build
 
   cfg = stage.model_config()
   mesh = shd.make_mesh(stage.mesh, devices)
   shd.validate_layout(cfg, stage.mesh, mesh, global_batch=stage.global_batch,
                       seq_len=stage.seq_len, num_microbatches=stage.micro_batches)
   with rss.phase("build (abstract state)"):
-    parts = loop.build(stage, mesh)
+    parts = build(stage, mesh)
     state = shd.with_shardings(parts.abstract_state, parts.state_shardings)
   eval_rows = stage.eval_batch_size or stage.global_batch
   todo = [("train", parts.train_step, stage.global_batch, stage.seq_len)]
@@ -165,12 +165,15 @@ def main(argv=None) -> int:
   p.add_argument("--malloc-arenas", type=int, default=int(os.environ.get(
       "SPARSE_LM_MALLOC_ARENAS", 2)), help="glibc malloc arenas (0 = glibc's default)")
   p.add_argument("--trim-every", type=float, default=float(os.environ.get(
-      "SPARSE_LM_TRIM_EVERY", 5)), help="seconds between malloc_trim calls (0 = never)")
+      "SPARSE_LM_TRIM_EVERY", 2)), help="seconds between malloc_trim calls (0 = never)")
+  p.add_argument("--mmap-threshold", type=int, default=int(os.environ.get(
+      "SPARSE_LM_MMAP_THRESHOLD", 0)), help="bytes from which malloc uses mmap (0 = glibc's "
+                 "dynamic threshold)")
   args = p.parse_args(argv)
 
   from launch.host_memory import GB as _GB, RssSampler, bound_malloc, peak_rss_bytes
   if args.malloc_arenas > 0:  # before jax starts its threads
-    bound_malloc(args.malloc_arenas)
+    bound_malloc(args.malloc_arenas, args.mmap_threshold or None)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   # compile-only use of libtpu: do not take (or wait for) the single-process TPU lockfile

@@ -30,7 +30,8 @@ import threading
 import time
 
 GB = 1000**3
-_M_ARENA_MAX = -8  # mallopt parameter (glibc malloc.h)
+_M_ARENA_MAX = -8  # mallopt parameters (glibc malloc.h)
+_M_MMAP_THRESHOLD = -3
 
 
 def _libc():
@@ -41,13 +42,18 @@ def _libc():
     return None
 
 
-def bound_malloc(arenas: int = 2) -> bool:
-  """Limit glibc malloc to `arenas` arenas; call before any thread starts (before importing
-  jax). Returns False where the C library is not glibc (then nothing changes)."""
+def bound_malloc(arenas: int = 2, mmap_threshold: int | None = None) -> bool:
+  """Limit glibc malloc to `arenas` arenas and, if given, serve blocks of `mmap_threshold`
+  bytes or more by mmap (returned to the OS on free; glibc otherwise raises the threshold as
+  large blocks are freed). Call before any thread starts (before importing jax). Returns False
+  where the C library is not glibc (then nothing changes)."""
   libc = _libc()
   if libc is None or not hasattr(libc, "mallopt"):
     return False
-  return bool(libc.mallopt(_M_ARENA_MAX, arenas))
+  ok = bool(libc.mallopt(_M_ARENA_MAX, arenas))
+  if mmap_threshold is not None:
+    ok = ok and bool(libc.mallopt(_M_MMAP_THRESHOLD, mmap_threshold))
+  return ok
 
 
 def trim_malloc() -> None:
@@ -75,8 +81,10 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-  """The peak resident set of this process so far (bytes): VmHWM, else ru_maxrss."""
-  return _status_bytes("VmHWM") or resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+  """The peak resident set of this process so far (bytes): the largest of VmHWM, ru_maxrss
+  and the current VmRSS (the kernel updates its high-water mark lazily)."""
+  return max(_status_bytes("VmHWM"), _status_bytes("VmRSS"),
+             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
 
 
 class RssSampler:
