@@ -14,9 +14,9 @@ together with every other decoding slot; a finished row frees its slot for the n
 Both calls have fixed shapes ([max_batch, prefill_chunk] and [max_batch, 1]), so refilling slots
 never recompiles. Each row keeps its own length: no shared position, no left padding.
 
-Randomness: request i of a call with `seed` draws its n-th token with
-fold_in(fold_in(PRNGKey(seed), i), n), so results do not depend on which slot or which other
-requests it ran with.
+Randomness: request i of a call with an int `seed` draws its n-th token with
+fold_in(fold_in(PRNGKey(seed), i), n) (with a list of seeds, fold_in(PRNGKey(seed[i]), n)), so
+results do not depend on which slot or which other requests it ran with.
 """
 
 from __future__ import annotations
@@ -24,7 +24,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
-from typing import Sequence
+from typing import Callable, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -84,16 +84,15 @@ def _weights(graphdef, state, cfg):
   return jax.tree_util.tree_map_with_path(cast, state)
 
 
-@functools.partial(jax.jit, static_argnames=("graphdef", "kv_block", "greedy", "truncates"),
-                   donate_argnums=(2,))
-def _step(graphdef, weights, cache, tokens, start, n_valid, req_keys, counts, temperature,
-          top_k, top_p, *, kv_block, greedy, truncates):
+@functools.partial(jax.jit, static_argnames=("graphdef", "kv_block"), donate_argnums=(2,))
+def _step(graphdef, weights, cache, tokens, start, n_valid, req_keys, counts, mode, temperature,
+          top_k, top_p, *, kv_block):
   """One jitted prefill piece (T > 1) or decode step (T = 1) for all slots, then sampling."""
   stack = nnx.merge(graphdef, weights)
   logits, cache = forward_cached(stack, tokens, cache, start, n_valid, kv_block=kv_block)
   keys = jax.vmap(jax.random.fold_in)(req_keys, counts)
-  tok, logp = sample(logits, keys, temperature=temperature, top_k=top_k, top_p=top_p,
-                     greedy=greedy, truncates=truncates)
+  tok, logp = sample(logits, keys, mode=mode, temperature=temperature, top_k=top_k,
+                     top_p=top_p)
   return cache, tok, logp
 
 
@@ -165,6 +164,25 @@ class Engine:
     self._graphdef = graphdef
     self._weights = _weights(graphdef, state, self.cfg)
 
+  def step(self, tokens, lengths, n_valid, sampling: SamplingParams | None = None, seed=0):
+    """Low level, for benchmarks and custom schedulers: one jitted call on all slots.
+
+    tokens [max_batch, prefill_chunk] (a prefill piece) or [max_batch, 1] (a decode step)
+    int32; lengths [max_batch] int32, tokens already in each slot's cache; n_valid
+    [max_batch] int32, real tokens per row. Appends them to the caches (no checks) and returns
+    (next tokens [max_batch], their log-probs) as device arrays.
+    """
+    sampling = SamplingParams(temperature=0.0) if sampling is None else sampling
+    keys = jax.random.split(jax.random.PRNGKey(seed), self.max_batch)
+    self._cache, tok, logp = _step(
+        self._graphdef, self._weights, self._cache, jnp.asarray(tokens, jnp.int32),
+        jnp.asarray(lengths, jnp.int32), jnp.asarray(n_valid, jnp.int32), keys,
+        jnp.zeros((self.max_batch,), jnp.int32), mode=np.int32(sampling.mode),
+        temperature=np.float32(max(sampling.temperature, 1e-6)),
+        top_k=np.int32(sampling.top_k), top_p=np.float32(sampling.top_p),
+        kv_block=self.kv_block)
+    return tok, logp
+
   def cache_bytes(self) -> int:
     """Bytes of the engine's allocated caches (all slots)."""
     return sum(a.nbytes for a in jax.tree.leaves(self._cache))
@@ -180,8 +198,12 @@ class Engine:
       raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
     if not isinstance(sampling, SamplingParams):
       raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-    if not isinstance(seed, (int, np.integer)):
-      raise ValueError(f"seed={seed!r} must be an int")
+    if isinstance(seed, Sequence):
+      if len(seed) != len(prompts) or not all(isinstance(x, (int, np.integer)) for x in seed):
+        raise ValueError(f"seed: a list of seeds needs one int per prompt ({len(prompts)}), "
+                         f"got {seed!r}")
+    elif not isinstance(seed, (int, np.integer)):
+      raise ValueError(f"seed={seed!r} must be an int or one int per prompt")
     if states is not None and len(states) != len(prompts):
       raise ValueError(f"states has {len(states)} entries for {len(prompts)} prompts: give one "
                        "per prompt (None for a fresh conversation)")
@@ -220,17 +242,21 @@ class Engine:
 
   # ------------------------------------------------------------------ generation
   def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
-               sampling: SamplingParams | None = None, seed: int = 0,
-               states: Sequence[DecodeState | None] | None = None) -> list[GenerationOutput]:
+               sampling: SamplingParams | None = None, seed: int | Sequence[int] = 0,
+               states: Sequence[DecodeState | None] | None = None,
+               stream: Callable[[int, list[int]], None] | None = None
+               ) -> list[GenerationOutput]:
     """Continue each prompt (after its state, if given) by up to max_new_tokens tokens.
 
     Args:
       prompts: token ids per request (list[list[int]]); any number (slots are reused).
       max_new_tokens: tokens to generate per request (fewer on a stop token or a full cache).
       sampling: SamplingParams (default: temperature 1, no truncation).
-      seed: the randomness of the whole call (see the module docstring).
+      seed: an int, the randomness of the whole call (see the module docstring), or one int
+        per prompt: request i then draws with PRNGKey(seed[i]), independent of the others.
       states: per request, a DecodeState from an earlier output (the conversation so far) or
         None. A state is not consumed: it can be continued several times.
+      stream: called as stream(i, tokens_so_far) after each new token of request i.
 
     Returns:
       One GenerationOutput per prompt, in order.
@@ -243,8 +269,11 @@ class Engine:
     sampling = SamplingParams() if sampling is None else sampling
     feeds = self._check(prompts, max_new_tokens, sampling, seed, states)
     n, B, P = len(feeds), self.max_batch, self.prefill_chunk
-    req_keys = np.asarray(jax.vmap(jax.random.fold_in, (None, 0))(
-        jax.random.PRNGKey(seed), jnp.arange(n, dtype=jnp.uint32)))
+    if isinstance(seed, Sequence):
+      req_keys = np.asarray(jax.vmap(jax.random.PRNGKey)(jnp.asarray(seed, jnp.uint32)))
+    else:
+      req_keys = np.asarray(jax.vmap(jax.random.fold_in, (None, 0))(
+          jax.random.PRNGKey(seed), jnp.arange(n, dtype=jnp.uint32)))
     queue = collections.deque(range(n))
     slot_req = [-1] * B
     lengths = np.zeros(B, np.int32)
@@ -253,10 +282,10 @@ class Engine:
     logps = [[] for _ in range(n)]
     results: list[GenerationOutput | None] = [None] * n
     stops = set(sampling.stop_tokens)
-    knobs = dict(temperature=jnp.float32(max(sampling.temperature, 1e-6)),
-                 top_k=jnp.int32(sampling.top_k), top_p=jnp.float32(sampling.top_p))
-    static = dict(kv_block=self.kv_block, greedy=sampling.greedy,
-                  truncates=sampling.truncates)
+    knobs = dict(mode=np.int32(sampling.mode),
+                 temperature=np.float32(max(sampling.temperature, 1e-6)),
+                 top_k=np.int32(sampling.top_k), top_p=np.float32(sampling.top_p),
+                 kv_block=self.kv_block)
 
     def finish(s, reason):
       r = slot_req[s]
@@ -296,7 +325,7 @@ class Engine:
           n_valid[s] = 1
         keys[s], counts[s] = req_keys[r], len(gen[r])
       self._cache, tok, logp = _step(self._graphdef, self._weights, self._cache, tokens,
-                                     lengths.copy(), n_valid, keys, counts, **knobs, **static)
+                                     lengths.copy(), n_valid, keys, counts, **knobs)
       tok, logp = np.asarray(tok), np.asarray(logp)
       lengths += n_valid
       for s in rows:
@@ -307,6 +336,8 @@ class Engine:
             continue  # more pieces to go: this piece's sample is not used
         gen[r].append(int(tok[s]))
         logps[r].append(float(logp[s]))
+        if stream is not None:
+          stream(r, gen[r])
         if gen[r][-1] in stops:
           finish(s, "stop")
         elif len(gen[r]) >= max_new_tokens:

@@ -48,43 +48,44 @@ class SamplingParams:
     object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
 
   @property
-  def greedy(self) -> bool:
-    return self.temperature == 0
+  def mode(self) -> int:
+    """0 greedy, 1 plain sampling, 2 sampling with top-k / top-p truncation."""
+    if self.temperature == 0:
+      return 0
+    return 2 if (self.top_k > 0 or self.top_p < 1) else 1
 
-  @property
-  def truncates(self) -> bool:
-    return not self.greedy and (self.top_k > 0 or self.top_p < 1)
 
-
-def sample(logits: jax.Array, keys: jax.Array, *, temperature, top_k, top_p, greedy: bool,
-           truncates: bool) -> tuple[jax.Array, jax.Array]:
+def sample(logits: jax.Array, keys: jax.Array, *, mode, temperature, top_k,
+           top_p) -> tuple[jax.Array, jax.Array]:
   """Pick one token per row.
 
   Args:
     logits: [B, V] fp32.
     keys: [B] PRNG keys (one per row; greedy ignores them).
-    temperature, top_k, top_p: scalars (traced: changing them does not recompile).
-    greedy, truncates: static (SamplingParams.greedy / .truncates).
+    mode: int32 scalar, SamplingParams.mode; temperature, top_k, top_p: scalars. All traced:
+      changing the sampling parameters never recompiles (the mode picks a branch at run time,
+      so greedy decoding does not pay for the sort).
 
   Returns:
     tokens [B] int32 and their log-probabilities [B] fp32 under log_softmax(logits).
   """
+  V = logits.shape[-1]
+
+  def greedy(logits):
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+  def plain(logits):
+    return jax.vmap(jax.random.categorical)(keys, logits / temperature).astype(jnp.int32)
+
+  def truncated(logits):
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1) / temperature
+    keep = jnp.arange(V)[None] < jnp.where(top_k > 0, top_k, V)
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p  # the first token always stays
+    pick = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, sorted_logits, -jnp.inf))
+    return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+  tokens = jax.lax.switch(mode, (greedy, plain, truncated), logits)
   logp = jax.nn.log_softmax(logits, axis=-1)
-  if greedy:
-    tokens = jnp.argmax(logits, axis=-1).astype(jnp.int32)
-  else:
-    scaled = logits / temperature
-    if truncates:
-      V = logits.shape[-1]
-      order = jnp.argsort(-scaled, axis=-1)
-      sorted_logits = jnp.take_along_axis(scaled, order, axis=-1)
-      rank = jnp.arange(V)[None]
-      keep = rank < jnp.where(top_k > 0, top_k, V)
-      probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
-      keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p  # the first token always stays
-      sorted_logits = jnp.where(keep, sorted_logits, -jnp.inf)
-      pick = jax.vmap(jax.random.categorical)(keys, sorted_logits)
-      tokens = jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
-    else:
-      tokens = jax.vmap(jax.random.categorical)(keys, scaled).astype(jnp.int32)
   return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]
