@@ -150,7 +150,8 @@ def _make_array(reader, src: hf_names.Source, shape, dtype, sharding) -> jax.Arr
 
 def save_pretrained(model: Transformer, cfg: ModelConfig, path: str | os.PathLike, *,
                     layout: str = "kimi_linear", quantize_experts: bool = False,
-                    max_shard_bytes: int = 2 << 30) -> list[str]:
+                    max_shard_bytes: int = 2 << 30, extra_config: dict | None = None
+                    ) -> list[str]:
   """Write `model` as a HF checkpoint: config.json, shards and model.safetensors.index.json.
 
   Args:
@@ -159,6 +160,7 @@ def save_pretrained(model: Transformer, cfg: ModelConfig, path: str | os.PathLik
     quantize_experts: kimi_k3 only: routed experts as MXFP4 (weight_packed / weight_scale),
       as the K3 release stores them; lossy unless the weights came from MXFP4.
     max_shard_bytes: shard size budget.
+    extra_config: keys added to the text config (e.g. `hf_config.token_ids(original)`).
 
   Returns:
     the shard file names. Tensors are gathered from the devices one at a time.
@@ -170,7 +172,7 @@ def save_pretrained(model: Transformer, cfg: ModelConfig, path: str | os.PathLik
   if quantize_experts and layout != "kimi_k3":
     raise ValueError("quantize_experts=True needs layout='kimi_k3' (Kimi-Linear is bf16)")
   path = pathlib.Path(path)
-  conf = hf_config.config_to_hf(cfg, layout, quantized=quantize_experts)
+  conf = hf_config.config_to_hf(cfg, layout, quantized=quantize_experts, extra=extra_config)
   writer = ShardWriter(path, max_shard_bytes)
   flat = dict(nnx.to_flat_state(nnx.state(model)))
   for s in hf_names.sources(cfg, layout):
@@ -204,15 +206,18 @@ def import_to_workdir(hf_dir: str, workdir: str, *, dtype: str | None = None) ->
   with ocp.StandardCheckpointer() as ckpt:
     ckpt.save(out / "params", nnx.to_pure_dict(params), force=True)
     ckpt.save(out / "model_vars", nnx.to_pure_dict(rest), force=True)
-  (out / MODEL_CONFIG).write_text(json.dumps(dataclasses.asdict(cfg), indent=2) + "\n")
+  raw = json.loads((pathlib.Path(hf_dir) / "config.json").read_text())
+  meta = {"model_config": dataclasses.asdict(cfg), "hf_extra": hf_config.token_ids(raw)}
+  (out / MODEL_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
   return out
 
 
-def load_from_workdir(workdir: str) -> tuple[Transformer, ModelConfig]:
-  """The model written by `import_to_workdir` (on the first device)."""
+def load_from_workdir(workdir: str) -> tuple[Transformer, ModelConfig, dict]:
+  """(model, cfg, HF token ids) written by `import_to_workdir` (on the first device)."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   d = pathlib.Path(workdir).absolute() / "hf_import"
-  cfg = ModelConfig(**json.loads((d / MODEL_CONFIG).read_text()))
+  meta = json.loads((d / MODEL_CONFIG).read_text())
+  cfg = ModelConfig(**meta["model_config"])
   graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))),
                                      nnx.Param, ...)
   with ocp.StandardCheckpointer() as ckpt:
@@ -220,7 +225,7 @@ def load_from_workdir(workdir: str) -> tuple[Transformer, ModelConfig]:
     r = ckpt.restore(d / "model_vars", nnx.to_pure_dict(rest))
   nnx.replace_by_pure_dict(params, p)
   nnx.replace_by_pure_dict(rest, r)
-  return nnx.merge(graphdef, params, rest), cfg
+  return nnx.merge(graphdef, params, rest), cfg, meta["hf_extra"]
 
 
 def main(argv=None) -> None:
@@ -241,9 +246,9 @@ def main(argv=None) -> None:
     out = import_to_workdir(args.hf_dir, args.workdir, dtype=args.dtype)
     print(f"imported {args.hf_dir} -> {out}")
   else:
-    model, cfg = load_from_workdir(args.workdir)
+    model, cfg, extra = load_from_workdir(args.workdir)
     files = save_pretrained(model, cfg, args.out, layout=args.layout,
-                            quantize_experts=args.quantize)
+                            quantize_experts=args.quantize, extra_config=extra)
     print(f"exported {len(files)} shard(s) to {args.out} ({args.layout})")
 
 

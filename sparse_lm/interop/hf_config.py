@@ -21,6 +21,7 @@ from typing import Any
 from sparse_lm.config import ModelConfig
 
 LAYOUTS = ("kimi_linear", "kimi_k3")
+TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 # Keys that do not change the text model's math.
 _IGNORED = {
@@ -182,8 +183,12 @@ def config_from_hf(raw: dict[str, Any], *, dtype: str | None = None,
   return ModelConfig(name=layout, **f), layout
 
 
-def config_to_hf(cfg: ModelConfig, layout: str, *, quantized: bool = False) -> dict[str, Any]:
+def config_to_hf(cfg: ModelConfig, layout: str, *, quantized: bool = False,
+                 extra: dict[str, Any] | None = None) -> dict[str, Any]:
   """The config.json for `cfg` in `layout` (the inverse of `config_from_hf`).
+
+  `extra` keys (e.g. `token_ids(raw)` of the imported config: bos/eos/pad ids) are added to
+  the text config; token ids default to None (transformers then uses no padding index).
 
   Raises:
     ValueError: unknown layout, or a cfg the layout cannot express (named field).
@@ -230,6 +235,8 @@ def config_to_hf(cfg: ModelConfig, layout: str, *, quantized: bool = False) -> d
     c["attn_res_block_size"] = cfg.attnres_block_layers
   elif cfg.residual != "standard":
     raise ValueError(f"residual={cfg.residual!r} has no HF spelling (attnres_block or standard)")
+  c.update({k: None for k in TOKEN_KEYS})
+  c.update(extra or {})
   if layout == "kimi_linear":
     c["architectures"] = ["KimiLinearForCausalLM"]
     return c
@@ -243,6 +250,12 @@ def config_to_hf(cfg: ModelConfig, layout: str, *, quantized: bool = False) -> d
                                       "weights": {"num_bits": 4, "group_size": 32},
                                       "targets": [r"re:.*block_sparse_moe\.experts\.\d+\.w[123]$"]}}}
   return out
+
+
+def token_ids(raw: dict[str, Any]) -> dict[str, Any]:
+  """The bos / eos / pad token ids of a config.json (text config for K3), for `extra`."""
+  c = raw.get("text_config", raw)
+  return {k: c[k] for k in TOKEN_KEYS if k in c}
 
 
 def mapped_fields(cfg: ModelConfig) -> dict[str, Any]:
