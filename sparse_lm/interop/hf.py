@@ -87,7 +87,8 @@ def _shardings(cfg: ModelConfig, state, mesh):
 
 
 def load_pretrained(path: str | os.PathLike, *, dtype: str | None = None, mesh=None,
-                    ignore_keys: tuple[str, ...] = ()) -> tuple[Transformer, ModelConfig]:
+                    ignore_keys: tuple[str, ...] = (), **overrides
+                    ) -> tuple[Transformer, ModelConfig]:
   """A HF Kimi-Linear or Kimi-K3 checkpoint directory -> (Transformer, ModelConfig).
 
   Args:
@@ -98,6 +99,8 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str | None = None, mesh=N
       sparse_lm.sharding; call under `sharding.use_mesh(mesh, rules)` for custom rules).
       None: the first device.
     ignore_keys: config.json keys to accept unmapped (see hf_config.config_from_hf).
+    **overrides: ModelConfig fields that config.json does not set (remat_policy, kda_backend,
+      kda_chunk_size, scan_layers, balancer, ...), applied to the mapped config.
 
   Returns:
     (model, cfg). Variables HF does not store start as the model's own initial values
@@ -113,6 +116,11 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str | None = None, mesh=N
     raise FileNotFoundError(f"{path}: no config.json")
   raw = json.loads((path / "config.json").read_text())
   cfg, layout = hf_config.config_from_hf(raw, dtype=dtype, ignore_keys=ignore_keys)
+  if overrides:
+    mapped = set(overrides) & hf_config.MAPPED_FIELDS
+    if mapped:
+      raise ValueError(f"overrides {sorted(mapped)} are set by config.json; edit it instead")
+    cfg = dataclasses.replace(cfg, **overrides)
   reader = CheckpointReader(path)
   graphdef, state = _abstract(cfg)
   flat = dict(nnx.to_flat_state(state))

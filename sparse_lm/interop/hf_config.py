@@ -95,6 +95,15 @@ def _mla_every(types: list[str]) -> int:
   return m
 
 
+# ModelConfig fields that config_from_hf sets from config.json.
+MAPPED_FIELDS = frozenset(set(_DIRECT.values()) | {
+    "mla_every", "num_dense_layers", "kda_num_heads", "kda_head_dim", "kda_value_dim",
+    "kda_conv_size", "kda_gate_lower_bound", "kda_output_gate_rank", "q_lora_rank",
+    "mla_output_gate", "mla_norm_eps", "num_experts", "experts_per_token", "num_shared_experts",
+    "shared_expert_hidden", "moe_latent", "moe_latent_dim", "ffn_activation", "situ_beta1",
+    "situ_beta2", "residual", "attnres_block_layers", "dtype", "param_dtype"})
+
+
 def config_from_hf(raw: dict[str, Any], *, dtype: str | None = None,
                    ignore_keys: tuple[str, ...] = ()) -> tuple[ModelConfig, str]:
   """Map a config.json dict to (ModelConfig, layout).
