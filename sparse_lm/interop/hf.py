@@ -20,6 +20,7 @@ import argparse
 import dataclasses
 import itertools
 import json
+import math
 import os
 import pathlib
 import re
@@ -143,15 +144,19 @@ def _make_array(reader, src: hf_names.Source, shape, dtype, sharding) -> jax.Arr
   block = tuple(shape[nl:])
 
   def callback(index):
+    # One HF tensor at a time; `to_ours` returns a view where the layout allows (transposes
+    # and head splits do), so the only copies are into `out` and jax's own buffer.
     lead, rest = index[:nl], index[nl:]
     ranges = [range(*sl.indices(n)) for sl, n in zip(lead, src.lead)]
-    parts = []
-    for idx in itertools.product(*ranges):
-      arrays = [reader.get(n) for n in src.names(idx)]
-      parts.append(np.asarray(src.to_ours(arrays, block)[rest]).astype(dtype))
-    if not nl:
-      return parts[0]
-    return np.stack(parts).reshape(tuple(len(r) for r in ranges) + parts[0].shape)
+    out = None
+    for k, idx in enumerate(itertools.product(*ranges)):
+      part = src.to_ours([reader.get(n) for n in src.names(idx)], block)[rest]
+      if not nl:
+        return np.asarray(part).astype(dtype, copy=False)
+      if out is None:
+        out = np.empty((math.prod(len(r) for r in ranges),) + part.shape, dtype)
+      out[k] = part
+    return out.reshape(tuple(len(r) for r in ranges) + out.shape[1:])
 
   return jax.make_array_from_callback(tuple(shape), sharding, callback)
 

@@ -1,9 +1,12 @@
 """Reading and writing (sharded) safetensors checkpoints one tensor at a time.
 
 `CheckpointReader` reads `model.safetensors` or the shards listed by
-`model.safetensors.index.json`; each `get` opens the file, copies one tensor out and closes it
-(so no mapping of the whole shard stays resident). `ShardWriter` fills shards up to a byte
-budget and writes the index. Uses the `safetensors` package's NumPy API.
+`model.safetensors.index.json`; each `get` reads one tensor with `readinto` straight into its
+NumPy array (the file format: an 8-byte little-endian header length, a JSON header of
+{name: {dtype, shape, data_offsets}}, then the data), so reading a tensor costs that tensor's
+bytes and no more (the `safetensors` package's `get_tensor` peaks at twice that: it reads into
+a bytes object first). `ShardWriter` fills shards up to a byte budget with the package's
+`save_file` and writes the index.
 """
 
 from __future__ import annotations
@@ -12,15 +15,20 @@ import json
 import os
 import pathlib
 import re
+import struct
 
+import ml_dtypes
 import numpy as np
-from safetensors import safe_open
 from safetensors.numpy import save_file
 
 from sparse_lm.interop import mxfp4
 
 INDEX = "model.safetensors.index.json"
 SINGLE = "model.safetensors"
+DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+          "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U64": np.uint64,
+          "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+          "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
 _DENSE_ALIAS = re.compile(r"^(.*model\.layers\.\d+\.)block_sparse_moe\.((gate|up|down)_proj\.weight)$")
 
 
@@ -40,14 +48,13 @@ class CheckpointReader:
     if (self.path / INDEX).exists():
       files = json.loads((self.path / INDEX).read_text())["weight_map"]
     elif (self.path / SINGLE).exists():
-      with safe_open(self.path / SINGLE, framework="numpy") as f:
-        files = {k: SINGLE for k in f.keys()}
+      files = {k: SINGLE for k in read_header(self.path / SINGLE)[0]}
     else:
       raise FileNotFoundError(f"{self.path}: no {SINGLE} or {INDEX}")
     self._files = files  # raw name -> file
     self._raw: dict[str, str] = {}  # canonical name -> raw name (for MXFP4: the packed one)
     self._mx: dict[str, str] = {}  # canonical name -> its weight_scale name
-    self._shapes: dict[str, dict[str, tuple[int, ...]]] = {}  # file -> raw name -> shape
+    self._headers: dict[str, tuple[dict, int]] = {}  # file -> (header, data offset)
     for name in files:
       if name.endswith(".weight_packed"):
         base = name[:-len("_packed")]
@@ -63,28 +70,50 @@ class CheckpointReader:
   def names(self) -> set[str]:
     return set(self._raw)
 
-  def _open(self, name: str):
-    return safe_open(self.path / self._files[name], framework="numpy")
+  def _entry(self, raw: str) -> tuple[str, int, dict]:
+    fn = self._files[raw]
+    if fn not in self._headers:  # one header read per file
+      self._headers[fn] = read_header(self.path / fn)
+    header, base = self._headers[fn]
+    if raw not in header:
+      raise ValueError(f"{self.path / fn}: the index lists {raw} but the file lacks it")
+    return fn, base, header[raw]
 
   def shape(self, name: str) -> tuple[int, ...]:
     """Shape of a (canonical) tensor, from the file header; MXFP4 gives the unpacked shape."""
-    raw = self._raw[name]
-    fn = self._files[raw]
-    if fn not in self._shapes:  # one header read per file
-      with safe_open(self.path / fn, framework="numpy") as f:
-        self._shapes[fn] = {k: tuple(f.get_slice(k).get_shape()) for k in f.keys()}
-    s = self._shapes[fn][raw]
+    s = tuple(self._entry(self._raw[name])[2]["shape"])
     return s[:-1] + (s[-1] * 2,) if name in self._mx else s
+
+  def _read(self, raw: str) -> np.ndarray:
+    fn, base, e = self._entry(raw)
+    if e["dtype"] not in DTYPES:
+      raise ValueError(f"{raw}: safetensors dtype {e['dtype']} is not supported")
+    out = np.empty(e["shape"], DTYPES[e["dtype"]])
+    start, end = e["data_offsets"]
+    if end - start != out.nbytes:
+      raise ValueError(f"{raw}: {end - start} bytes on disk for shape {e['shape']} "
+                       f"{e['dtype']}")
+    with open(self.path / fn, "rb") as f:
+      f.seek(base + start)
+      if f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != out.nbytes:
+        raise ValueError(f"{self.path / fn}: truncated data for {raw}")
+    return out
 
   def get(self, name: str) -> np.ndarray:
     """The tensor as a NumPy array in its stored dtype (MXFP4: dequantized fp32)."""
-    raw = self._raw[name]
-    with self._open(raw) as f:
-      value = f.get_tensor(raw)
+    value = self._read(self._raw[name])
     if name not in self._mx:
       return value
-    with self._open(self._mx[name]) as f:
-      return mxfp4.dequantize(value, f.get_tensor(self._mx[name]))
+    return mxfp4.dequantize(value, self._read(self._mx[name]))
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict[str, dict], int]:
+  """({name: {"dtype", "shape", "data_offsets"}}, offset of the data) of a safetensors file."""
+  with open(path, "rb") as f:
+    (n,) = struct.unpack("<Q", f.read(8))
+    header = json.loads(f.read(n))
+  header.pop("__metadata__", None)
+  return header, 8 + n
 
 
 class ShardWriter:
