@@ -28,6 +28,8 @@ class ModelConfig:
 
   Layer layout: layer i is Gated MLA when (i + 1) % mla_every == 0 or i == num_layers - 1
   (the last layer is MLA), else KDA. Layer 0 uses the dense SiTU-GLU FFN; all others LatentMoE.
+  num_layers = 1 mod mla_every gives whole groups plus the last layer (93, 9); other values
+  add KDA layers before the last one (Kimi-Linear-48B: 27 layers, mla_every 4).
   """
 
   name: str = "custom"
@@ -196,9 +198,9 @@ class ModelConfig:
     if self.layer_types[-1] != "mla" or self.layer_types[0] != "kda":
       bad(f"num_layers={self.num_layers}, mla_every={self.mla_every}: the first layer must be "
           "KDA and the last MLA")
-    if self.num_layers % self.mla_every != 1:
-      bad(f"num_layers={self.num_layers} must be 1 mod mla_every={self.mla_every} (groups of "
-          f"{self.mla_every - 1} KDA + 1 MLA, plus a final MLA layer), e.g. 93 or 9")
+    if self.num_layers < self.mla_every + 1:
+      bad(f"num_layers={self.num_layers} must be > mla_every={self.mla_every} (a first group of "
+          f"{self.mla_every - 1} KDA + 1 MLA, plus a final MLA layer)")
     if self.residual == "attnres_block" and self.attnres_block_layers % self.mla_every:
       bad(f"attnres_block_layers={self.attnres_block_layers} must be a multiple of "
           f"mla_every={self.mla_every} so blocks align with the scanned layer groups")

@@ -12,7 +12,8 @@ as separate tensors) and converts one HF block to our block and back:
             as norm = 1, proj = query (the fold of HF_FORMATS.md)
 
 Layer i of the HF list sits in our `head` group (i < mla_every), in the stacked `groups`
-(index i // mla_every - 1, position i % mla_every) or is `last` (i = num_layers - 1).
+(index i // mla_every - 1, position i % mla_every), in `tail` (the KDA layers after the last
+whole group, when there are any) or is `last` (i = num_layers - 1).
 """
 
 from __future__ import annotations
@@ -157,6 +158,8 @@ def sources(cfg: ModelConfig, layout: str) -> list[Source]:
   if num_groups > 1:
     slots += [(("groups", "layers", j), (num_groups - 1,),
                (lambda idx, j=j: (idx[0] + 1) * m + j)) for j in range(m)]
+  slots += [(("tail", j), (), (lambda idx, j=j: num_groups * m + j))
+            for j in range(n - 1 - num_groups * m)]
   slots.append((("last",), (), (lambda idx: n - 1)))
   out = []
   for prefix, lead, layer_of in slots:

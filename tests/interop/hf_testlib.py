@@ -13,6 +13,8 @@ DATA = pathlib.Path(__file__).resolve().parents[1] / "data" / "hf"
 KIMI_LINEAR = DATA / "kimi_linear_tiny"
 KIMI_LINEAR_REF = DATA / "kimi_linear_tiny_reference.npz"
 K3 = DATA / "kimi_k3_tiny"
+TAIL = DATA / "kimi_linear_tail"
+TAIL_REF = DATA / "kimi_linear_tail_reference.npz"
 
 
 def flat_state(model) -> dict:

@@ -53,21 +53,21 @@ def test_tensors_land_where_hf_formats_says(imported):
                                 t[q + "mlp_res_norm.weight"] * t[q + "mlp_res_proj.weight"][0])
   np.testing.assert_array_equal(got(grp.mixer.w_uq)[0].reshape(32, -1),
                                 t[q + "self_attn.q_b_proj.weight"].T)
-  np.testing.assert_array_equal(got(grp.mixer.w_gate)[0].reshape(64, -1),
+  np.testing.assert_array_equal(got(grp.mixer.w_gate)[0].reshape(32, -1),
                                 t[q + "self_attn.g_proj.weight"].T)
   # layer 0 (head, KDA): full-rank output gate, A_log [H], the conv taps
   k = f"{p}layers.0.self_attn."
   kda = model.head.layers[0].mixer
   np.testing.assert_array_equal(got(kda.A_log), t[k + "A_log"])
-  np.testing.assert_array_equal(got(kda.w_og).reshape(64, -1), t[k + "g_proj.weight"].T)
+  np.testing.assert_array_equal(got(kda.w_og).reshape(32, -1), t[k + "g_proj.weight"].T)
   np.testing.assert_array_equal(got(kda.conv_k).reshape(4, -1), t[k + "k_conv1d.weight"][:, 0].T)
-  # last layer: MXFP4 expert 5 gate / down, latent projections, correction bias
+  # last layer: MXFP4 expert 3 gate / down, latent projections, correction bias
   m = f"{p}layers.4.block_sparse_moe."
   ffn = model.last.ffn
-  w1 = _decode(t[m + "experts.5.w1.weight_packed"], t[m + "experts.5.w1.weight_scale"])
-  w2 = _decode(t[m + "experts.5.w2.weight_packed"], t[m + "experts.5.w2.weight_scale"])
-  np.testing.assert_array_equal(got(ffn.expert_gate)[5], w1.T)
-  np.testing.assert_array_equal(got(ffn.expert_down)[5], w2.T)
+  w1 = _decode(t[m + "experts.3.w1.weight_packed"], t[m + "experts.3.w1.weight_scale"])
+  w2 = _decode(t[m + "experts.3.w2.weight_packed"], t[m + "experts.3.w2.weight_scale"])
+  np.testing.assert_array_equal(got(ffn.expert_gate)[3], w1.T)
+  np.testing.assert_array_equal(got(ffn.expert_down)[3], w2.T)
   np.testing.assert_array_equal(got(ffn.w_down), t[m + "routed_expert_down_proj.weight"].T)
   np.testing.assert_array_equal(got(ffn.latent_norm), t[m + "routed_expert_norm.weight"])
   np.testing.assert_array_equal(got(ffn.balancer_bias), t[m + "gate.e_score_correction_bias"])

@@ -15,7 +15,8 @@ from flax import nnx
 
 from sparse_lm.interop import hf_config
 from sparse_lm.interop.hf import load_pretrained, save_pretrained
-from tests.interop.hf_testlib import KIMI_LINEAR, KIMI_LINEAR_REF, flat_state, read_all
+from tests.interop.hf_testlib import (KIMI_LINEAR, KIMI_LINEAR_REF, TAIL, TAIL_REF, flat_state,
+                                      read_all)
 
 
 @pytest.fixture(scope="module")
@@ -87,3 +88,16 @@ def test_bfloat16_import(tmp_path):
   assert w.dtype == jnp.bfloat16
   router = model.last.ffn.router[...]
   assert router.dtype == jnp.float32  # routing precision is kept
+
+
+def test_tail_layout_of_kimi_linear_48b():
+  """Kimi-Linear-48B's pattern in miniature (transformers fixture, 7 layers, 1-based MLA
+  layers [4, 7]): two KDA layers after the last whole group sit in `Transformer.tail`."""
+  model, cfg = load_pretrained(TAIL, remat_policy="none", kda_chunk_size=16)
+  assert cfg.layer_types == ("kda",) * 3 + ("mla",) + ("kda",) * 2 + ("mla",)
+  assert cfg.mla_every == 4 and len(model.tail) == 2 and model.groups is None
+  ref = np.load(TAIL_REF)
+  got = np.asarray(nnx.jit(lambda m, t: m(t))(model, jnp.asarray(ref["tokens"])))
+  err = float(np.max(np.abs(got - ref["logits"])))
+  print(f"max |logits - transformers| = {err:.3g}")
+  assert err < 1e-4

@@ -17,7 +17,7 @@ import sys
 import numpy as np
 from safetensors.numpy import save_file
 
-D, V, N, H, K, E, LAT, F, DENSE = 64, 128, 5, 2, 16, 8, 32, 32, 64
+D, V, N, H, K, E, LAT, F, DENSE = 32, 64, 5, 2, 16, 4, 32, 32, 64
 QL, KVL, NOPE, ROPE, VH = 32, 16, 16, 8, 16
 FULL = [2, 4, 5]  # 1-based MLA layers
 
