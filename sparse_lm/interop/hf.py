@@ -10,7 +10,7 @@ is left over) before reading any value, then builds each variable with
 read one at a time, so host memory holds one HF tensor plus one shard of its target.
 
 CLI:
-    python -m sparse_lm.interop.hf import --hf_dir D --workdir W     # Orbax model checkpoint
+    python -m sparse_lm.interop.hf import --hf_dir D --workdir W     # Orbax, see workdir.py
     python -m sparse_lm.interop.hf export --workdir W --out D [--layout kimi_k3] [--quantize]
 """
 
@@ -205,42 +205,6 @@ def save_pretrained(model: Transformer, cfg: ModelConfig, path: str | os.PathLik
 
 
 # ------------------------------------------------------------------ CLI
-MODEL_CONFIG = "sparse_lm_model_config.json"
-
-
-def import_to_workdir(hf_dir: str, workdir: str, *, dtype: str | None = None) -> pathlib.Path:
-  """HF checkpoint -> Orbax checkpoint of the model variables in `<workdir>/hf_import/`
-  (items: `params`, `model_vars`) plus the ModelConfig as JSON. Returns that directory."""
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  model, cfg = load_pretrained(hf_dir, dtype=dtype)
-  out = pathlib.Path(workdir).absolute() / "hf_import"
-  out.mkdir(parents=True, exist_ok=True)
-  _, params, rest = nnx.split(model, nnx.Param, ...)
-  with ocp.StandardCheckpointer() as ckpt:
-    ckpt.save(out / "params", nnx.to_pure_dict(params), force=True)
-    ckpt.save(out / "model_vars", nnx.to_pure_dict(rest), force=True)
-  raw = json.loads((pathlib.Path(hf_dir) / "config.json").read_text())
-  meta = {"model_config": dataclasses.asdict(cfg), "hf_extra": hf_config.token_ids(raw)}
-  (out / MODEL_CONFIG).write_text(json.dumps(meta, indent=2) + "\n")
-  return out
-
-
-def load_from_workdir(workdir: str) -> tuple[Transformer, ModelConfig, dict]:
-  """(model, cfg, HF token ids) written by `import_to_workdir` (on the first device)."""
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  d = pathlib.Path(workdir).absolute() / "hf_import"
-  meta = json.loads((d / MODEL_CONFIG).read_text())
-  cfg = ModelConfig(**meta["model_config"])
-  graphdef, params, rest = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))),
-                                     nnx.Param, ...)
-  with ocp.StandardCheckpointer() as ckpt:
-    p = ckpt.restore(d / "params", nnx.to_pure_dict(params))
-    r = ckpt.restore(d / "model_vars", nnx.to_pure_dict(rest))
-  nnx.replace_by_pure_dict(params, p)
-  nnx.replace_by_pure_dict(rest, r)
-  return nnx.merge(graphdef, params, rest), cfg, meta["hf_extra"]
-
-
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(prog="python -m sparse_lm.interop.hf", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -256,10 +220,12 @@ def main(argv=None) -> None:
   b.add_argument("--quantize", action="store_true", help="MXFP4 routed experts (kimi_k3)")
   args = ap.parse_args(argv)
   if args.cmd == "import":
-    out = import_to_workdir(args.hf_dir, args.workdir, dtype=args.dtype)
+    from sparse_lm.interop import workdir  # pylint: disable=g-import-not-at-top
+    out = workdir.import_to_workdir(args.hf_dir, args.workdir, dtype=args.dtype)
     print(f"imported {args.hf_dir} -> {out}")
   else:
-    model, cfg, extra = load_from_workdir(args.workdir)
+    from sparse_lm.interop import workdir  # pylint: disable=g-import-not-at-top
+    model, cfg, extra = workdir.load_from_workdir(args.workdir)
     files = save_pretrained(model, cfg, args.out, layout=args.layout,
                             quantize_experts=args.quantize, extra_config=extra)
     print(f"exported {len(files)} shard(s) to {args.out} ({args.layout})")
