@@ -13,6 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from sparse_lm.model.transformer import Transformer
+from sparse_lm.vision.merge import image_placeholder_mask
 
 
 def next_token_targets(tokens: jax.Array, segment_ids: jax.Array | None = None,
@@ -120,7 +121,6 @@ def loss_fn(model: Transformer, batch: dict, *, train: bool = True,
   targets, weights = next_token_targets(tokens, seg, batch.get("loss_mask"))
   images = batch.get("images")
   if images is not None:  # no loss on image positions (ARCHITECTURE §7)
-    from sparse_lm.vision.merge import image_placeholder_mask
     weights = jnp.where(image_placeholder_mask(targets), 0.0, weights)
   h, aux = model.forward_hidden(tokens, segment_ids=seg, images=images, train=train)
   sums = chunked_cross_entropy(h, model.lm_head[...], targets, weights,

@@ -25,7 +25,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from sparse_lm.config import ModelConfig
 from sparse_lm import sharding
-from sparse_lm.model import context_parallel, layers
+from sparse_lm import nn
+from sparse_lm.model import context_parallel
 from sparse_lm.model.attention import dot_product_attention
 
 
@@ -53,16 +54,16 @@ class MLA(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     D, H = cfg.d_model, cfg.mla_num_heads
     self.cfg = cfg
-    dense = lambda i, o, n: layers.dense_param(rngs, i, o, n, cfg)
+    dense = lambda i, o, n: nn.dense_param(rngs, i, o, n, cfg)
     eps = cfg.norm_eps if cfg.mla_norm_eps is None else cfg.mla_norm_eps
     if cfg.q_lora_rank:
       self.w_dq = dense((D,), (cfg.q_lora_rank,), ("embed", "q_lora"))
-      self.q_norm = layers.RMSNorm(cfg.q_lora_rank, cfg=cfg, rngs=rngs, eps=eps)
+      self.q_norm = nn.RMSNorm(cfg.q_lora_rank, cfg=cfg, rngs=rngs, eps=eps)
       self.w_uq = dense((cfg.q_lora_rank,), (H, cfg.qk_head_dim), ("q_lora", "heads", "kv"))
     else:
       self.w_q = dense((D,), (H, cfg.qk_head_dim), ("embed", "heads", "kv"))
     self.w_dkv = dense((D,), (cfg.kv_lora_rank + cfg.qk_rope_head_dim,), ("embed", "kv_lora"))
-    self.kv_norm = layers.RMSNorm(cfg.kv_lora_rank, cfg=cfg, rngs=rngs, eps=eps)
+    self.kv_norm = nn.RMSNorm(cfg.kv_lora_rank, cfg=cfg, rngs=rngs, eps=eps)
     self.w_ukv = dense((cfg.kv_lora_rank,), (H, cfg.qk_nope_head_dim + cfg.v_head_dim),
                        ("kv_lora", "heads", "kv"))
     if cfg.mla_output_gate:
@@ -73,28 +74,37 @@ class MLA(nnx.Module):
   def scale(self) -> float:
     return self.cfg.qk_head_dim ** -0.5
 
+  def query(self, x: jax.Array) -> jax.Array:
+    """x [B,T,D] -> q [B,T,H,qk_nope+qk_rope] in cfg.dtype (the inference engine's entry)."""
+    return self._query(x)
+
+  def latent(self, x: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """x [B,T,D] -> (c_kv [B,T,kv_lora] normalised, k_rope [B,T,rope]) in cfg.dtype: what a
+    latent cache stores per token."""
+    return self._latent(x)
+
   def _query(self, x):
     dtype = jnp.dtype(self.cfg.dtype)
     if not self.cfg.q_lora_rank:
-      return layers.project(x, self.w_q[...], dtype=dtype)  # [B, T, H, 192]
-    c_q = self.q_norm(layers.project(x, self.w_dq[...], dtype=dtype)).astype(dtype)
-    return layers.project(c_q, self.w_uq[...], dtype=dtype)  # [B, T, H, 192]
+      return nn.project(x, self.w_q[...], dtype=dtype)  # [B, T, H, 192]
+    c_q = self.q_norm(nn.project(x, self.w_dq[...], dtype=dtype)).astype(dtype)
+    return nn.project(c_q, self.w_uq[...], dtype=dtype)  # [B, T, H, 192]
 
   def _latent(self, x):
     dtype = jnp.dtype(self.cfg.dtype)
-    ckv = layers.project(x, self.w_dkv[...], dtype=dtype)
+    ckv = nn.project(x, self.w_dkv[...], dtype=dtype)
     c_kv, k_rope = ckv[..., :self.cfg.kv_lora_rank], ckv[..., self.cfg.kv_lora_rank:]
     return self.kv_norm(c_kv).astype(dtype), k_rope
 
   def _gated_out(self, x, o):
     dtype = jnp.dtype(self.cfg.dtype)
     if self.cfg.mla_output_gate:
-      gate = jax.nn.sigmoid(layers.project(x, self.w_gate[...], dtype=dtype,
+      gate = jax.nn.sigmoid(nn.project(x, self.w_gate[...], dtype=dtype,
                                            out_dtype=jnp.float32))
       o = (o.astype(jnp.float32) * gate).astype(dtype)
     else:
       o = o.astype(dtype)
-    return checkpoint_name(layers.project(o, self.w_o[...], 2, dtype=dtype), "out_proj")
+    return checkpoint_name(nn.project(o, self.w_o[...], 2, dtype=dtype), "out_proj")
 
   def qkv(self, x: jax.Array):
     """x [B,T,D] -> q, k [B,T,H,192], v [B,T,H,128] (cfg.dtype), as fed to the attention."""
@@ -103,7 +113,7 @@ class MLA(nnx.Module):
     H = cfg.mla_num_heads
     q = self._query(x)
     c_kv, k_rope = self._latent(x)
-    kv = layers.project(c_kv, self.w_ukv[...], dtype=jnp.dtype(cfg.dtype))
+    kv = nn.project(c_kv, self.w_ukv[...], dtype=jnp.dtype(cfg.dtype))
     k_nope, v = kv[..., :cfg.qk_nope_head_dim], kv[..., cfg.qk_nope_head_dim:]
     k = jnp.concatenate(
         [k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (B, T, H, cfg.qk_rope_head_dim))], -1)
@@ -150,10 +160,22 @@ class MLA(nnx.Module):
     W_uk is folded into the query (q_lat = q_nope W_ukᵀ, [B,T,H,kv_lora]) and W_uv into the
     output (o = (p · c_kv) W_uv), so attention runs as one (kv_lora + rope)-wide MQA head over
     the cache. The T new tokens attend causally to the cache and to each other (one document).
+
+    Raises:
+      ValueError: the T tokens do not fit: cache.length + T > the cache's max_length (checked
+        when cache.length is concrete; under jit, where it is traced, the outputs of a call that
+        would pass the end are NaN instead of silently wrong).
     """
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
     B, T, _ = x.shape
+    max_length = cache.c_kv.shape[1]
+    if T > max_length or (not isinstance(cache.length, jax.core.Tracer)
+                          and int(cache.length) + T > max_length):
+      raise ValueError(
+          f"MLA.decode: writing {T} token(s) at position {cache.length} passes the end of the "
+          f"cache (max_length={max_length}); make it with init_cache(batch_size, max_length=...) "
+          "large enough for the prompt and every generated token")
     q = self._query(x).astype(jnp.float32)
     q_nope, q_rope = q[..., :cfg.qk_nope_head_dim], q[..., cfg.qk_nope_head_dim:]
     c_kv, k_rope = self._latent(x)
@@ -173,4 +195,6 @@ class MLA(nnx.Module):
     p = jax.nn.softmax(s, axis=-1)
     o_lat = jnp.einsum("bhts,bsc->bthc", p, c_all.astype(jnp.float32))
     o = jnp.einsum("bthc,chd->bthd", o_lat, w_uv).astype(dtype)
-    return self._gated_out(x, o), MLACache(c_all, r_all, start + T)
+    y = self._gated_out(x, o)
+    y = jnp.where(start + T > max_length, jnp.asarray(jnp.nan, y.dtype), y)  # traced overflow
+    return y, MLACache(c_all, r_all, start + T)

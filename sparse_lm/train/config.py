@@ -12,7 +12,7 @@ from typing import Any
 from sparse_lm.config import ModelConfig, get_preset
 from sparse_lm.data import DataConfig
 from sparse_lm.moe.expert_parallel import EP_IMPLS
-from sparse_lm.sharding import MeshLayout
+from sparse_lm.sharding import MeshLayout, check_topology
 from sparse_lm.train.optimizer import OptimizerConfig
 
 
@@ -34,6 +34,10 @@ class StageConfig:
     checkpoint_every / keep_checkpoints: save period (steps) and how many to keep.
     mesh: device-mesh layout (a `context` axis for the long stages; `expert_shards="context"`
       when the sequences per micro-batch are fewer than the expert-parallel degree).
+    topology / num_slices: the TPU slice shape the `mesh` is planned for (e.g. "v5p:8x16x16",
+      a shape Google offers, `sharding.check_topology`) and how many such slices over DCN (the
+      mesh's `dcn_*` sizes multiply to it); `launch.aot_plan` compiles for it by default.
+      None for presets not planned for a TPU slice.
     ep_impl / ep_capacity_factor: the expert-parallel exchange (`moe.expert_parallel.options`:
       "auto", "ragged", "dense", "allgather") and its per-rank receive cap in units of the
       mean n x k rows (None = dropless, worst-case buffers); used when mesh.expert > 1.
@@ -63,6 +67,8 @@ class StageConfig:
   checkpoint_every: int = 500
   keep_checkpoints: int = 3
   mesh: MeshLayout = MeshLayout()
+  topology: str | None = None
+  num_slices: int = 1
   ep_impl: str = "auto"
   ep_capacity_factor: float | None = None
   data: DataConfig = DataConfig()
@@ -104,4 +110,12 @@ class StageConfig:
     if self.ep_capacity_factor is not None and self.ep_capacity_factor <= 0:
       raise ValueError(f"StageConfig({self.name}): ep_capacity_factor="
                        f"{self.ep_capacity_factor} must be > 0 (or None: dropless)")
+    if self.topology is not None:
+      try:
+        chips = check_topology(self.topology, self.num_slices)
+        self.mesh.resolve(chips * self.num_slices, self.num_slices)
+      except ValueError as e:
+        raise ValueError(f"StageConfig({self.name}): topology={self.topology!r} x num_slices="
+                         f"{self.num_slices}, mesh={self.mesh}: {e} (or set topology=None "
+                         "to train without a planned TPU slice)") from None
     self.model_config()  # validates the overrides

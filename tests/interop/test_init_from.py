@@ -49,8 +49,8 @@ def test_stage_starts_from_the_import(tmp_path):
   parts = loop.build(stage, mesh)
   with shd.use_mesh(mesh, stage.mesh.rules):
     target = shd.with_shardings(parts.abstract_state, parts.state_shardings)
-    state = loop._init_from(stage, tmp_path, target, "unused", parts.tx,  # pylint: disable=protected-access
-                            parts.state_shardings, print)
+    state = loop._init_from(stage, tmp_path, target, "unused", parts,  # pylint: disable=protected-access
+                            print)
   assert int(state.step) == 0
   imported, _ = load_pretrained(KIMI_LINEAR, remat_policy="none", kda_chunk_size=16)
   want = dict(nnx.to_flat_state(nnx.state(imported)))
