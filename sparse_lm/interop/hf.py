@@ -12,6 +12,7 @@ read one at a time, so host memory holds one HF tensor plus one shard of its tar
 CLI:
     python -m sparse_lm.interop.hf import --hf_dir D --workdir W     # Orbax, see workdir.py
     python -m sparse_lm.interop.hf export --workdir W --out D [--layout kimi_k3] [--quantize]
+        # the newest stage checkpoint in W (or --stage NAME; the import if W has none)
 """
 
 from __future__ import annotations
@@ -205,6 +206,19 @@ def save_pretrained(model: Transformer, cfg: ModelConfig, path: str | os.PathLik
 
 
 # ------------------------------------------------------------------ CLI
+def _export_source(workdir_path: str, stage: str | None):
+  """(model, cfg, token ids) of the stage checkpoint to export, or of the HF import."""
+  # pylint: disable=g-import-not-at-top  (entry point: the training stack only when asked)
+  from sparse_lm.interop import workdir
+  from sparse_lm.train.trained import _stage_dirs, load
+  extra = workdir.token_ids(workdir_path)
+  if stage or _stage_dirs(pathlib.Path(workdir_path).absolute()):
+    model, _, stage_cfg = load(workdir_path, stage)
+    return model, stage_cfg.model_config(), extra
+  model, cfg, _ = workdir.load_from_workdir(workdir_path)
+  return model, cfg, extra
+
+
 def main(argv=None) -> None:
   ap = argparse.ArgumentParser(prog="python -m sparse_lm.interop.hf", description=__doc__,
                                formatter_class=argparse.RawDescriptionHelpFormatter)
@@ -213,8 +227,11 @@ def main(argv=None) -> None:
   a.add_argument("--hf_dir", required=True)
   a.add_argument("--workdir", required=True)
   a.add_argument("--dtype", choices=("float32", "bfloat16"))
-  b = sub.add_parser("export", help="<workdir>/hf_import -> HF checkpoint")
+  b = sub.add_parser("export", help="a workdir's newest trained stage (or its hf_import) -> "
+                     "HF checkpoint")
   b.add_argument("--workdir", required=True)
+  b.add_argument("--stage", help="the stage to export (default: the newest stage checkpoint "
+                 "in the workdir; the HF import if there is none)")
   b.add_argument("--out", required=True)
   b.add_argument("--layout", choices=hf_config.LAYOUTS, default="kimi_linear")
   b.add_argument("--quantize", action="store_true", help="MXFP4 routed experts (kimi_k3)")
@@ -224,8 +241,7 @@ def main(argv=None) -> None:
     out = workdir.import_to_workdir(args.hf_dir, args.workdir, dtype=args.dtype)
     print(f"imported {args.hf_dir} -> {out}")
   else:
-    from sparse_lm.interop import workdir  # pylint: disable=g-import-not-at-top
-    model, cfg, extra = workdir.load_from_workdir(args.workdir)
+    model, cfg, extra = _export_source(args.workdir, args.stage)
     files = save_pretrained(model, cfg, args.out, layout=args.layout,
                             quantize_experts=args.quantize, extra_config=extra)
     print(f"exported {len(files)} shard(s) to {args.out} ({args.layout})")

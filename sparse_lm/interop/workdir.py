@@ -76,6 +76,13 @@ def restore_variables(workdir, abstract_params: nnx.State, abstract_model_vars: 
   return out[0], out[1]
 
 
+def token_ids(workdir) -> dict:
+  """The bos / eos / pad ids of the imported config.json ({} without an import)."""
+  if not (_dir(workdir) / META).exists():
+    return {}
+  return json.loads((_dir(workdir) / META).read_text())["hf_extra"]
+
+
 def load_from_workdir(workdir) -> tuple[Transformer, ModelConfig, dict]:
   """(model on the first device, cfg, HF token ids) of `workdir`'s import."""
   cfg = imported_config(workdir)
