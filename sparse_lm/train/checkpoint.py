@@ -237,7 +237,8 @@ def differences(saved: Any, current: Any, prefix: str = "") -> dict[str, tuple[A
 # StageConfig fields whose change on resume leaves the optimisation as it was (reporting,
 # layout, and what matters only at a stage's start); any other difference changes it.
 RESUMABLE_CHANGES = ("name", "eval_every", "eval_batches", "eval_batch_size",
-                     "checkpoint_every", "keep_checkpoints", "mesh", "ep_impl",
+                     "checkpoint_every", "keep_checkpoints", "mesh", "topology",
+                     "num_slices", "ep_impl",
                      "micro_batches", "init_from", "keep_optimizer_state", "sample_tokens",
                      "sample_prompt", "reference_seq_len", "nan_at_step", "data.prefetch")
 
