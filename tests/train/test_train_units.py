@@ -196,3 +196,13 @@ def test_workdir_lock_names_the_holder(tmp_path):
         pass
   with WorkdirLock(tmp_path / "stage"):  # released on exit
     pass
+
+
+def test_end_of_run_summary_reports_the_drop_rate():
+  import types
+  from sparse_lm.train import loop
+  none = types.SimpleNamespace(drop_rates=[])
+  assert loop._StageLoop.summary(none) == ""
+  seen = types.SimpleNamespace(drop_rates=[(1, 0.01), (2, 0.03), (3, 0.02)])
+  assert loop._StageLoop.summary(seen) == (
+      "; expert-parallel drop rate 2.00% mean over 3 steps, 3.00% max (step 2)")
