@@ -121,8 +121,8 @@ def apply_overrides(stage: StageConfig, sets: Sequence[str]) -> StageConfig:
   """`stage` with each "key=value" of `sets` applied (see the module docstring).
 
   Raises:
-    ValueError: a malformed item, an unknown key (the message lists the valid keys) or a value
-      that does not parse to the field's type.
+    ValueError: a malformed item, an unknown key (the message suggests the nearest ones) or a
+      value that does not parse to the field's type.
   """
   top: dict[str, Any] = {}
   nested: dict[str, dict[str, Any]] = {p: {} for p in _NESTED}
