@@ -277,8 +277,9 @@ def check_resume(meta: dict[str, Any], stage: StageConfig, *,
 
   Raises:
     ConfigMismatchError: the model config differs outside MODEL_RUNTIME_FIELDS (whatever
-      `allow_config_change`: the checkpoint is another model); or the stage config differs in a field that changes the
-      optimisation (steps, schedule, batch, data, loss) and `allow_config_change` is False.
+      `allow_config_change`: the checkpoint is another model); or the stage config differs in
+      a field that changes the optimisation (steps, schedule, batch, data, loss) and
+      `allow_config_change` is False.
   """
   model_notes = check_model(meta, stage.model_config(), stage.name)
   if not meta.get("stage"):

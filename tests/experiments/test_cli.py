@@ -23,7 +23,8 @@ def _jsonl(path: pathlib.Path) -> list[dict]:
 
 
 def test_unknown_set_key_suggests_the_nearest_keys(capsys):
-  for wrong, nearest in (("learning_rate", "optim.peak_lr"), ("model.num_layer", "model.num_layers"),
+  for wrong, nearest in (("learning_rate", "optim.peak_lr"),
+                         ("model.num_layer", "model.num_layers"),
                          ("optim.peak_lt", "optim.peak_lr"), ("seqlen", "seq_len"),
                          ("batch_size", "tokens_per_batch")):
     with pytest.raises(SystemExit) as e:
