@@ -377,8 +377,19 @@ class _StageLoop:
 
 
 def _init_from(stage, workdir, target, fingerprint, parts, say) -> TrainState:
-  """The previous stage's final checkpoint, restarted at step 0 of this stage."""
+  """The previous stage's final checkpoint, restarted at step 0 of this stage (or, when
+  init_from is an HF import directory, its weights with a fresh optimizer)."""
   tx, state_sh = parts.tx, parts.state_shardings
+  from sparse_lm.interop import workdir as hf_import  # pylint: disable=g-import-not-at-top
+  if hf_import.imported_config(stage.init_from) is not None:
+    params, model_vars = hf_import.restore_variables(stage.init_from, target.params,
+                                                     target.model_vars)
+    say(f"[{stage.name}] initialised from the HF import in {stage.init_from} (fresh optimizer; "
+        "the data tokenizer is the stage's own)")
+    opt_state = jax.jit(tx.init, out_shardings=state_sh.opt_state)(params)
+    return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), state_sh.step),
+                      params=params, model_vars=model_vars, opt_state=opt_state,
+                      rng=jax.device_put(jax.random.PRNGKey(stage.seed + 1), state_sh.rng))
   prev_dir = workdir / stage.init_from / "checkpoints"
   prev = Checkpointer(prev_dir, keep=10**6)
   check = lambda meta: check_model(meta, stage.model_config(), stage.name)
