@@ -22,11 +22,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.kda import chunk_kda, kda_gate, recurrent_step
+from sparse_lm import nn, sharding
 from sparse_lm.config import ModelConfig
-from sparse_lm import sharding
-from sparse_lm import nn
 from sparse_lm.model import context_parallel
 
 
@@ -73,6 +73,62 @@ class KDAProjections(NamedTuple):
   v: jax.Array
   g: jax.Array
   beta: jax.Array
+
+
+def prev_shard_halo(x: jax.Array, size: int, axis: str | tuple[str, ...], *, time_axis: int = 1,
+                    fill=0) -> jax.Array:
+  """Inside a shard_map over `axis`: the last `size` steps of the previous shard along
+  `time_axis` (shard 0 gets `fill`), e.g. the 3-token short-conv halo and its segment ids."""
+  n = jax.lax.axis_size(axis)
+  tail = jax.lax.slice_in_dim(x, x.shape[time_axis] - size, x.shape[time_axis], axis=time_axis)
+  got = jax.lax.ppermute(tail, axis, perm=[(i, i + 1) for i in range(n - 1)])
+  r = jax.lax.axis_index(axis)
+  return jnp.where(r == 0, jnp.full_like(got, fill), got)
+
+
+def cp_short_conv(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None, *,
+                  mesh: jax.sharding.Mesh, axis: str | tuple[str, ...] | None = None
+                  ) -> jax.Array:
+  """Causal depthwise conv y[t] = sum_i w[i] x[t - (W-1) + i] with T sharded over `axis`,
+  masked across documents (only taps of the same segment id contribute), by a halo of W - 1
+  tokens (and their segment ids) from the previous shard.
+
+  Args: x [B, T, C]; w [W, C]; segment_ids [B, T] int32 or None; axis as
+  `context_parallel.cp_chunk_kda`. The model leaves this halo to GSPMD (a shifted slice);
+  this explicit version is what tests/multidevice checks it against.
+  Returns y [B, T, C].
+
+  Raises:
+    ValueError: the sequence is not sharded over `axis`.
+  """
+  axis = context_parallel.seq_axes(mesh, axis)
+  if axis is None:
+    raise ValueError("cp_short_conv: no sequence axis of size > 1 in the mesh; use the plain "
+                     "conv")
+  W = w.shape[0]
+  b, c, _ = context_parallel.shard_specs(mesh, axis, x.shape[0], 1)
+
+  def body(x, w, seg):
+    halo = prev_shard_halo(x, W - 1, axis)
+    xp = jnp.concatenate([halo, x], axis=1)
+    if seg is not None:
+      sp = jnp.concatenate([prev_shard_halo(seg, W - 1, axis, fill=-1), seg], axis=1)
+    T = x.shape[1]
+    y = jnp.zeros(x.shape, jnp.float32)
+    for i in range(W):
+      tap = xp[:, i:i + T].astype(jnp.float32)
+      if seg is not None:
+        tap = jnp.where((sp[:, i:i + T] == seg)[..., None], tap, 0)
+      y = y + tap * w[i].astype(jnp.float32)
+    return y.astype(x.dtype)
+
+  seg_spec = P(b, c)
+  if segment_ids is None:
+    fn = lambda x, w: body(x, w, None)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(P(b, c, None), P()),
+                         out_specs=P(b, c, None), check_vma=False)(x, w)
+  return jax.shard_map(body, mesh=mesh, in_specs=(P(b, c, None), P(), seg_spec),
+                       out_specs=P(b, c, None), check_vma=False)(x, w, segment_ids)
 
 
 def kda_projections(p: dict, x: jax.Array, *, lower_bound: float | None, eps: float,

@@ -23,9 +23,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from sparse_lm import nn, sharding
 from sparse_lm.config import ModelConfig
-from sparse_lm import sharding
-from sparse_lm import nn
 from sparse_lm.model import context_parallel
 from sparse_lm.model.attention import dot_product_attention
 
@@ -36,6 +35,36 @@ class MLACache(NamedTuple):
   c_kv: jax.Array
   k_rope: jax.Array
   length: jax.Array
+
+
+def mla_latent_attention(q: jax.Array, c_kv: jax.Array, k_rope: jax.Array, w_ukv: jax.Array,
+                         *, nope_dim: int, scale: float, mesh: jax.sharding.Mesh,
+                         axis: str | tuple[str, ...] | None = None,
+                         segment_ids: jax.Array | None = None,
+                         block: int = 512) -> jax.Array:
+  """Gated MLA attention over a context-sharded sequence in the absorbed (latent) form.
+
+  Only the latent [c_kv; k_rope] (kv_lora + rope values per token, 576 at full scale) is
+  all-gathered over `axis`; W_uk is folded into the query and W_uv applied to the latent
+  output, so attention runs as one MQA head of width kv_lora + rope (DeepSeek-V2 §2.1.2).
+
+  Args:
+    q: [B, T, H, nope + rope] queries; c_kv: [B, T, kv_lora] (normalised); k_rope:
+      [B, T, rope]; w_ukv: [kv_lora, H, nope + v] the up-projection (k_nope | v).
+  Returns:
+    o [B, T, H, v] in q's dtype (before the output gate and W_o).
+  """
+  dt = q.dtype
+  w_uk, w_uv = w_ukv[..., :nope_dim], w_ukv[..., nope_dim:]
+  q_lat = jnp.einsum("bthd,chd->bthc", q[..., :nope_dim], w_uk.astype(dt),
+                     preferred_element_type=jnp.float32).astype(dt)
+  q_full = jnp.concatenate([q_lat, q[..., nope_dim:]], axis=-1)  # [B, T, H, kv_lora + rope]
+  k_lat = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1)[:, :, None, :]
+  o_lat = context_parallel.cp_attention(q_full, k_lat.astype(dt), c_kv[:, :, None, :].astype(dt),
+                                        mesh=mesh, axis=axis, segment_ids=segment_ids,
+                                        scale=scale, block=block)
+  return jnp.einsum("bthc,chd->bthd", o_lat, w_uv.astype(dt),
+                    preferred_element_type=jnp.float32).astype(dt)
 
 
 class MLA(nnx.Module):
@@ -131,7 +160,7 @@ class MLA(nnx.Module):
     how = context_parallel.mla_under_mesh(mesh, backend or self.cfg.attention_backend)
     if how == "latent":  # T sharded over `context`: gather the latent
       c_kv, k_rope = self._latent(x)
-      o = context_parallel.mla_latent_attention(
+      o = mla_latent_attention(
           self._query(x), c_kv, k_rope, self.w_ukv[...], nope_dim=self.cfg.qk_nope_head_dim,
           scale=self.scale, mesh=mesh, segment_ids=segment_ids,
           block=self.cfg.attention_chunk_size)
