@@ -21,6 +21,9 @@ training package document.
 A ``Source`` is a random-access sequence of documents: ``len(source)``, ``source.doc_ids[i]`` and
 ``source.load(i) -> str | None`` (``None`` for an empty or unreadable document, which the pipeline
 drops). Text is read lazily, in the pipeline's reader threads.
+
+``sparse_lm.data.splits.open_split`` chooses how the held-out split is made: by whole documents
+as above, or by the tail of every document (a one-file corpus).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ from typing import Any
 
 from sparse_lm.config import ModelConfig, get_preset
 from sparse_lm.data import DataConfig
-from sparse_lm.sharding import MeshLayout
+from sparse_lm.sharding import MeshLayout, check_topology
 from sparse_lm.train.optimizer import OptimizerConfig
 
 
@@ -33,8 +33,15 @@ class StageConfig:
     checkpoint_every / keep_checkpoints: save period (steps) and how many to keep.
     mesh: device-mesh layout (a `context` axis for the long stages; `expert_shards="context"`
       when the sequences per micro-batch are fewer than the expert-parallel degree).
+    topology / num_slices: the TPU slice shape the `mesh` is planned for (e.g. "v5p:8x16x16",
+      a shape Google offers, `sharding.check_topology`) and how many such slices over DCN (the
+      mesh's `dcn_*` sizes multiply to it); `launch.aot_plan` compiles for it by default.
+      None for presets not planned for a TPU slice.
     init_from: the stage (by name, in the same workdir) whose final checkpoint initialises
-      this one when it has no checkpoint of its own; None = from scratch.
+      this one when it has no checkpoint of its own; or a directory W holding a Hugging Face
+      import (`python -m sparse_lm.interop.hf import --hf_dir D --workdir W`): then the model
+      is the imported ModelConfig with `model_overrides` applied (`preset` is not used) and
+      training starts from its weights with a fresh optimizer; None = from scratch.
     keep_optimizer_state: carry the AdamW moments over from `init_from` (§8: by default yes).
     reference_seq_len: the length the stage has at full scale (printed when a preset scales
       it down).
@@ -56,6 +63,8 @@ class StageConfig:
   checkpoint_every: int = 500
   keep_checkpoints: int = 3
   mesh: MeshLayout = MeshLayout()
+  topology: str | None = None
+  num_slices: int = 1
   data: DataConfig = DataConfig()
   init_from: str | None = None
   keep_optimizer_state: bool = True
@@ -71,6 +80,10 @@ class StageConfig:
     return max(1, self.tokens_per_batch // self.seq_len)
 
   def model_config(self) -> ModelConfig:
+    from sparse_lm.interop import workdir as hf_import  # pylint: disable=g-import-not-at-top
+    imported = hf_import.imported_config(self.init_from)
+    if imported is not None:
+      return dataclasses.replace(imported, **dict(self.model_overrides))
     return get_preset(self.preset, **dict(self.model_overrides))
 
   def validate(self) -> None:
@@ -85,4 +98,12 @@ class StageConfig:
     if self.global_batch % self.micro_batches:
       raise ValueError(f"StageConfig({self.name}): global batch {self.global_batch} sequences "
                        f"does not divide into micro_batches={self.micro_batches}")
+    if self.topology is not None:
+      try:
+        chips = check_topology(self.topology, self.num_slices)
+        self.mesh.resolve(chips * self.num_slices, self.num_slices)
+      except ValueError as e:
+        raise ValueError(f"StageConfig({self.name}): topology={self.topology!r} x num_slices="
+                         f"{self.num_slices}, mesh={self.mesh}: {e} (or set topology=None "
+                         "to train without a planned TPU slice)") from None
     self.model_config().check_segment_ids()  # validates the overrides; training packs

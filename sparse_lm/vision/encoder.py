@@ -19,8 +19,8 @@ Choices not fixed by the sources (documented, not config fields):
   * Projector hidden width 4C (the merged width); a final RMSNorm with learned scale so image
     tokens enter the residual stream at RMS ~1, like the unit-variance text embeddings
     (`nn.Embed`).
-  * Attention is exact softmax over all patches of an image, queries blocked by
-    cfg.attention_chunk_size (the decoder's memory-efficient XLA block size) to bound memory.
+  * Attention is exact softmax over all patches of an image, queries and keys blocked by
+    cfg.attention_chunk_size (the decoder's blocked softmax, `flash_attention`) to bound memory.
   * Images in one batch do not attend to each other: the batch is padded [N, P, C] with a key
     mask, not NaViT-packed into one sequence (simpler, and exact for any mix of sizes).
 
@@ -36,9 +36,9 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sparse_lm import sharding
+from pallas_kernels.attention import flash_attention
+from sparse_lm import nn, sharding
 from sparse_lm.config import ModelConfig
-from sparse_lm import nn
 from sparse_lm.vision import merge, patches
 from sparse_lm.vision.patches import ImageBatch
 
@@ -89,40 +89,29 @@ def apply_rope_2d(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return (xf * c + rotated * s).reshape(x.shape).astype(x.dtype)
 
 
-def _attend(q, k, v, key_mask):
-  scale = q.shape[-1] ** -0.5
-  logits = jnp.einsum("nqhd,nkhd->nhqk", q, k, preferred_element_type=jnp.float32) * scale
-  logits = jnp.where(key_mask[:, None, None, :], logits, -1e30)
-  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-  return jnp.einsum("nhqk,nkhd->nqhd", probs, v, preferred_element_type=jnp.float32
-                    ).astype(q.dtype)
-
-
 def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_mask: jax.Array, *,
                      query_chunk: int | None = None) -> jax.Array:
-  """Bidirectional softmax attention with padding keys masked out.
+  """Bidirectional softmax attention with padding keys masked out: the blocked softmax of
+  `pallas_kernels.attention.flash_attention` with causal=False.
 
   Args:
     q, k, v: [N, P, H, Dh] in the compute dtype.
     key_mask: bool [N, P], False for padding patches.
-    query_chunk: when P > query_chunk, queries are processed in blocks of this many
-      (`lax.map`, each block rematerialised in the backward pass), so the fp32 logits held at
-      once are [N, H, query_chunk, P] instead of [N, H, P, P]; the result is the same.
+    query_chunk: query and key block (None: one block of P); the fp32 logits held at once are
+      [N, H, query_chunk, query_chunk] instead of [N, H, P, P], in the forward and the
+      (recomputing) backward pass; the result is the same up to fp32 rounding.
 
   Returns:
     [N, P, H, Dh] in q.dtype. Logits and softmax in fp32, scale 1/sqrt(Dh). A query whose image
-    has no valid key (an empty slot) gets a finite average instead of NaN (masked logits are a
-    large finite negative), so gradients stay finite.
+    has no valid key (an empty slot) gets a zero row and zero gradients.
   """
-  N, P, H, Dh = q.shape
-  if query_chunk is None or P <= query_chunk:
-    return _attend(q, k, v, key_mask)
-  nb = -(-P // query_chunk)
-  qb = jnp.pad(q, ((0, 0), (0, nb * query_chunk - P), (0, 0), (0, 0)))
-  qb = qb.reshape(N, nb, query_chunk, H, Dh).swapaxes(0, 1)  # [nb, N, chunk, H, Dh]
-  block = jax.checkpoint(lambda qc: _attend(qc, k, v, key_mask))
-  o = jax.lax.map(block, qb)
-  return o.swapaxes(0, 1).reshape(N, nb * query_chunk, H, Dh)[:, :P]
+  N, P = q.shape[:2]
+  block = P if query_chunk is None else query_chunk
+  kseg = key_mask.astype(jnp.int32)  # 0 = padding key
+  qseg = jnp.ones((N, P), jnp.int32)
+  pos = jnp.arange(P, dtype=jnp.int32)
+  return flash_attention(q, k, v, pos, pos, qseg, kseg, scale=q.shape[-1] ** -0.5,
+                         block_q=block, block_k=block, causal=False)
 
 
 # ------------------------------------------------------------------------------ modules
