@@ -65,6 +65,7 @@ def main(argv=None) -> int:
   parser.add_argument("--init_from", default=None, help="a pretraining workdir (runs/tiny)")
   parser.add_argument("--env", default=None, help="arithmetic, lookup, passkey or code")
   parser.add_argument("--seed", type=int, default=None)
+  parser.add_argument("--no-progress", action="store_true", help="no progress bar")
   parser.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE")
   args = parser.parse_args(argv)
   cfg = PRESETS[args.preset]
@@ -82,7 +83,7 @@ def main(argv=None) -> int:
   workdir = args.workdir or f"runs/rl_{args.preset}"
   enable_compilation_cache(os.environ.get("SPARSE_LM_XLA_CACHE") or
                            os.path.join(workdir, "xla_cache"))
-  out = run(cfg, workdir)
+  out = run(cfg, workdir, progress=not args.no_progress and sys.stdout.isatty())
   print(json.dumps({"sft": out["sft"], "grpo": out["grpo"]}))
   return 0
 

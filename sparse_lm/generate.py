@@ -4,9 +4,10 @@
     python -m sparse_lm.generate --checkpoint runs/tiny/stage_8k/checkpoints/1000 --interactive
 
 Loads the newest checkpoint of the newest stage in the workdir (the stage whose latest
-checkpoint was written last), or `--checkpoint PATH`, with the tokenizer saved in it, and streams
-the completion. `--interactive` is a multi-turn chat: each turn continues the previous turn's
-decode state (sparse_lm.inference.DecodeState), so the history is never re-read.
+checkpoint was written last; `--stage` picks another) through `sparse_lm.train.load`, or one
+step directory `--checkpoint PATH`, with the tokenizer saved in it, and streams the completion.
+`--interactive` is a multi-turn chat: each turn continues the previous turn's decode state
+(sparse_lm.inference.DecodeState), so the history is never re-read.
 """
 
 from __future__ import annotations
@@ -17,24 +18,26 @@ import sys
 from typing import Any, Sequence
 
 
-def find_checkpoint(workdir: str | pathlib.Path) -> pathlib.Path:
-  """`<workdir>/<stage>/checkpoints/<step>` of the most recently written stage.
+def load_workdir(workdir: str | pathlib.Path, *, stage: str | None = None,
+                 preset: str | None = None):
+  """(model, tokenizer, description) of the newest checkpoint of `stage` (default: the stage
+  written last) in a training workdir, through `sparse_lm.train.load`.
 
   Raises:
-    FileNotFoundError: no stage directory under `workdir` holds a checkpoint.
+    FileNotFoundError: no checkpoint in `workdir` (the message lists its stages).
+    ValueError: the checkpoint's preset differs from `preset`.
   """
-  workdir = pathlib.Path(workdir)
-  found = []
-  for ckpt_dir in workdir.glob("*/checkpoints"):
-    steps = [p for p in ckpt_dir.iterdir() if p.is_dir() and p.name.isdigit()]
-    if steps:
-      newest = max(steps, key=lambda p: int(p.name))
-      found.append((newest.stat().st_mtime, newest))
-  if not found:
-    raise FileNotFoundError(f"--workdir {workdir}: no <stage>/checkpoints/<step> in it; train a "
-                            "stage first (python -m experiments.stage_8k --workdir ...) or pass "
-                            "--checkpoint PATH")
-  return max(found)[1]
+  from sparse_lm.train import load
+
+  model, tokenizer, stage_cfg = load(workdir, stage)
+  _check_preset(preset, stage_cfg.preset, f"{workdir} ({stage_cfg.name})")
+  return model, tokenizer, f"{stage_cfg.name}, preset {stage_cfg.preset}: {workdir}"
+
+
+def _check_preset(wanted: str | None, found: str, where) -> None:
+  if wanted is not None and wanted != found:
+    raise ValueError(f"--preset={wanted!r}, but checkpoint {where} holds a {found!r} model; "
+                     f"drop --preset or pass --preset={found}")
 
 
 def load_checkpoint(path: str | pathlib.Path, *, preset: str | None = None):
@@ -57,9 +60,9 @@ def load_checkpoint(path: str | pathlib.Path, *, preset: str | None = None):
   import orbax.checkpoint as ocp
   from flax import nnx
 
-  from sparse_lm.config import get_preset
   from sparse_lm.data import Tokenizer
   from sparse_lm.model import Transformer
+  from sparse_lm.train.checkpoint import stage_from_json
 
   path = pathlib.Path(path).absolute()
   if not (path.is_dir() and path.name.isdigit()):
@@ -69,11 +72,8 @@ def load_checkpoint(path: str | pathlib.Path, *, preset: str | None = None):
   step = int(path.name)
   meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
   stage = meta["stage"]
-  if preset is not None and preset != stage["preset"]:
-    raise ValueError(f"--preset={preset!r}, but checkpoint {path} holds a {stage['preset']!r} "
-                     f"model (stage {stage['name']!r}); drop --preset or pass "
-                     f"--preset={stage['preset']}")
-  cfg = get_preset(stage["preset"], **dict(stage.get("model_overrides") or ()))
+  _check_preset(preset, stage["preset"], path)
+  cfg = stage_from_json(stage).model_config()
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   graphdef, params, model_vars = nnx.split(abstract, nnx.Param, ...)
   state = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state
@@ -106,6 +106,7 @@ def _parser() -> argparse.ArgumentParser:
   src = p.add_mutually_exclusive_group(required=True)
   src.add_argument("--workdir", help="training workdir: the newest stage's newest checkpoint")
   src.add_argument("--checkpoint", help="a checkpoint step directory")
+  p.add_argument("--stage", help="with --workdir: this stage (default: the one written last)")
   p.add_argument("--preset", help="refuse a checkpoint of another preset")
   p.add_argument("--prompt", default="", help="text to continue")
   p.add_argument("--interactive", action="store_true", help="multi-turn chat on stdin")
@@ -128,10 +129,12 @@ def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
   sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
   if not args.interactive and not args.prompt:
     raise SystemExit("--prompt is empty: give text to continue, or use --interactive")
-  path = pathlib.Path(args.checkpoint) if args.checkpoint else find_checkpoint(args.workdir)
-  model, tokenizer, meta = load_checkpoint(path, preset=args.preset)
-  print(f"[{meta['stage']['name']} step {meta.get('step')}, preset {meta['stage']['preset']}: "
-        f"{path}]", file=sys.stderr)
+  if args.checkpoint:
+    model, tokenizer, meta = load_checkpoint(args.checkpoint, preset=args.preset)
+    where = f"{meta['stage']['name']} step {meta.get('step')}: {args.checkpoint}"
+  else:
+    model, tokenizer, where = load_workdir(args.workdir, stage=args.stage, preset=args.preset)
+  print(f"[{where}]", file=sys.stderr)
   sampling = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k,
                             top_p=sampling.top_p, stop_tokens=[tokenizer.eos_id])
   engine = Engine(model, max_length=args.max_length, max_batch=1,

@@ -74,20 +74,29 @@ class MLA(nnx.Module):
   w_uq [q_lora, H, nope+rope] (q_lora, heads, kv); w_dkv [D, kv_lora+rope] (embed, kv_lora);
   kv_norm [kv_lora]; w_ukv [kv_lora, H, nope+v] (kv_lora, heads, kv); w_gate [D, H, v]
   (embed, heads, kv); w_o [H, v, D] (heads, kv, embed).
+
+  Kimi-Linear variants: cfg.q_lora_rank = 0 replaces w_dq / q_norm / w_uq by one w_q
+  [D, H, nope+rope] (embed, heads, kv); cfg.mla_output_gate = False drops w_gate (y = W_o o).
+  The q / kv latent norms use cfg.mla_norm_eps (None = cfg.norm_eps).
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     D, H = cfg.d_model, cfg.mla_num_heads
     self.cfg = cfg
     dense = lambda i, o, n: nn.dense_param(rngs, i, o, n, cfg)
-    self.w_dq = dense((D,), (cfg.q_lora_rank,), ("embed", "q_lora"))
-    self.q_norm = nn.RMSNorm(cfg.q_lora_rank, cfg=cfg, rngs=rngs)
-    self.w_uq = dense((cfg.q_lora_rank,), (H, cfg.qk_head_dim), ("q_lora", "heads", "kv"))
+    eps = cfg.norm_eps if cfg.mla_norm_eps is None else cfg.mla_norm_eps
+    if cfg.q_lora_rank:
+      self.w_dq = dense((D,), (cfg.q_lora_rank,), ("embed", "q_lora"))
+      self.q_norm = nn.RMSNorm(cfg.q_lora_rank, cfg=cfg, rngs=rngs, eps=eps)
+      self.w_uq = dense((cfg.q_lora_rank,), (H, cfg.qk_head_dim), ("q_lora", "heads", "kv"))
+    else:
+      self.w_q = dense((D,), (H, cfg.qk_head_dim), ("embed", "heads", "kv"))
     self.w_dkv = dense((D,), (cfg.kv_lora_rank + cfg.qk_rope_head_dim,), ("embed", "kv_lora"))
-    self.kv_norm = nn.RMSNorm(cfg.kv_lora_rank, cfg=cfg, rngs=rngs)
+    self.kv_norm = nn.RMSNorm(cfg.kv_lora_rank, cfg=cfg, rngs=rngs, eps=eps)
     self.w_ukv = dense((cfg.kv_lora_rank,), (H, cfg.qk_nope_head_dim + cfg.v_head_dim),
                        ("kv_lora", "heads", "kv"))
-    self.w_gate = dense((D,), (H, cfg.v_head_dim), ("embed", "heads", "kv"))
+    if cfg.mla_output_gate:
+      self.w_gate = dense((D,), (H, cfg.v_head_dim), ("embed", "heads", "kv"))
     self.w_o = dense((H, cfg.v_head_dim), (D,), ("heads", "kv", "embed"))
 
   @property
@@ -105,6 +114,8 @@ class MLA(nnx.Module):
 
   def _query(self, x):
     dtype = jnp.dtype(self.cfg.dtype)
+    if not self.cfg.q_lora_rank:
+      return nn.project(x, self.w_q[...], dtype=dtype)  # [B, T, H, 192]
     c_q = self.q_norm(nn.project(x, self.w_dq[...], dtype=dtype)).astype(dtype)
     return nn.project(c_q, self.w_uq[...], dtype=dtype)  # [B, T, H, 192]
 
@@ -116,8 +127,12 @@ class MLA(nnx.Module):
 
   def _gated_out(self, x, o):
     dtype = jnp.dtype(self.cfg.dtype)
-    gate = jax.nn.sigmoid(nn.project(x, self.w_gate[...], dtype=dtype, out_dtype=jnp.float32))
-    o = (o.astype(jnp.float32) * gate).astype(dtype)
+    if self.cfg.mla_output_gate:
+      gate = jax.nn.sigmoid(nn.project(x, self.w_gate[...], dtype=dtype,
+                                           out_dtype=jnp.float32))
+      o = (o.astype(jnp.float32) * gate).astype(dtype)
+    else:
+      o = o.astype(dtype)
     return checkpoint_name(nn.project(o, self.w_o[...], 2, dtype=dtype), "out_proj")
 
   def qkv(self, x: jax.Array):

@@ -150,11 +150,34 @@ def evaluate(engine, tok, model, cfg: RLConfig, *, num_tasks: int | None = None)
           "errors_per_episode": sum(e.num_errors for e in eps) / n, "episodes": n}
 
 
+class _Bar:
+  """A rich progress bar whose text shows the latest metrics (off: nothing is drawn)."""
+
+  def __init__(self, total: int, start: int, description: str, enabled: bool):
+    self._bar = None
+    if enabled:
+      from rich.progress import (BarColumn, MofNCompleteColumn, Progress,  # pylint: disable=import-outside-toplevel
+                                 TextColumn, TimeRemainingColumn)
+      self._bar = Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(),
+                           TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+      self._task = self._bar.add_task(description, total=total, completed=start, info="")
+      self._bar.start()
+
+  def update(self, step: int, info: str) -> None:
+    if self._bar is not None:
+      self._bar.update(self._task, completed=step, info=info)
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.stop()
+
+
 def _put(batch: dict) -> dict:
   return {k: jnp.asarray(v) for k, v in batch.items()}
 
 
-def run_sft(cfg: RLConfig, workdir: pathlib.Path, model, tok, log=print) -> Any:
+def run_sft(cfg: RLConfig, workdir: pathlib.Path, model, tok, log=print,
+            progress: bool = False) -> Any:
   """The SFT phase; returns the model with its final weights."""
   env = cfg.env_instance()
   graphdef, tx, state = _fresh_state(model, cfg.sft_optim, cfg.sft_steps, cfg.seed)
@@ -168,6 +191,7 @@ def run_sft(cfg: RLConfig, workdir: pathlib.Path, model, tok, log=print) -> Any:
   writer = MetricsWriter(workdir / "sft" / "tb")
   start = int(state.step)
   t0 = time.perf_counter()
+  bar = _Bar(cfg.sft_steps, start, "sft", progress)
   for step in range(start, cfg.sft_steps):
     rng = _rng(cfg, "sft", step)
     eps = []
@@ -181,17 +205,20 @@ def run_sft(cfg: RLConfig, workdir: pathlib.Path, model, tok, log=print) -> Any:
       m = jax.device_get(metrics)
       writer.write(step + 1, {"loss": m["loss"], "accuracy": m["accuracy"],
                               "grad_norm": m["grad_norm"]})
-      log(f"sft {step + 1}/{cfg.sft_steps} loss {float(m['loss']):.4f} "
-          f"acc {float(m['accuracy']):.3f} ({time.perf_counter() - t0:.0f} s)")
+      info = f"loss {float(m['loss']):.4f} acc {float(m['accuracy']):.3f}"
+      bar.update(step + 1, info)
+      log(f"sft {step + 1}/{cfg.sft_steps} {info} ({time.perf_counter() - t0:.0f} s)")
     if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.sft_steps:
       ckpt.save(state, data_state={"step": step + 1}, meta={"phase": "sft"},
                 final=step + 1 == cfg.sft_steps)
+  bar.close()
   ckpt.close()
   writer.close()
   return nnx.merge(graphdef, state.params, state.model_vars)
 
 
-def run_grpo(cfg: RLConfig, workdir: pathlib.Path, model, tok, engine, log=print) -> tuple:
+def run_grpo(cfg: RLConfig, workdir: pathlib.Path, model, tok, engine, log=print,
+             progress: bool = False) -> tuple:
   """The GRPO phase from `model` (the SFT result); returns (model, per-step metrics)."""
   env = cfg.env_instance()
   G, P = cfg.grpo.group_size, cfg.prompts_per_step
@@ -207,6 +234,7 @@ def run_grpo(cfg: RLConfig, workdir: pathlib.Path, model, tok, engine, log=print
   ref = (state.params, state.model_vars) if cfg.grpo.kl_coef > 0 else None
   writer = MetricsWriter(workdir / "grpo" / "tb")
   history = []
+  bar = _Bar(cfg.grpo_steps, int(state.step), "grpo", progress)
   for step in range(int(state.step), cfg.grpo_steps):
     rng = _rng(cfg, "grpo", step)
     tasks = [t for t in (env.sample(rng) for _ in range(P)) for _ in range(G)]
@@ -237,18 +265,21 @@ def run_grpo(cfg: RLConfig, workdir: pathlib.Path, model, tok, engine, log=print
               "clip_frac": m["clip_frac"], "grad_norm": m["grad_norm"]}
     history.append(record)
     writer.write(step + 1, record)
-    log(f"grpo {step + 1}/{cfg.grpo_steps} reward {record['reward']:.3f} success "
-        f"{record['success']:.3f} {record['rollout_tokens_per_s']:.0f} tok/s "
-        f"|dlogp| {mismatch:.1e}")
+    info = (f"reward {record['reward']:.3f} success {record['success']:.3f} "
+            f"{record['rollout_tokens_per_s']:.0f} tok/s |dlogp| {mismatch:.1e}")
+    bar.update(step + 1, info)
+    log(f"grpo {step + 1}/{cfg.grpo_steps} {info}")
     if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.grpo_steps:
       ckpt.save(state, data_state={"step": step + 1}, meta={"phase": "grpo"},
                 final=step + 1 == cfg.grpo_steps)
+  bar.close()
+  bar.close()
   ckpt.close()
   writer.close()
   return nnx.merge(graphdef, state.params, state.model_vars), history
 
 
-def run(cfg: RLConfig, workdir: str, log=print) -> dict:
+def run(cfg: RLConfig, workdir: str, log=print, progress: bool = False) -> dict:
   """SFT, held-out eval, GRPO, held-out eval. Returns {"sft": eval, "grpo": eval, "history"}."""
   cfg.validate()
   from sparse_lm.inference import Engine  # pylint: disable=import-outside-toplevel
@@ -262,13 +293,14 @@ def run(cfg: RLConfig, workdir: str, log=print) -> dict:
   if tok.vocab_size > model_cfg.vocab_size:
     raise ValueError(f"tokenizer has {tok.vocab_size} ids > model vocab_size "
                      f"{model_cfg.vocab_size}")
-  model = run_sft(cfg, wd, model, tok, log=log)
+  model = run_sft(cfg, wd, model, tok, log=log, progress=progress)
   engine = Engine(model, max_length=cfg.seq_len,
                   max_batch=max(cfg.prompts_per_step * cfg.grpo.group_size, 1))
   out = {}
   for phase in ("sft", "grpo"):
     if phase == "grpo":
-      model, out["history"] = run_grpo(cfg, wd, model, tok, engine, log=log)
+      model, out["history"] = run_grpo(cfg, wd, model, tok, engine, log=log,
+                                        progress=progress)
     path = wd / phase / "eval.json"
     out[phase] = evaluate(engine, tok, model, cfg)
     path.write_text(json.dumps(out[phase], indent=1))

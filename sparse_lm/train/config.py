@@ -42,7 +42,10 @@ class StageConfig:
       "auto", "ragged", "dense", "allgather") and its per-rank receive cap in units of the
       mean n x k rows (None = dropless, worst-case buffers); used when mesh.expert > 1.
     init_from: the stage (by name, in the same workdir) whose final checkpoint initialises
-      this one when it has no checkpoint of its own; None = from scratch.
+      this one when it has no checkpoint of its own; or a directory W holding a Hugging Face
+      import (`python -m sparse_lm.interop.hf import --hf_dir D --workdir W`): then the model
+      is the imported ModelConfig with `model_overrides` applied (`preset` is not used) and
+      training starts from its weights with a fresh optimizer; None = from scratch.
     keep_optimizer_state: carry the AdamW moments over from `init_from` (§8: by default yes).
     reference_seq_len: the length the stage has at full scale (printed when a preset scales
       it down).
@@ -83,6 +86,10 @@ class StageConfig:
     return max(1, self.tokens_per_batch // self.seq_len)
 
   def model_config(self) -> ModelConfig:
+    from sparse_lm.interop import workdir as hf_import  # pylint: disable=g-import-not-at-top
+    imported = hf_import.imported_config(self.init_from)
+    if imported is not None:
+      return dataclasses.replace(imported, **dict(self.model_overrides))
     return get_preset(self.preset, **dict(self.model_overrides))
 
   def validate(self) -> None:
