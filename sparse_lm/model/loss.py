@@ -100,9 +100,10 @@ def loss_fn(model: Transformer, batch: dict, *, train: bool = True,
   Args:
     model: the Transformer.
     batch: "tokens" [B, T] int32; optional "segment_ids" [B, T] int32 (0 = padding; default
-      all ones), "loss_mask" [B, T] (default ones) and "images" (a vision.ImageBatch whose
-      tokens fill the `<image>` spans; those positions are never targets). Convention in the
-      module docstring.
+      all ones), "loss_mask" [B, T] (default ones) and "images" (a vision.ImageBatch or
+      PackedImages whose tokens fill the `<image>` spans; those positions are never targets),
+      or the data pipeline's "image_patches" / "image_segment_ids" / "image_coords" (packed
+      rows). Convention in the module docstring.
     train: forwarded to the model (MoE balancer statistics accumulate in training mode).
     z_loss_coef: weight of the z-loss mean(logsumexp²) (PaLM), 0 to disable.
 
@@ -119,6 +120,10 @@ def loss_fn(model: Transformer, batch: dict, *, train: bool = True,
     seg = jnp.ones_like(tokens, jnp.int32)
   targets, weights = next_token_targets(tokens, seg, batch.get("loss_mask"))
   images = batch.get("images")
+  if images is None and "image_patches" in batch:  # packed rows from the data pipeline
+    from sparse_lm.vision.patches import PackedImages
+    images = PackedImages(batch["image_patches"], batch["image_segment_ids"],
+                          batch["image_coords"])
   if images is not None:  # no loss on image positions (ARCHITECTURE §7)
     from sparse_lm.vision.merge import image_placeholder_mask
     weights = jnp.where(image_placeholder_mask(targets), 0.0, weights)
