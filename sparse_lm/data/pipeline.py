@@ -74,7 +74,8 @@ class DataConfig:
     prefetch: batches prepared ahead in a background thread (0 = none).
     images: image-caption sources mixed into the stream (``sparse_lm.data.image_sources``,
       e.g. ``digits+words`` or ``imagefolder:PATH``); "" = text only.
-    image_ratio: fraction of the mixed documents that are image-caption examples.
+    image_ratio: fraction of the packed elements that are image-caption examples (the others
+      are text chunks of up to seq_len tokens, so the token share of images is smaller).
     image_max_side: images with a longer side (pixels) are downscaled, with a warning.
     image_patches_per_row: encoder patch slots per packed row, L (0 = seq_len); batches then
       carry ``image_patches`` uint8 [b, L, p*p*3], ``image_segment_ids`` int32 [b, L] and

@@ -97,4 +97,7 @@ class StageConfig:
     if self.ep_capacity_factor is not None and self.ep_capacity_factor <= 0:
       raise ValueError(f"StageConfig({self.name}): ep_capacity_factor="
                        f"{self.ep_capacity_factor} must be > 0 (or None: dropless)")
-    self.model_config()  # validates the overrides
+    model = self.model_config()  # validates the overrides
+    if self.data.images and not model.vision:
+      raise ValueError(f"StageConfig({self.name}): data.images={self.data.images!r} needs a "
+                       "model with a vision encoder: set model.vision=true")

@@ -39,6 +39,9 @@ from sparse_lm.train.step import make_eval_step, make_train_step
 
 
 BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
+# With `data.images`: packed encoder patches [B, L, p*p*3], their segment ids [B, L] and
+# patch coordinates [B, L, 2] (sparse_lm/data/images.py), sharded like the rows.
+IMAGE_BATCH_KEYS = {"image_patches": 3, "image_segment_ids": 2, "image_coords": 3}
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -207,6 +210,8 @@ def build(stage: StageConfig, mesh: jax.sharding.Mesh) -> Parts:
     abstract = jax.eval_shape(init)
     state_sh = shd.state_shardings(abstract, mesh)
     batch_sh = {k: shd.batch_sharding(mesh) for k in BATCH_KEYS}
+    if stage.data.images:
+      batch_sh.update({k: shd.batch_sharding(mesh, nd) for k, nd in IMAGE_BATCH_KEYS.items()})
   balance = _balance_fn if model_cfg.balancer != "none" else None
   train_step = jax.jit(
       _traced_in(stage, mesh, make_train_step(
@@ -291,14 +296,14 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
     train_iter = data_lib.make_train_iterator(
         stage.data, tokenizer, seq_len=stage.seq_len,
         batch_size=stage.global_batch // num_shards, process_index=shard,
-        process_count=num_shards)
+        process_count=num_shards, patch_size=model_cfg.vision_patch_size)
     mine = _shard_state(data_state, shard)
     if mine:
       train_iter.set_state(mine)
     eval_rows = stage.eval_batch_size or stage.global_batch
     eval_batches = data_lib.make_eval_batches(
         stage.data, tokenizer, seq_len=stage.seq_len, batch_size=eval_rows,
-        num_batches=stage.eval_batches)
+        num_batches=stage.eval_batches, patch_size=model_cfg.vision_patch_size)
 
     train_step, eval_step = parts.train_step, parts.eval_step
     writer = metrics_lib.MetricsWriter(stage_dir / "tb")
@@ -391,7 +396,7 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
       long_rows = eval_rows
       long_batches = data_lib.make_eval_batches(
           stage.data, tokenizer, seq_len=2 * stage.seq_len, batch_size=long_rows,
-          num_batches=stage.eval_batches)
+          num_batches=stage.eval_batches, patch_size=model_cfg.vision_patch_size)
       final_eval[f"eval_loss@{2 * stage.seq_len}"] = _evaluate(eval_step, state, long_batches,
                                                                 batch_sh)
       writer.write(end, {k.replace("@", "_at_"): v for k, v in final_eval.items()},
