@@ -187,8 +187,8 @@ class ModelConfig:
 
 
 def _full() -> ModelConfig:
-  # Natively multimodal (§7): the ~400M, 27-layer SigLIP-so400m-shaped ViT (width 1152, 16
-  # heads, MLP 4304, patch 14), trained with the LM from the first stage.
+  # Natively multimodal (§7): the 27-layer SigLIP-so400m-shaped ViT (width 1152, 16 heads,
+  # MLP 4304, patch 14; 466M with its projector), trained with the LM from the first stage.
   return ModelConfig(name="full", vision=True)
 
 
@@ -202,7 +202,7 @@ def _small() -> ModelConfig:
       dense_hidden=4096, num_experts=64, experts_per_token=4, moe_latent_dim=512,
       expert_hidden=1024, num_shared_experts=1, shared_expert_hidden=2048,
       attnres_block_layers=4, remat_policy="full",
-      # a ViT-B-sized encoder (~86M: width 768, 12 layers, 12 heads, MLP 3072)
+      # a ViT-B-sized encoder: width 768, 12 layers, 12 heads, MLP 3072 (98M with projector)
       vision=True, vision_width=768, vision_layers=12, vision_heads=12, vision_mlp=3072)
 
 

@@ -133,8 +133,16 @@ def test_imagefolder_with_bad_files_feeds_the_pipeline_and_counts(tmp_path, stdl
     assert ((b["tokens"] == IMG).sum(1) * 4 == (b["image_segment_ids"] > 0).sum(1)).all()
   text = stdlib_tok.decode([t for b in batches for t in b["tokens"].ravel() if t > 3])
   assert "gray cat" in text and "palette dog" in text and "alpha logo" in text
-  summary = image_sources.open_images  # noqa: the counters live on the iterator's source
-  del summary
+  # The counters of one pass over the folder: each awkward kind once.
+  src = image_sources.open_images(f"imagefolder:{tmp_path}", split="train", eval_fraction=0.0)
+  loaded = [src.load(i) for i in range(len(src))]
+  assert sum(x is None for x in loaded) == 2 and len(loaded) == 8
+  counts = src.parts[0].stats.counts
+  assert counts["skipped_empty"] == 1 and counts["skipped_unreadable"] == 1
+  assert counts["converted_L"] == 1 and counts["converted_P"] == 1
+  assert counts["converted_RGBA"] == 1
+  assert sum(v for k, v in counts.items() if k.startswith("converted_I")) == 1
+  assert "empty.png" in src.summary() and "broken.jpg" in src.summary()
 
 
 def test_sources_jsonl_tar_and_builtin(tmp_path):
