@@ -154,7 +154,7 @@ def enable_compilation_cache(directory: str) -> None:
 def main(stages: Mapping[str, StageConfig], argv: Sequence[str] | None = None) -> int:
   """Entry point of `python -m experiments.<stage>`; returns the exit status."""
   stage, workdir, args = build_stage(stages, argv)
-  from launch.distributed import maybe_initialize
+  from sparse_lm.distributed import maybe_initialize
   maybe_initialize()  # jax.distributed on pods / Slurm / mpirun; nothing on one host
   from sparse_lm.train.loop import NonFiniteLossError, run  # after the CLI is validated
   enable_compilation_cache(os.environ.get("SPARSE_LM_XLA_CACHE") or

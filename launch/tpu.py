@@ -13,7 +13,7 @@ instead of running them. Slices are the nodes of one queued resource: `--node-id
 slice, `--node-count N --node-prefix NAME` (nodes NAME-0 .. NAME-{N-1}) for multislice.
 `run` starts the command on every worker of every slice (`--worker=all`) in the background
 under nohup, with its log kept on each worker in ~/sparse_lm/logs/<run-name>.log; the
-experiment calls `launch.distributed.maybe_initialize()`, which finds the TPU pod itself
+experiment calls `sparse_lm.distributed.maybe_initialize()`, which finds the TPU pod itself
 (within a slice) and, across slices, the MEGASCALE_* variables set here.
 """
 

@@ -30,7 +30,7 @@ import jax
 import jax.numpy as jnp
 
 from sparse_lm.config import ModelConfig
-from sparse_lm.model.layers import rms_norm
+from sparse_lm.nn import rms_norm
 from sparse_lm.sharding import constrain
 
 _ACT = ("activation_batch", "activation_length", "activation_embed")

@@ -26,7 +26,8 @@ from jax.ad_checkpoint import checkpoint_name
 from pallas_kernels.kda import chunk_kda, kda_gate, recurrent_step
 from sparse_lm.config import ModelConfig
 from sparse_lm import sharding
-from sparse_lm.model import context_parallel, layers
+from sparse_lm import nn
+from sparse_lm.model import context_parallel
 
 
 def short_conv(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None = None,
@@ -87,35 +88,35 @@ def kda_projections(p: dict, x: jax.Array, *, lower_bound: float | None, eps: fl
   new_state = {}
 
   def branch(name, w, conv):
-    y = layers.project(x, w, dtype=dtype)  # [B, T, H, d]
+    y = nn.project(x, w, dtype=dtype)  # [B, T, H, d]
     H, d = y.shape[-2:]
     y, new_state[name] = short_conv(y.reshape(B, T, H * d), conv.reshape(-1, H * d),
                                     segment_ids, conv_state.get(name))
     return jax.nn.silu(y.astype(jnp.float32)).reshape(B, T, H, d)
 
-  q = layers.l2_norm(branch("q", p["w_q"], p["conv_q"]), eps).astype(dtype)
-  k = layers.l2_norm(branch("k", p["w_k"], p["conv_k"]), eps).astype(dtype)
+  q = nn.l2_norm(branch("q", p["w_q"], p["conv_q"]), eps).astype(dtype)
+  k = nn.l2_norm(branch("k", p["w_k"], p["conv_k"]), eps).astype(dtype)
   v = branch("v", p["w_v"], p["conv_v"]).astype(dtype)
   q = checkpoint_name(q, "query_proj")
   k = checkpoint_name(k, "key_proj")
   v = checkpoint_name(v, "value_proj")
-  z = layers.project(layers.project(x, p["w_g_down"], dtype=dtype), p["w_g_up"], dtype=dtype)
+  z = nn.project(nn.project(x, p["w_g_down"], dtype=dtype), p["w_g_up"], dtype=dtype)
   g = kda_gate(z, p["A_log"], p["dt_bias"], lower_bound=lower_bound)
-  beta = jax.nn.sigmoid(layers.project(x, p["w_beta"], dtype=dtype, out_dtype=jnp.float32))
+  beta = jax.nn.sigmoid(nn.project(x, p["w_beta"], dtype=dtype, out_dtype=jnp.float32))
   return KDAProjections(q, k, v, g, beta), new_state
 
 
 def kda_output(p: dict, x: jax.Array, o: jax.Array, *, eps: float, dtype) -> jax.Array:
   """y = W_o [sigmoid(x W_og) * RMSNorm_per_head(o)]: o [B,T,H,V] -> y [B,T,D] in dtype."""
-  gate = jax.nn.sigmoid(layers.project(x, p["w_og"], dtype=dtype, out_dtype=jnp.float32))
-  o = layers.rms_norm(o, p["o_norm"], eps) * gate
-  return checkpoint_name(layers.project(o.astype(dtype), p["w_o"], 2, dtype=dtype), "out_proj")
+  gate = jax.nn.sigmoid(nn.project(x, p["w_og"], dtype=dtype, out_dtype=jnp.float32))
+  o = nn.rms_norm(o, p["o_norm"], eps) * gate
+  return checkpoint_name(nn.project(o.astype(dtype), p["w_o"], 2, dtype=dtype), "out_proj")
 
 
 def init_dt_bias(key: jax.Array, shape, dt_min=1e-3, dt_max=1e-1, dt_floor=1e-4) -> jax.Array:
   """dt_bias = inverse-softplus(dt), dt ~ logUniform(dt_min, dt_max) clamped >= dt_floor
   (ARCHITECTURE §2.3; Mamba-2 / Kimi Linear initialisation)."""
-  u = layers.uniform_init(0.0, 1.0)(key, shape)
+  u = nn.uniform_init(0.0, 1.0)(key, shape)
   dt = jnp.exp(u * (math.log(dt_max) - math.log(dt_min)) + math.log(dt_min))
   dt = jnp.maximum(dt, dt_floor)
   return dt + jnp.log(-jnp.expm1(-dt))  # softplus^{-1}(dt)
@@ -126,7 +127,7 @@ def init_A_log(lower_bound: float | None):
   def init(key, shape):
     if lower_bound is not None:
       return jnp.zeros(shape, jnp.float32)
-    return jnp.log(layers.uniform_init(1.0, 16.0)(key, shape))
+    return jnp.log(nn.uniform_init(1.0, 16.0)(key, shape))
   return init
 
 
@@ -150,7 +151,7 @@ class KDA(nnx.Module):
     D, H, K, V, W = (cfg.d_model, cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_value_dim,
                      cfg.kda_conv_size)
     self.cfg = cfg
-    dense = lambda i, o, n, std=None: layers.dense_param(rngs, i, o, n, cfg, std=std)
+    dense = lambda i, o, n, std=None: nn.dense_param(rngs, i, o, n, cfg, std=std)
     self.w_q = dense((D,), (H, K), ("embed", "heads", "kv"))
     self.w_k = dense((D,), (H, K), ("embed", "heads", "kv"))
     self.w_v = dense((D,), (H, V), ("embed", "heads", "kv"))
@@ -160,11 +161,11 @@ class KDA(nnx.Module):
     self.conv_v = dense((W,), (H, V), ("conv", "heads", "kv"), conv_std)
     self.w_g_down = dense((D,), (K,), ("embed", "kv"))
     self.w_g_up = dense((K,), (H, K), ("kv", "heads", "kv"))
-    self.A_log = layers.param(rngs, (H,), ("heads",), init=init_A_log(cfg.kda_gate_lower_bound))
-    self.dt_bias = layers.param(rngs, (H * K,), ("heads",), init=init_dt_bias)
+    self.A_log = nn.param(rngs, (H,), ("heads",), init=init_A_log(cfg.kda_gate_lower_bound))
+    self.dt_bias = nn.param(rngs, (H * K,), ("heads",), init=init_dt_bias)
     self.w_beta = dense((D,), (H,), ("embed", "heads"))
     self.w_og = dense((D,), (H, V), ("embed", "heads", "kv"))
-    self.o_norm = layers.param(rngs, (V,), ("norm",), init=layers.ones_init)
+    self.o_norm = nn.param(rngs, (V,), ("norm",), init=nn.ones_init)
     self.w_o = dense((H, V), (D,), ("heads", "kv", "embed"))
 
   def _arrays(self) -> dict:

@@ -13,6 +13,8 @@ import jax
 import jax.numpy as jnp
 
 from sparse_lm.model.transformer import Transformer
+from sparse_lm.vision.merge import image_placeholder_mask
+from sparse_lm.vision.patches import PackedImages
 
 
 def next_token_targets(tokens: jax.Array, segment_ids: jax.Array | None = None,
@@ -121,11 +123,9 @@ def loss_fn(model: Transformer, batch: dict, *, train: bool = True,
   targets, weights = next_token_targets(tokens, seg, batch.get("loss_mask"))
   images = batch.get("images")
   if images is None and "image_patches" in batch:  # packed rows from the data pipeline
-    from sparse_lm.vision.patches import PackedImages
     images = PackedImages(batch["image_patches"], batch["image_segment_ids"],
                           batch["image_coords"])
   if images is not None:  # no loss on image positions (ARCHITECTURE §7)
-    from sparse_lm.vision.merge import image_placeholder_mask
     weights = jnp.where(image_placeholder_mask(targets), 0.0, weights)
   h, aux = model.forward_hidden(tokens, segment_ids=seg, images=images, train=train)
   sums = chunked_cross_entropy(h, model.lm_head[...], targets, weights,

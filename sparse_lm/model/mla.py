@@ -25,7 +25,8 @@ from jax.ad_checkpoint import checkpoint_name
 
 from sparse_lm.config import ModelConfig
 from sparse_lm import sharding
-from sparse_lm.model import context_parallel, layers
+from sparse_lm import nn
+from sparse_lm.model import context_parallel
 from sparse_lm.model.attention import dot_product_attention
 
 
@@ -49,12 +50,12 @@ class MLA(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     D, H = cfg.d_model, cfg.mla_num_heads
     self.cfg = cfg
-    dense = lambda i, o, n: layers.dense_param(rngs, i, o, n, cfg)
+    dense = lambda i, o, n: nn.dense_param(rngs, i, o, n, cfg)
     self.w_dq = dense((D,), (cfg.q_lora_rank,), ("embed", "q_lora"))
-    self.q_norm = layers.RMSNorm(cfg.q_lora_rank, cfg=cfg, rngs=rngs)
+    self.q_norm = nn.RMSNorm(cfg.q_lora_rank, cfg=cfg, rngs=rngs)
     self.w_uq = dense((cfg.q_lora_rank,), (H, cfg.qk_head_dim), ("q_lora", "heads", "kv"))
     self.w_dkv = dense((D,), (cfg.kv_lora_rank + cfg.qk_rope_head_dim,), ("embed", "kv_lora"))
-    self.kv_norm = layers.RMSNorm(cfg.kv_lora_rank, cfg=cfg, rngs=rngs)
+    self.kv_norm = nn.RMSNorm(cfg.kv_lora_rank, cfg=cfg, rngs=rngs)
     self.w_ukv = dense((cfg.kv_lora_rank,), (H, cfg.qk_nope_head_dim + cfg.v_head_dim),
                        ("kv_lora", "heads", "kv"))
     self.w_gate = dense((D,), (H, cfg.v_head_dim), ("embed", "heads", "kv"))
@@ -66,20 +67,20 @@ class MLA(nnx.Module):
 
   def _query(self, x):
     dtype = jnp.dtype(self.cfg.dtype)
-    c_q = self.q_norm(layers.project(x, self.w_dq[...], dtype=dtype)).astype(dtype)
-    return layers.project(c_q, self.w_uq[...], dtype=dtype)  # [B, T, H, 192]
+    c_q = self.q_norm(nn.project(x, self.w_dq[...], dtype=dtype)).astype(dtype)
+    return nn.project(c_q, self.w_uq[...], dtype=dtype)  # [B, T, H, 192]
 
   def _latent(self, x):
     dtype = jnp.dtype(self.cfg.dtype)
-    ckv = layers.project(x, self.w_dkv[...], dtype=dtype)
+    ckv = nn.project(x, self.w_dkv[...], dtype=dtype)
     c_kv, k_rope = ckv[..., :self.cfg.kv_lora_rank], ckv[..., self.cfg.kv_lora_rank:]
     return self.kv_norm(c_kv).astype(dtype), k_rope
 
   def _gated_out(self, x, o):
     dtype = jnp.dtype(self.cfg.dtype)
-    gate = jax.nn.sigmoid(layers.project(x, self.w_gate[...], dtype=dtype, out_dtype=jnp.float32))
+    gate = jax.nn.sigmoid(nn.project(x, self.w_gate[...], dtype=dtype, out_dtype=jnp.float32))
     o = (o.astype(jnp.float32) * gate).astype(dtype)
-    return checkpoint_name(layers.project(o, self.w_o[...], 2, dtype=dtype), "out_proj")
+    return checkpoint_name(nn.project(o, self.w_o[...], 2, dtype=dtype), "out_proj")
 
   def qkv(self, x: jax.Array):
     """x [B,T,D] -> q, k [B,T,H,192], v [B,T,H,128] (cfg.dtype), as fed to the attention."""
@@ -88,7 +89,7 @@ class MLA(nnx.Module):
     H = cfg.mla_num_heads
     q = self._query(x)
     c_kv, k_rope = self._latent(x)
-    kv = layers.project(c_kv, self.w_ukv[...], dtype=jnp.dtype(cfg.dtype))
+    kv = nn.project(c_kv, self.w_ukv[...], dtype=jnp.dtype(cfg.dtype))
     k_nope, v = kv[..., :cfg.qk_nope_head_dim], kv[..., cfg.qk_nope_head_dim:]
     k = jnp.concatenate(
         [k_nope, jnp.broadcast_to(k_rope[:, :, None, :], (B, T, H, cfg.qk_rope_head_dim))], -1)

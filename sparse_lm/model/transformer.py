@@ -32,10 +32,12 @@ from flax import nnx
 
 from sparse_lm import sharding
 from sparse_lm.config import ModelConfig
-from sparse_lm.model import attnres, layers
+from sparse_lm import nn
+from sparse_lm.model import attnres
 from sparse_lm.model.kda import KDA
 from sparse_lm.model.mla import MLA
 from sparse_lm.moe import LatentMoE, SiTUGLU
+from sparse_lm.vision.encoder import VisionEncoder
 
 AUX_KEYS = ("max_violation", "dead_frac", "drop_rate", "load", "aux_loss")
 
@@ -51,14 +53,14 @@ class DecoderLayer(nnx.Module):
     self.cfg = cfg
     self.mixer_kind = mixer
     self.dense_ffn = dense_ffn
-    self.attn_norm = layers.RMSNorm(cfg.d_model, cfg=cfg, rngs=rngs)
+    self.attn_norm = nn.RMSNorm(cfg.d_model, cfg=cfg, rngs=rngs)
     self.mixer = KDA(cfg, rngs=rngs) if mixer == "kda" else MLA(cfg, rngs=rngs)
-    self.ffn_norm = layers.RMSNorm(cfg.d_model, cfg=cfg, rngs=rngs)
+    self.ffn_norm = nn.RMSNorm(cfg.d_model, cfg=cfg, rngs=rngs)
     if dense_ffn:
       self.ffn = SiTUGLU(cfg.d_model, cfg.dense_hidden, cfg=cfg, rngs=rngs)
     else:
       self.ffn = LatentMoE(cfg, rngs=rngs)
-    q = lambda: layers.param(rngs, (cfg.d_model,), ("norm",), init=layers.zeros_init)
+    q = lambda: nn.param(rngs, (cfg.d_model,), ("norm",), init=nn.zeros_init)
     self.attn_query = q()
     self.ffn_query = q()
 
@@ -114,7 +116,7 @@ def _stacked_groups(cfg: ModelConfig, n: int, rngs: nnx.Rngs) -> LayerGroup:
     def make(r):
       return LayerGroup(cfg, first_layer=cfg.mla_every, rngs=r)
     return make(rngs)
-  return layers.stack_modules(
+  return nn.stack_modules(
       [LayerGroup(cfg, first_layer=cfg.mla_every, rngs=rngs) for _ in range(n)])
 
 
@@ -136,7 +138,7 @@ def _remat_call(cfg: ModelConfig, module: nnx.Module, stream: dict, *, opens_blo
   they, too, keep only their input stream for the backward pass. Non-Param variables the call
   updates (the balancer histograms) are written back to `module`.
   """
-  policy = layers.remat_policy(cfg.remat_policy)
+  policy = nn.remat_policy(cfg.remat_policy)
   if policy is None:
     return module(stream, opens_block=opens_block, segment_ids=segment_ids, valid=valid,
                   train=train)
@@ -172,22 +174,18 @@ class Transformer(nnx.Module):
           f"num_dense_layers={cfg.num_dense_layers} > mla_every={cfg.mla_every}: dense FFN "
           "layers must all sit in the first (unrolled) layer group")
     self.cfg = cfg
-    self.embed = layers.Embed(cfg, rngs=rngs)
+    self.embed = nn.Embed(cfg, rngs=rngs)
     self.head = LayerGroup(cfg, first_layer=0, rngs=rngs)
     self.num_groups = (cfg.num_layers - 1) // cfg.mla_every  # including the head group
     n = self.num_groups - 1
     self.groups = _stacked_groups(cfg, n, rngs) if n > 0 else None
     self.last = DecoderLayer(cfg, mixer="mla", dense_ffn=False, rngs=rngs)
-    self.final_query = layers.param(rngs, (cfg.d_model,), ("norm",), init=layers.zeros_init)
-    self.final_norm = layers.RMSNorm(cfg.d_model, cfg=cfg, rngs=rngs)
-    self.lm_head = layers.dense_param(rngs, (cfg.d_model,), (cfg.vocab_size,),
+    self.final_query = nn.param(rngs, (cfg.d_model,), ("norm",), init=nn.zeros_init)
+    self.final_norm = nn.RMSNorm(cfg.d_model, cfg=cfg, rngs=rngs)
+    self.lm_head = nn.dense_param(rngs, (cfg.d_model,), (cfg.vocab_size,),
                                       ("embed", "vocab"), cfg)
     # Created last so a text-only model's parameters do not depend on cfg.vision.
-    if cfg.vision:
-      from sparse_lm.vision.encoder import VisionEncoder  # vision imports model.layers
-      self.vision = VisionEncoder(cfg, rngs=rngs)
-    else:
-      self.vision = None
+    self.vision = VisionEncoder(cfg, rngs=rngs) if cfg.vision else None
 
   # ------------------------------------------------------------------ stack
   def _run_groups(self, stream, *, segment_ids, valid, train):
@@ -204,7 +202,7 @@ class Transformer(nnx.Module):
                                           segment_ids=segment_ids, valid=valid, train=train)
       return stream, (_stack_aux(auxes), r_new)
 
-    policy = layers.remat_policy(cfg.remat_policy)
+    policy = nn.remat_policy(cfg.remat_policy)
     if policy is not None:
       body = jax.checkpoint(body, policy=policy, prevent_cse=not cfg.scan_layers)
     if cfg.scan_layers:
@@ -268,7 +266,7 @@ class Transformer(nnx.Module):
 
   def logits(self, h: jax.Array) -> jax.Array:
     """LM head: h [..., D] -> fp32 logits [..., vocab] (matmul in cfg.dtype, fp32 accum)."""
-    return layers.project(h, self.lm_head[...], dtype=jnp.dtype(self.cfg.dtype),
+    return nn.project(h, self.lm_head[...], dtype=jnp.dtype(self.cfg.dtype),
                           out_dtype=jnp.float32)
 
   def __call__(self, tokens: jax.Array, *, segment_ids: jax.Array | None = None,

@@ -25,23 +25,16 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from sparse_lm import sharding
+from sparse_lm import nn, sharding
 from sparse_lm.config import ModelConfig
 from sparse_lm.moe import balancing, gmm as gmm_lib, router as router_lib
-from sparse_lm.moe.situ_glu import SiTUGLU, make_param, situ_activation
+from sparse_lm.moe.situ_glu import SiTUGLU, situ_activation
 
 BATCH_AXES = ("activation_batch", "activation_length", "activation_embed")
 LATENT_AXES = ("activation_batch", "activation_length", None)
 
 
 # ------------------------------------------------------------------------ pure functions
-def rms_norm(x: jax.Array, scale: jax.Array, eps: float) -> jax.Array:
-  """x / rms(x) * scale over the last axis, in fp32. Returns fp32."""
-  x = x.astype(jnp.float32)
-  inv = jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True) + eps)
-  return x * inv * scale.astype(jnp.float32)
-
-
 def capacity_keep(expert_ids: jax.Array, margin: jax.Array, capacity: int,
                   num_experts: int) -> jax.Array:
   """Which assignments survive a per-expert cap of `capacity` (the highest-margin ones).
@@ -179,17 +172,18 @@ class LatentMoE(nnx.Module):
     self.compute_dtype = cfg.dtype
     self.qb_cutoff = "midpoint"  # router.route: alpha between z_(k) and z_(k+1)
 
-    self.router = make_param(rngs, (d, e), ("embed", "exp"), std=std, dtype=jnp.float32)
-    self.w_down = make_param(rngs, (d, lat), ("embed", "latent"), std=std, dtype=pdt)
-    self.expert_gate = make_param(rngs, (e, lat, f), ("exp", "latent", "expert_mlp"), std=std,
-                                  dtype=pdt)
-    self.expert_up = make_param(rngs, (e, lat, f), ("exp", "latent", "expert_mlp"), std=std,
-                                dtype=pdt)
-    self.expert_down = make_param(rngs, (e, f, lat), ("exp", "expert_mlp", "latent"), std=std,
-                                  dtype=pdt)
+    normal = nn.jax_normal_init(std)
+    self.router = nn.param(rngs, (d, e), ("embed", "exp"), init=normal, dtype=jnp.float32)
+    self.w_down = nn.param(rngs, (d, lat), ("embed", "latent"), init=normal, dtype=pdt)
+    self.expert_gate = nn.param(rngs, (e, lat, f), ("exp", "latent", "expert_mlp"),
+                                init=normal, dtype=pdt)
+    self.expert_up = nn.param(rngs, (e, lat, f), ("exp", "latent", "expert_mlp"),
+                                init=normal, dtype=pdt)
+    self.expert_down = nn.param(rngs, (e, f, lat), ("exp", "expert_mlp", "latent"),
+                                init=normal, dtype=pdt)
     self.latent_norm = nnx.Param(jnp.ones((lat,), pdt), out_sharding=("latent",),
                                  eager_sharding=False)
-    self.w_up = make_param(rngs, (lat, d), ("latent", "embed"), std=std, dtype=pdt)
+    self.w_up = nn.param(rngs, (lat, d), ("latent", "embed"), init=normal, dtype=pdt)
     if cfg.num_shared_experts > 0:
       self.shared = SiTUGLU(d, cfg.num_shared_experts * cfg.shared_expert_hidden, cfg=cfg,
                             rngs=rngs, in_axis="embed", hidden_axis="mlp")
@@ -256,7 +250,7 @@ class LatentMoE(nnx.Module):
     z = sharding.constrain(z, LATENT_AXES)
     u = dispatch_and_compute(z.reshape(n, -1), ids, routing.gates, self.expert_params(),
                              backend=self.gmm_backend, beta1=self.beta1, beta2=self.beta2)
-    u = rms_norm(u, self.latent_norm[...], self.norm_eps).astype(dt)
+    u = nn.rms_norm(u, self.latent_norm[...], self.norm_eps).astype(dt)
     y = jnp.dot(u, self.w_up[...].astype(dt)).reshape(bsz, seq, dim)
     if self.shared is not None:
       y = y + self.shared(x.astype(dt))

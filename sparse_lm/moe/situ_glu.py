@@ -13,12 +13,11 @@ The math is in pure functions (`situ_activation`, `situ_glu`); `SiTUGLU` holds t
 from __future__ import annotations
 
 import functools
-from typing import Sequence
-
 import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sparse_lm import nn
 from sparse_lm.config import ModelConfig
 
 
@@ -67,19 +66,6 @@ def situ_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
   return jnp.dot(h, w_down.astype(dt))
 
 
-def make_param(rngs: nnx.Rngs, shape: Sequence[int], names: Sequence[str | None], *,
-               std: float, dtype) -> nnx.Param:
-  """A normal(0, std) nnx.Param carrying logical axis names as `out_sharding` metadata.
-
-  The names are logical (`embed`, `exp`, ...), resolved to mesh axes by the rules table of
-  `sparse_lm.sharding`, so eager sharding is off here: the train code shards the state
-  (e.g. from `nnx.get_partition_spec`) once the mesh exists. Layers stacked with nnx.vmap /
-  nnx.scan get their leading axis name through `transform_metadata`.
-  """
-  value = std * jax.random.normal(rngs.params(), tuple(shape), jnp.float32)
-  return nnx.Param(value.astype(dtype), out_sharding=tuple(names), eager_sharding=False)
-
-
 class SiTUGLU(nnx.Module):
   """SiTU-GLU FFN D_in -> hidden -> D_in: the dense layer-0 FFN and the shared experts.
 
@@ -93,10 +79,11 @@ class SiTUGLU(nnx.Module):
     self.beta2 = cfg.situ_beta2
     self.dtype = jnp.dtype(cfg.dtype)
     pdt = jnp.dtype(cfg.param_dtype)
-    std = cfg.init_std
-    self.w_gate = make_param(rngs, (d_in, hidden), (in_axis, hidden_axis), std=std, dtype=pdt)
-    self.w_up = make_param(rngs, (d_in, hidden), (in_axis, hidden_axis), std=std, dtype=pdt)
-    self.w_down = make_param(rngs, (hidden, d_in), (hidden_axis, in_axis), std=std, dtype=pdt)
+    weight = lambda shape, names: nn.param(rngs, shape, names,
+                                           init=nn.jax_normal_init(cfg.init_std), dtype=pdt)
+    self.w_gate = weight((d_in, hidden), (in_axis, hidden_axis))
+    self.w_up = weight((d_in, hidden), (in_axis, hidden_axis))
+    self.w_down = weight((hidden, d_in), (hidden_axis, in_axis))
 
   def __call__(self, x: jax.Array) -> jax.Array:
     """x [..., d_in] -> y [..., d_in] in x's dtype (matmuls in cfg.dtype)."""

@@ -18,7 +18,7 @@ Choices not fixed by the sources (documented, not config fields):
   * RMSNorm everywhere (the decoder's norm) instead of SigLIP's LayerNorm; no biases.
   * Projector hidden width 4C (the merged width); a final RMSNorm with learned scale so image
     tokens enter the residual stream at RMS ~1, like the unit-variance text embeddings
-    (`layers.Embed`).
+    (`nn.Embed`).
   * Attention is exact softmax over all patches of an image, queries blocked by
     cfg.attention_chunk_size (the decoder's memory-efficient XLA block size) to bound memory.
   * Images in one batch do not attend to each other: the batch is padded [N, P, C] with a key
@@ -36,11 +36,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sparse_lm import sharding
+from sparse_lm import nn, sharding
 from sparse_lm.config import ModelConfig
-from sparse_lm.model import layers
-from sparse_lm.vision import merge, patches
 from sparse_lm.data import images as image_data
+from sparse_lm.vision import merge, patches
 from sparse_lm.vision.patches import ImageBatch, PackedImages
 
 ROPE_THETA = 10_000.0
@@ -179,15 +178,15 @@ class VisionBlock(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     C, H, F = cfg.vision_width, cfg.vision_heads, cfg.vision_mlp
     dh = C // H
-    dense = lambda i, o, n: layers.dense_param(rngs, i, o, n, cfg)
+    dense = lambda i, o, n: nn.dense_param(rngs, i, o, n, cfg)
     self.dtype = jnp.dtype(cfg.dtype)
     self.query_chunk = cfg.attention_chunk_size
-    self.attn_norm = layers.RMSNorm(C, cfg=cfg, rngs=rngs)
+    self.attn_norm = nn.RMSNorm(C, cfg=cfg, rngs=rngs)
     self.w_q = dense((C,), (H, dh), ("vision_embed", "heads", "kv"))
     self.w_k = dense((C,), (H, dh), ("vision_embed", "heads", "kv"))
     self.w_v = dense((C,), (H, dh), ("vision_embed", "heads", "kv"))
     self.w_o = dense((H, dh), (C,), ("heads", "kv", "vision_embed"))
-    self.mlp_norm = layers.RMSNorm(C, cfg=cfg, rngs=rngs)
+    self.mlp_norm = nn.RMSNorm(C, cfg=cfg, rngs=rngs)
     self.w_1 = dense((C,), (F,), ("vision_embed", "vision_mlp"))
     self.w_2 = dense((F,), (C,), ("vision_mlp", "vision_embed"))
 
@@ -197,20 +196,20 @@ class VisionBlock(nnx.Module):
     segment_ids int [N, P] (packed rows, see `masked_attention`) -> fp32 [N, P, C]."""
     dt = self.dtype
     h = self.attn_norm(x).astype(dt)
-    q = apply_rope_2d(layers.project(h, self.w_q[...]), cos, sin)
-    k = apply_rope_2d(layers.project(h, self.w_k[...]), cos, sin)
-    v = layers.project(h, self.w_v[...])
+    q = apply_rope_2d(nn.project(h, self.w_q[...]), cos, sin)
+    k = apply_rope_2d(nn.project(h, self.w_k[...]), cos, sin)
+    v = nn.project(h, self.w_v[...])
     o = masked_attention(q, k, v, valid, segment_ids=segment_ids, query_chunk=self.query_chunk)
-    x = x + layers.project(o, self.w_o[...], 2, out_dtype=jnp.float32)
+    x = x + nn.project(o, self.w_o[...], 2, out_dtype=jnp.float32)
     h = self.mlp_norm(x).astype(dt)
-    h = jax.nn.gelu(layers.project(h, self.w_1[...]), approximate=True)
+    h = jax.nn.gelu(nn.project(h, self.w_1[...]), approximate=True)
     h = sharding.constrain(h, ("activation_batch", None, "activation_mlp"))
-    return x + layers.project(h, self.w_2[...], out_dtype=jnp.float32)
+    return x + nn.project(h, self.w_2[...], out_dtype=jnp.float32)
 
 
 def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> VisionBlock:
   """cfg.vision_layers VisionBlocks with every param stacked on a leading `layers` axis."""
-  return layers.stack_modules([VisionBlock(cfg, rngs=rngs) for _ in range(cfg.vision_layers)])
+  return nn.stack_modules([VisionBlock(cfg, rngs=rngs) for _ in range(cfg.vision_layers)])
 
 
 class VisionEncoder(nnx.Module):
@@ -234,15 +233,15 @@ class VisionEncoder(nnx.Module):
     self.cfg = cfg
     C, p = cfg.vision_width, cfg.vision_patch_size
     merged = patches.MERGE * patches.MERGE * C
-    self.patch_embed = layers.dense_param(rngs, (p * p * 3,), (C,),
+    self.patch_embed = nn.dense_param(rngs, (p * p * 3,), (C,),
                                           ("vision_patch", "vision_embed"), cfg)
     self.blocks = _stacked_blocks(cfg, rngs)
-    self.final_norm = layers.RMSNorm(C, cfg=cfg, rngs=rngs)
-    self.proj_1 = layers.dense_param(rngs, (merged,), (merged,),
+    self.final_norm = nn.RMSNorm(C, cfg=cfg, rngs=rngs)
+    self.proj_1 = nn.dense_param(rngs, (merged,), (merged,),
                                      ("vision_merged", "vision_mlp"), cfg)
-    self.proj_2 = layers.dense_param(rngs, (merged,), (cfg.d_model,), ("vision_mlp", "embed"),
+    self.proj_2 = nn.dense_param(rngs, (merged,), (cfg.d_model,), ("vision_mlp", "embed"),
                                      cfg)
-    self.out_norm = layers.RMSNorm(cfg.d_model, cfg=cfg, rngs=rngs)
+    self.out_norm = nn.RMSNorm(cfg.d_model, cfg=cfg, rngs=rngs)
 
   def _run_blocks(self, x, cos, sin, valid, segment_ids=None):
     cfg = self.cfg
@@ -251,7 +250,7 @@ class VisionEncoder(nnx.Module):
     def body(x, p):
       return nnx.merge(graphdef, p, rest)(x, cos, sin, valid, segment_ids), None
 
-    policy = layers.remat_policy(cfg.remat_policy)
+    policy = nn.remat_policy(cfg.remat_policy)
     if policy is not None:
       body = jax.checkpoint(body, policy=policy, prevent_cse=not cfg.scan_layers)
     if cfg.scan_layers:
@@ -273,15 +272,15 @@ class VisionEncoder(nnx.Module):
     N, H, W, _ = pixels.shape
     gh, gw = H // p, W // p
     x = patches.patchify(pixels.astype(dt), p).reshape(N, gh * gw, p * p * 3)
-    x = layers.project(x, self.patch_embed[...], out_dtype=jnp.float32)
+    x = nn.project(x, self.patch_embed[...], out_dtype=jnp.float32)
     x = sharding.constrain(x, ("activation_batch", None, "activation_embed"))
     valid = patches.patch_validity(sizes, gh, gw, p)
     rows, cols = patches.patch_positions(gh, gw)
     cos, sin = rope_2d_tables(rows, cols, cfg.vision_width // cfg.vision_heads)
     x = self._run_blocks(x, cos, sin, valid)
     z = patches.merge_2x2(self.final_norm(x).astype(dt), gh, gw)
-    z = jax.nn.gelu(layers.project(z, self.proj_1[...]), approximate=True)
-    e = self.out_norm(layers.project(z, self.proj_2[...]))  # fp32 [N, M, D]
+    z = jax.nn.gelu(nn.project(z, self.proj_1[...]), approximate=True)
+    e = self.out_norm(nn.project(z, self.proj_2[...]))  # fp32 [N, M, D]
     e = sharding.constrain(e, ("activation_batch", None, "activation_embed"))
     e, mask = patches.compact_tokens(e, sizes, gh // 2, gw // 2, p)
     e = sharding.constrain(e, ("activation_batch", None, "activation_embed"))
@@ -318,13 +317,13 @@ class VisionEncoder(nnx.Module):
     if x.dtype == jnp.uint8:
       x = image_data.normalize(x)
     x = jnp.where((seg > 0)[..., None], x, 0.0).astype(dt)
-    x = layers.project(x, self.patch_embed[...], out_dtype=jnp.float32)
+    x = nn.project(x, self.patch_embed[...], out_dtype=jnp.float32)
     x = sharding.constrain(x, ("activation_batch", None, "activation_embed"))
     cos, sin = rope_2d_angles(coords, cfg.vision_width // cfg.vision_heads)
     x = self._run_blocks(x, cos, sin, seg > 0, seg)
     z = self.final_norm(x).astype(dt).reshape(R, L // 4, 4 * cfg.vision_width)
-    z = jax.nn.gelu(layers.project(z, self.proj_1[...]), approximate=True)
-    e = self.out_norm(layers.project(z, self.proj_2[...]))  # fp32 [R, L/4, D]
+    z = jax.nn.gelu(nn.project(z, self.proj_1[...]), approximate=True)
+    e = self.out_norm(nn.project(z, self.proj_2[...]))  # fp32 [R, L/4, D]
     e = sharding.constrain(e, ("activation_batch", None, "activation_embed"))
     return e, seg[:, ::4] > 0
 

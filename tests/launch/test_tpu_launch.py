@@ -4,7 +4,8 @@ import shlex
 
 import pytest
 
-from launch import distributed, tpu
+from launch import tpu
+from sparse_lm import distributed
 
 POD = ["--name", "lm", "--tpu", "v5p-256", "--num-slices", "2", "--zone", "us-east5-a",
        "--project", "proj"]

@@ -7,6 +7,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from sparse_lm import nn
 from sparse_lm.moe import dispatch_and_compute
 from sparse_lm.moe import latent_moe as lm
 from sparse_lm.moe import router
@@ -151,7 +152,7 @@ def test_module_capacity_drop_rate():
   assert int((~keep & (ids < 8)).sum()) == round(expect * 56)
   u = lm.dense_reference(xf @ m.w_down[...], jnp.where(keep, ids, 8), rt.gates,
                          m.expert_params())
-  u = lm.rms_norm(u, m.latent_norm[...], 1e-6)
+  u = nn.rms_norm(u, m.latent_norm[...], 1e-6)
   expect_y = u @ m.w_up[...] + m.shared(xf)
   assert _rel(y.reshape(-1, 32), expect_y) < 1e-5
   # ...which differs from the dropless layer.

@@ -1,4 +1,6 @@
-"""Small building blocks: parameters with logical axes, RMSNorm, embeddings, remat policies.
+"""Shared building blocks of model/, moe/ and vision/ (the bottom floor, beside config.py):
+parameters with logical axes and their initialisers, projections, RMSNorm / L2 norm,
+embeddings, remat policies and layer stacking.
 
 Every parameter is born with its logical axis names (MaxText style) stored as the
 `out_sharding` metadata of the `nnx.Param`; `sparse_lm.sharding` maps those names to mesh axes
@@ -40,6 +42,14 @@ def normal_init(std: float) -> Initializer:
   def init(key, shape):
     if _concrete(key):
       return jnp.asarray(std * numpy_rng(key).standard_normal(shape, np.float32))
+    return std * jax.random.normal(key, shape, jnp.float32)
+  return init
+
+
+def jax_normal_init(std: float) -> Initializer:
+  """normal(0, std) drawn by `jax.random` even for concrete keys (the MoE weights' initialiser:
+  kept so that a seed gives the same experts and routers as before `normal_init` went NumPy)."""
+  def init(key, shape):
     return std * jax.random.normal(key, shape, jnp.float32)
   return init
 

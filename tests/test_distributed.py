@@ -1,6 +1,6 @@
-"""launch.distributed.detect: which multi-host start-up applies, from the environment."""
+"""sparse_lm.distributed.detect: which multi-host start-up applies, from the environment."""
 
-from launch.distributed import detect
+from sparse_lm.distributed import detect
 
 
 def test_libtpu_warning_text_is_not_a_host_list():

@@ -1,8 +1,9 @@
 """Multi-host start-up: `maybe_initialize()` calls `jax.distributed.initialize()` when the
 process is one of several (TPU pod / multislice, Slurm, explicit coordinator), else nothing.
 
-Call it first thing in an experiment's `main`, before any other JAX call. Independent of
-`sparse_lm.train` so that launch scripts and experiments can both use it.
+Call it first thing in an experiment's `main`, before any other JAX call. It sits on the
+bottom floor (no sparse_lm imports) so that experiments/ and launch/ both use it without
+importing each other.
 """
 
 from __future__ import annotations
