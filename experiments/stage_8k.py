@@ -5,7 +5,7 @@ packed short documents. At full scale (`full`, 2.8T total / 104B active paramete
 sees 4,096 sequences x 8K = 33.5M tokens, warms the learning rate up over 2,000 steps to 2e-4,
 holds it, and decays it to a tenth over the last 10% of 120,000 steps: 4.0T tokens, about
 6 x 104B x 4.0T = 2.5e24 FLOPs. The mesh is the layout that fits v5p HBM (docs/scaling.md:
-79.8 of 95 GB per chip, compiled for v5p:8x16x16): 2,048 chips as fsdp=2 x expert=128 x
+79.8 of 95 GB per chip, compiled for its topology, v5p:8x16x16): 2,048 chips as fsdp=2 x expert=128 x
 context=8 (7 experts per chip; each 8K sequence over 8 chips), 16 micro-batches of 256
 sequences, full remat, an expert-parallel receive cap of 1.25 x the mean. The `small` preset (1.6B total,
 0.3B active) takes 32 x 8K = 262K tokens per step, in 4 micro-batches of 8 rows (one H200
@@ -30,7 +30,8 @@ FULL = StageConfig(
     name="stage_8k", preset="full", seq_len=8192, tokens_per_batch=4096 * 8192, steps=120_000,
     optim=OptimizerConfig(peak_lr=2e-4, warmup_steps=2000, decay_fraction=0.1),
     eval_every=1000, eval_batches=8, eval_batch_size=512, checkpoint_every=1000,
-    micro_batches=16, mesh=MeshLayout(fsdp=-1, expert=128, context=8), ep_capacity_factor=1.25,
+    micro_batches=16, mesh=MeshLayout(fsdp=-1, expert=128, context=8), topology="v5p:8x16x16",
+    ep_capacity_factor=1.25,
     data=DataConfig(images=IMAGES, image_ratio=0.5, image_patches_per_row=8192),
     reference_seq_len=8192)
 
@@ -38,7 +39,7 @@ SMALL = dataclasses.replace(
     FULL, preset="small", tokens_per_batch=32 * 8192, micro_batches=4, steps=20_000,
     optim=OptimizerConfig(peak_lr=3e-4, warmup_steps=1000, decay_fraction=0.1),
     eval_every=500, eval_batch_size=None, checkpoint_every=1000, mesh=MeshLayout(fsdp=-1),
-    ep_capacity_factor=None)
+    topology=None, ep_capacity_factor=None)
 
 TINY = dataclasses.replace(
     SMALL, preset="tiny", seq_len=256, tokens_per_batch=8 * 256, micro_batches=1, steps=500,

@@ -18,6 +18,7 @@ BALANCER_KINDS = ("quantile", "bias_sign", "aux_loss", "none")
 REMAT_POLICIES = ("none", "full", "save_dots", "save_qkv_proj", "minimal")
 KDA_BACKENDS = ("auto", "xla", "reference", "pallas_tpu", "pallas_gpu")
 GMM_BACKENDS = ("auto", "ragged_dot", "tokamax", "megablox", "dense")
+FFN_ACTIVATIONS = ("situ", "swiglu")
 ATTENTION_BACKENDS = ("auto", "xla_chunked", "xla", "tokamax", "cudnn", "splash")
 
 
@@ -27,6 +28,8 @@ class ModelConfig:
 
   Layer layout: layer i is Gated MLA when (i + 1) % mla_every == 0 or i == num_layers - 1
   (the last layer is MLA), else KDA. Layer 0 uses the dense SiTU-GLU FFN; all others LatentMoE.
+  num_layers = 1 mod mla_every gives whole groups plus the last layer (93, 9); other values
+  add KDA layers before the last one (Kimi-Linear-48B: 27 layers, mla_every 4).
   """
 
   name: str = "custom"
@@ -44,21 +47,24 @@ class ModelConfig:
   kda_gate_lower_bound: float | None = -5.0  # None = unbounded softplus gate
   kda_chunk_size: int = 64
   kda_backend: str = "auto"
+  kda_output_gate_rank: int = 0  # 0 = full-rank w_og [D,H,V]; r > 0 = w_og_down [D,r] w_og_up
 
   # Gated MLA (§3), NoPE: the "rope" part is never rotated.
   mla_num_heads: int = 96
-  q_lora_rank: int = 1536
+  q_lora_rank: int = 1536  # 0 = no query LoRA: one w_q [D, H, nope+rope] (Kimi-Linear)
   kv_lora_rank: int = 512
   qk_nope_head_dim: int = 128
   qk_rope_head_dim: int = 64
   v_head_dim: int = 128
   attention_backend: str = "auto"
   attention_chunk_size: int = 512  # query/key block of the memory-efficient XLA path
+  mla_output_gate: bool = True  # G1 sigmoid gate before W_o (False: Kimi-Linear's plain MLA)
 
   # Dense FFN (layer 0) and SiTU-GLU (§5)
   dense_hidden: int = 33_792
   situ_beta1: float = 4.0
   situ_beta2: float = 25.0
+  ffn_activation: str = "situ"  # "situ" (SiTU-GLU) or "swiglu" (silu(g) * u): every GLU FFN
 
   # Stable LatentMoE (§5)
   num_experts: int = 896
@@ -67,7 +73,8 @@ class ModelConfig:
   expert_hidden: int = 3072
   num_shared_experts: int = 2
   shared_expert_hidden: int = 3072
-  route_scale: float = 1.0
+  route_scale: float = 1.0  # HF routed_scaling_factor
+  moe_latent: bool = True  # False: routed experts on the full width (no W_down/norm/W_up)
   capacity_factor: float | None = None  # None = dropless
   gmm_backend: str = "auto"
 
@@ -90,7 +97,9 @@ class ModelConfig:
   vision_mlp: int = 4304
 
   # Numerics and memory
-  norm_eps: float = 1e-6
+  norm_eps: float = 1e-6  # RMSNorm epsilon (pre-norms, final norm, KDA o_norm, latent norm)
+  mla_norm_eps: float | None = None  # MLA q/kv latent RMSNorms; None = norm_eps
+  l2_norm_eps: float = 1e-6  # KDA q/k L2 norm, inside the square root
   dtype: str = "bfloat16"  # compute dtype
   param_dtype: str = "float32"  # master weights
   remat_policy: str = "full"
@@ -126,6 +135,13 @@ class ModelConfig:
     return self.qk_nope_head_dim + self.qk_rope_head_dim
 
   @property
+  def glu_betas(self) -> tuple[float | None, float | None]:
+    """(beta1, beta2) for `situ_activation`: the SiTU clip levels, or (None, None) = SwiGLU."""
+    if self.ffn_activation == "swiglu":
+      return None, None
+    return self.situ_beta1, self.situ_beta2
+
+  @property
   def num_attnres_blocks(self) -> int:
     return -(-self.num_layers // self.attnres_block_layers)
 
@@ -136,7 +152,7 @@ class ModelConfig:
       raise ValueError(f"ModelConfig({self.name}): {msg}")
 
     for f in ("vocab_size", "d_model", "num_layers", "kda_num_heads", "kda_head_dim",
-              "kda_value_dim", "mla_num_heads", "q_lora_rank", "kv_lora_rank",
+              "kda_value_dim", "mla_num_heads", "kv_lora_rank",
               "qk_nope_head_dim", "v_head_dim", "dense_hidden", "num_experts",
               "experts_per_token", "moe_latent_dim", "expert_hidden", "mla_every",
               "attnres_block_layers", "kda_conv_size", "balancer_bins", "loss_chunk_size"):
@@ -144,6 +160,12 @@ class ModelConfig:
         bad(f"{f}={getattr(self, f)} must be > 0")
     if self.qk_rope_head_dim < 0 or self.num_shared_experts < 0:
       bad("qk_rope_head_dim and num_shared_experts must be >= 0")
+    if self.q_lora_rank < 0:
+      bad(f"q_lora_rank={self.q_lora_rank} must be >= 0 (0 = no query LoRA)")
+    if self.kda_output_gate_rank < 0:
+      bad(f"kda_output_gate_rank={self.kda_output_gate_rank} must be >= 0 (0 = full rank)")
+    if self.ffn_activation not in FFN_ACTIVATIONS:
+      bad(f"ffn_activation={self.ffn_activation!r} must be one of {FFN_ACTIVATIONS}")
     if self.experts_per_token > self.num_experts:
       bad(f"experts_per_token={self.experts_per_token} > num_experts={self.num_experts}; "
           "top-k cannot exceed the number of routed experts")
@@ -176,9 +198,9 @@ class ModelConfig:
     if self.layer_types[-1] != "mla" or self.layer_types[0] != "kda":
       bad(f"num_layers={self.num_layers}, mla_every={self.mla_every}: the first layer must be "
           "KDA and the last MLA")
-    if self.num_layers % self.mla_every != 1:
-      bad(f"num_layers={self.num_layers} must be 1 mod mla_every={self.mla_every} (groups of "
-          f"{self.mla_every - 1} KDA + 1 MLA, plus a final MLA layer), e.g. 93 or 9")
+    if self.num_layers < self.mla_every + 1:
+      bad(f"num_layers={self.num_layers} must be > mla_every={self.mla_every} (a first group of "
+          f"{self.mla_every - 1} KDA + 1 MLA, plus a final MLA layer)")
     if self.residual == "attnres_block" and self.attnres_block_layers % self.mla_every:
       bad(f"attnres_block_layers={self.attnres_block_layers} must be a multiple of "
           f"mla_every={self.mla_every} so blocks align with the scanned layer groups")

@@ -4,6 +4,7 @@ import pytest
 from jax.sharding import AbstractMesh, PartitionSpec as P
 
 from sparse_lm import sharding as shd
+from sparse_lm.sharding.rules import _place_dropped_axes
 
 
 def _mesh(data=1, fsdp=1, expert=1, tensor=1, context=1):
@@ -12,7 +13,7 @@ def _mesh(data=1, fsdp=1, expert=1, tensor=1, context=1):
 
 def _storage_spec(names, shape, mesh):
   spec = shd.logical_to_spec(names, mesh=mesh, shape=shape)
-  return shd._place_dropped_axes(spec, names, shape, mesh)
+  return _place_dropped_axes(spec, names, shape, mesh)
 
 
 @pytest.mark.parametrize("names, shape, want", [
@@ -127,3 +128,59 @@ def test_process_rows_on_one_process_is_everything():
   from jax.sharding import NamedSharding
   mesh = shd.make_mesh(shd.MeshLayout(), jax.devices()[:1])
   assert shd.process_rows(NamedSharding(mesh, P("fsdp", None)), (4, 16)) == (0, 1)
+
+
+# ------------------------------------------------ every stage's full layout on its TPU slice
+
+
+@pytest.mark.parametrize("stage_name", ["stage_8k", "stage_64k", "stage_256k", "stage_1m"])
+def test_each_full_stage_layout_divides_on_its_real_slice(stage_name):
+  """The `full` StageConfig names a slice shape Google offers, its mesh uses every chip of
+  `num_slices` such slices, and the model, the micro-batch, the eval batch and the sequence
+  divide over that mesh; the tokens per chip per micro-batch are 512 to 1,024."""
+  import importlib
+  stage = importlib.import_module(f"experiments.{stage_name}").FULL
+  stage.validate()
+  chips = shd.check_topology(stage.topology, stage.num_slices)
+  ici, dcn = stage.mesh.resolve(chips * stage.num_slices, stage.num_slices)
+  sizes = {a: ici[a] * dcn[a] for a in shd.MESH_AXES}
+  cfg = stage.model_config()
+  shd.validate_layout(cfg, stage.mesh, sizes, global_batch=stage.global_batch,
+                      seq_len=stage.seq_len, num_microbatches=stage.micro_batches)
+  shd.validate_layout(cfg, stage.mesh, sizes, global_batch=stage.eval_batch_size,
+                      seq_len=stage.seq_len)
+  tokens_per_chip = (stage.global_batch // stage.micro_batches * stage.seq_len
+                     // (chips * stage.num_slices))
+  assert 512 <= tokens_per_chip <= 1024, tokens_per_chip
+  assert sizes["expert"] == 128  # 7 of the 896 experts per chip
+  assert stage.num_slices == 1 or dcn["data"] == stage.num_slices  # DCN only data parallel
+
+
+@pytest.mark.parametrize("topology, num_slices, error", [
+    ("v5p:16x16x32", 1, r"largest v5p slice is 16x16x24 \(6,144 chips\)"),
+    ("v5p:6x16x16", 1, "multiple of 4"),
+    ("v5p:8x8", 1, "3 dimensions"),
+    ("v9:8x8x8", 1, "unknown TPU generation"),
+    ("v6e:32x16", 1, "largest v6e slice is 16x16"),
+])
+def test_slice_shapes_that_do_not_exist_are_refused(topology, num_slices, error):
+  with pytest.raises(ValueError, match=error):
+    shd.check_topology(topology, num_slices)
+
+
+def test_real_slice_shapes_are_accepted():
+  assert [shd.check_topology(t) for t in ("v5p:2x2x1", "v5p:2x2x4", "v5p:4x4x4", "v5p:8x16x16",
+                                          "v5p:16x24x16", "v6e:16x16", "v4:16x16x16")] == [
+      4, 16, 64, 2048, 6144, 256, 4096]
+
+
+def test_a_stage_whose_mesh_does_not_fill_its_slices_is_refused():
+  import dataclasses
+  from experiments import stage_1m
+  bad = dataclasses.replace(stage_1m.FULL, num_slices=1)  # dcn_data=2 but one slice
+  with pytest.raises(ValueError, match=r"StageConfig\(stage_1m\): topology='v5p:16x16x16' x "
+                     r"num_slices=1.*set topology=None"):
+    bad.validate()
+  with pytest.raises(ValueError, match="largest v5p slice"):
+    dataclasses.replace(stage_1m.FULL, topology="v5p:16x16x32", num_slices=1,
+                        mesh=shd.MeshLayout(fsdp=-1, expert=128, context=8)).validate()

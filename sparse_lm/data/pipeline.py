@@ -66,7 +66,10 @@ class DataConfig:
       ``arrayrecord:...`` (see ``sparse_lm.data.sources``).
     long_documents: the long-document view (``stdlib``: one document per package directory),
       for the 64K+ stages.
-    eval_fraction: fraction of documents held out, chosen by a hash of the document id.
+    eval_fraction: fraction of the data held out (0: no held-out split, no evaluation).
+    eval_split: how it is held out: "documents" (whole documents, chosen by a hash of the
+      id), "tail" (the last eval_fraction of every document; a one-file corpus) or "auto"
+      (documents when both splits get one, else tail).
     packing: ``first_fit`` or ``best_fit``.
     seed: shuffling and bin-order seed.
     tokenizer: path to a ``tokenizer.json`` or SentencePiece ``.model``; None trains a
@@ -84,6 +87,7 @@ class DataConfig:
   source: str = "stdlib"
   long_documents: bool = False
   eval_fraction: float = 0.02
+  eval_split: str = "auto"
   packing: str = "first_fit"
   seed: int = 0
   tokenizer: str | None = None
@@ -99,6 +103,9 @@ class DataConfig:
     sources.parse_source(self.source)
     if not 0.0 <= self.eval_fraction < 1.0:
       raise ValueError(f"DataConfig.eval_fraction must be in [0, 1), got {self.eval_fraction}")
+    if self.eval_split not in sources.EVAL_SPLITS:
+      raise ValueError(f"DataConfig.eval_split must be one of {sources.EVAL_SPLITS}, got "
+                       f"{self.eval_split!r}")
     if self.packing not in PACKING:
       raise ValueError(f"DataConfig.packing must be one of {PACKING}, got {self.packing!r}")
     if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
@@ -119,16 +126,20 @@ class DataConfig:
 
 
 def _open(data_cfg: DataConfig, split: str) -> sources.Source:
-  source = sources.open_source(data_cfg.source, split=split,
-                               eval_fraction=data_cfg.eval_fraction,
-                               long_documents=data_cfg.long_documents)
+  source = sources.open_split(data_cfg.source, split=split,
+                              eval_fraction=data_cfg.eval_fraction,
+                              long_documents=data_cfg.long_documents,
+                              eval_split=data_cfg.eval_split)
   if len(source) == 0:
     stats = source.stats
     raise ValueError(
         f"data source {data_cfg.source!r} has no {split} documents ({stats.files} files, "
-        f"{stats.skipped_binary} skipped as binary, eval_fraction={data_cfg.eval_fraction}). "
-        + ("Lower eval_fraction or add documents." if split == "train" else
-           "Raise DataConfig.eval_fraction or add documents."))
+        f"{stats.skipped_binary} skipped as binary, eval_fraction={data_cfg.eval_fraction}, "
+        f"held out by {source.split_by}). "
+        + ("Add documents (text files, or a jsonl/parquet source)."
+           if split == "train" and source.split_by != "documents" else
+           "Set data.eval_split=tail to hold out the tail of every document, or "
+           "data.eval_fraction=0 to train without a held-out split."))
   return source
 
 
@@ -252,6 +263,10 @@ class _Prefetch(grain_exp.ThreadPrefetchIterDataset):
     return _PrefetchIterator(self._parent.__iter__(), self._prefetch)
 
 
+# Signature keys added since states were first saved, with the value they implicitly had.
+_BEFORE_KEY = {"eval_split": "documents"}
+
+
 class _TrainIterator(grain.DatasetIterator):
   """The training iterator: Grain's, with its state tagged by what produced it.
 
@@ -275,7 +290,8 @@ class _TrainIterator(grain.DatasetIterator):
       raise ValueError("not a data-iterator state from make_train_iterator (expected keys "
                        f"'pipeline' and 'grain', got {got})")
     saved = state["pipeline"]
-    diff = {k: (saved.get(k), v) for k, v in self._signature.items() if saved.get(k) != v}
+    diff = {k: (saved.get(k), v) for k, v in self._signature.items()
+            if saved.get(k) != v and not (k not in saved and _BEFORE_KEY.get(k) == v)}
     if diff:
       raise ValueError(
           "the saved data-iterator state comes from a different input pipeline, so resuming "
@@ -379,7 +395,8 @@ def make_train_iterator(data_cfg: DataConfig, tokenizer: Tokenizer, *, seq_len: 
   if data_cfg.prefetch:
     ds = _Prefetch(ds, data_cfg.prefetch)
   signature = {"source": data_cfg.source, "long_documents": data_cfg.long_documents,
-               "eval_fraction": data_cfg.eval_fraction, "packing": data_cfg.packing,
+               "eval_fraction": data_cfg.eval_fraction, "eval_split": source.split_by,
+               "packing": data_cfg.packing,
                "seed": data_cfg.seed, "tokenizer": tokenizer.fingerprint, "seq_len": seq_len,
                "batch_size": batch_size, "process_index": process_index,
                "process_count": process_count, "num_epochs": num_epochs}
@@ -406,6 +423,8 @@ def make_eval_batches(data_cfg: DataConfig, tokenizer: Tokenizer, *, seq_len: in
   _check_shape_args(seq_len, batch_size)
   if num_batches < 1:
     raise ValueError(f"num_batches must be >= 1, got {num_batches}")
+  if data_cfg.eval_fraction <= 0:
+    return []  # no held-out split
   source = _open(data_cfg, "eval")
   ds = grain.MapDataset.source(np.arange(len(source), dtype=np.int64))
   read = _read_options(data_cfg.long_documents)
@@ -429,21 +448,27 @@ def make_eval_batches(data_cfg: DataConfig, tokenizer: Tokenizer, *, seq_len: in
 def describe(data_cfg: DataConfig) -> str:
   """One line for the run log: source, documents and bytes per split, skipped/repaired files."""
   train = _open(data_cfg, "train")
-  held_out = sources.open_source(data_cfg.source, split="eval",
-                                 eval_fraction=data_cfg.eval_fraction,
-                                 long_documents=data_cfg.long_documents)
+  held_out = sources.open_split(data_cfg.source, split="eval",
+                                eval_fraction=data_cfg.eval_fraction,
+                                long_documents=data_cfg.long_documents,
+                                eval_split=data_cfg.eval_split)
 
   def size(s: sources.Source) -> str:
     return "?" if s.num_bytes is None else f"{s.num_bytes / 1e6:.1f} MB"
 
-  if isinstance(train, sources.FileSource):
+  if train.split_by == "none":
+    sizes = f"{len(train)} docs / {size(train)}, no held-out split"
+  elif isinstance(train, (sources.FileSource, sources.TailSplit)):
     sizes = f"train {len(train)} docs / {size(train)}, eval {len(held_out)} docs / {size(held_out)}"
   else:
     sizes = f"train {len(train)} docs, eval {len(held_out)} docs, {size(train)} of files"
   skipped = train.stats.skipped_binary
-  repaired = train.stats.repaired_files + held_out.stats.repaired_files
+  repaired = train.stats.repaired_files + (0 if held_out.stats is train.stats
+                                           else held_out.stats.repaired_files)
+  held = ("" if train.split_by == "none" else
+          f"; held-out fraction {data_cfg.eval_fraction} by {train.split_by}")
   return (f"data: {data_cfg.source}{' (long documents)' if data_cfg.long_documents else ''}: "
-          f"{sizes}; held-out fraction {data_cfg.eval_fraction}; packing {data_cfg.packing}"
+          f"{sizes}{held}; packing {data_cfg.packing}"
           + (f"; skipped {skipped} binary file(s)" if skipped else "")
           + (f"; repaired {repaired} non-UTF-8 file(s) so far" if repaired else ""))
 

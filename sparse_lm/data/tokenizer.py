@@ -218,6 +218,9 @@ class Tokenizer:
     fd, tmp = tempfile.mkstemp(dir=os.path.dirname(os.path.abspath(path)), suffix=".tmp")
     with os.fdopen(fd, "w", encoding="utf-8") as f:
       f.write(self.to_json())
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)  # like the run's other outputs (mkstemp makes it 0600)
     os.replace(tmp, path)
 
   @classmethod
@@ -270,8 +273,9 @@ def _training_sample(data_cfg, max_bytes: int) -> Iterator[str]:
   """A bounded, deterministic sample of the training split (short-document view)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   from sparse_lm.data import sources  # pylint: disable=g-import-not-at-top
-  source = sources.open_source(data_cfg.source, split="train",
-                               eval_fraction=data_cfg.eval_fraction, long_documents=False)
+  source = sources.open_split(data_cfg.source, split="train",
+                              eval_fraction=data_cfg.eval_fraction, long_documents=False,
+                              eval_split=getattr(data_cfg, "eval_split", "auto"))
   order = np.random.default_rng(data_cfg.seed).permutation(len(source))
   total = 0
   for index in order.tolist():
@@ -285,11 +289,51 @@ def _training_sample(data_cfg, max_bytes: int) -> Iterator[str]:
       return
 
 
+def source_key(data_cfg) -> dict:
+  """What a tokenizer trained here depends on besides the vocabulary size: the training split
+  of the source (recorded beside the cached tokenizer; a cache for another source is not
+  reused)."""
+  return {"source": data_cfg.source, "eval_fraction": data_cfg.eval_fraction,
+          "eval_split": getattr(data_cfg, "eval_split", "auto"), "seed": data_cfg.seed}
+
+
+def _cache_paths(workdir: str, key: dict) -> list[str]:
+  """Where a tokenizer for `key` may be cached: `tokenizer.json` (the workdir's first one),
+  then `tokenizer-<hash of key>.json`."""
+  digest = hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()[:12]
+  return [os.path.join(workdir, TOKENIZER_FILENAME),
+          os.path.join(workdir, f"tokenizer-{digest}.json")]
+
+
+def _key_path(cache: str) -> str:
+  return cache[:-len(".json")] + ".source.json"
+
+
+def _cached_for(cache: str, key: dict) -> bool:
+  """The tokenizer at `cache` exists and was trained on `key`'s data (a cache without a
+  recorded key predates keys and is taken to be)."""
+  if not os.path.isfile(cache):
+    return False
+  try:
+    with open(_key_path(cache), encoding="utf-8") as f:
+      return json.load(f) == key
+  except FileNotFoundError:
+    return True
+
+
+def is_degenerate(tok: Tokenizer) -> bool:
+  """A BPE that learned no merge (bytes and special tokens only): trained on no text."""
+  return tok.vocab_size <= len(SPECIAL_TOKENS) + _BYTE_ALPHABET
+
+
 def load_or_train_tokenizer(data_cfg, workdir: str | None, vocab_size: int) -> Tokenizer:
   """The run's tokenizer: given, cached in ``workdir``, or trained now and cached.
 
-  Order: ``data_cfg.tokenizer`` (a path) if set; else ``workdir/tokenizer.json`` if present;
-  else a byte-level BPE trained on ~8 MB of the training split (a few seconds), saved there.
+  Order: ``data_cfg.tokenizer`` (a path) if set; else the workdir's cached tokenizer for this
+  source (``tokenizer.json``, or ``tokenizer-<key>.json`` when the workdir's first tokenizer
+  was trained on another source; ``source_key`` is recorded beside it); else a byte-level BPE
+  trained on ~8 MB of the training split (a few seconds) and cached there. A tokenizer that
+  learned no merge (no training text) is never cached.
 
   Args:
     data_cfg: a ``DataConfig`` (``source``, ``tokenizer``, ``eval_fraction``, ``seed``).
@@ -307,21 +351,30 @@ def load_or_train_tokenizer(data_cfg, workdir: str | None, vocab_size: int) -> T
       raise ValueError(f"tokenizer {data_cfg.tokenizer!r} has {tok.vocab_size} ids but the model "
                        f"vocab_size is {vocab_size}; raise ModelConfig.vocab_size")
     return tok
-  cache = os.path.join(workdir, TOKENIZER_FILENAME) if workdir else None
-  if cache and os.path.isfile(cache):
-    tok = Tokenizer.load(cache)
-    if tok.vocab_size > vocab_size:
-      raise ValueError(f"cached tokenizer {cache!r} has {tok.vocab_size} ids but the model "
-                       f"vocab_size is {vocab_size}; delete it or use another workdir")
-    if tok.vocab_size < vocab_size:
-      _log.warning("tokenizer: cached %s has %d ids (< model vocab_size %d)", cache,
-                   tok.vocab_size, vocab_size)
-    _log.info("tokenizer: reusing %s (%s)", cache, tok.fingerprint)
-    return tok
+  key = source_key(data_cfg)
+  paths = _cache_paths(workdir, key) if workdir else []
+  for cache in paths:
+    if _cached_for(cache, key):
+      tok = Tokenizer.load(cache)
+      if tok.vocab_size > vocab_size:
+        raise ValueError(f"cached tokenizer {cache!r} has {tok.vocab_size} ids but the model "
+                         f"vocab_size is {vocab_size}; delete it or use another workdir")
+      if tok.vocab_size < vocab_size:
+        _log.warning("tokenizer: cached %s has %d ids (< model vocab_size %d)", cache,
+                     tok.vocab_size, vocab_size)
+      _log.info("tokenizer: reusing %s (%s)", cache, tok.fingerprint)
+      return tok
   start = time.perf_counter()
   tok = train_bpe(_training_sample(data_cfg, TOKENIZER_SAMPLE_BYTES), vocab_size)
   _log.info("tokenizer: trained byte-level BPE (vocab %d) on %s in %.1f s, fingerprint %s",
             vocab_size, data_cfg.source, time.perf_counter() - start, tok.fingerprint)
-  if cache:
+  if is_degenerate(tok):
+    _log.warning("tokenizer: %s gave no training text, so the BPE learned no merge; it is "
+                 "not cached (fix the data and rerun)", data_cfg.source)
+    return tok
+  if paths:
+    cache = paths[0] if not os.path.isfile(paths[0]) else paths[1]
     tok.save(cache)
+    with open(_key_path(cache), "w", encoding="utf-8") as f:
+      json.dump(key, f)
   return tok

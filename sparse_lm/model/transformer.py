@@ -14,6 +14,9 @@ How the stack runs:
               groups run as one `jax.lax.scan` (compile time independent of depth), otherwise a
               Python loop over the same stacked parameters (same checkpoint layout, same
               numbers). Each group is wrapped in `jax.checkpoint` per cfg.remat_policy.
+  - `tail`:   when (num_layers - 1) % mla_every != 0 (Kimi-Linear-48B: 27 layers, MLA every
+              4th and last), the KDA layers between the last full group and `last`, unrolled;
+              None otherwise.
   - `last`:   the final MLA layer, outside the scan (rematerialised the same way).
 
 Each decoder layer has two sub-layers (token mixer, FFN), each reading its input from the
@@ -179,6 +182,9 @@ class Transformer(nnx.Module):
     self.num_groups = (cfg.num_layers - 1) // cfg.mla_every  # including the head group
     n = self.num_groups - 1
     self.groups = _stacked_groups(cfg, n, rngs) if n > 0 else None
+    tail = cfg.num_layers - 1 - self.num_groups * cfg.mla_every
+    self.tail = nnx.List([DecoderLayer(cfg, mixer="kda", dense_ffn=False, rngs=rngs)
+                          for _ in range(tail)]) if tail else None
     self.last = DecoderLayer(cfg, mixer="mla", dense_ffn=False, rngs=rngs)
     self.final_query = nn.param(rngs, (cfg.d_model,), ("norm",), init=nn.zeros_init)
     self.final_norm = nn.RMSNorm(cfg.d_model, cfg=cfg, rngs=rngs)
@@ -254,6 +260,11 @@ class Transformer(nnx.Module):
     if self.groups is not None:
       stream, group_aux = self._run_groups(stream, **kw)
       aux.append(group_aux)
+    for j, layer in enumerate(self.tail or ()):
+      i = self.num_groups * cfg.mla_every + j
+      stream, tail_aux = _remat_call(
+          cfg, layer, stream, opens_block=i % cfg.attnres_block_layers == 0, **kw)
+      aux.append(_stack_aux([tail_aux]))
     last_first = cfg.num_layers - 1
     stream, last_aux = _remat_call(
         cfg, self.last, stream, opens_block=last_first % cfg.attnres_block_layers == 0, **kw)

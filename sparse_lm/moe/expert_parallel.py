@@ -96,24 +96,9 @@ def resolve_impl(impl: str, ep_size: int, top_k: int, platform: str | None = Non
   return "dense" if platform == "cpu" else "ragged"
 
 
-def _gmm(lhs, rhs, sizes, backend: str, platform: str):
-  """Grouped matmul of the local experts. On a TPU mesh (also when compiling ahead of time
-  from a CPU host, where `gmm`'s "auto" would pick XLA's ragged_dot, which the compiler may
-  expand densely over groups) the Pallas megablox kernel, legal here inside the shard_map."""
-  m, k = lhs.shape
-  n = rhs.shape[-1]
-  tileable = k % 128 == 0 and n % 128 == 0 and m % 8 == 0  # Mosaic block-shape rule
-  if platform == "tpu" and backend in ("auto", "megablox", "tokamax") and tileable:
-    from jax.experimental.pallas.ops.tpu.megablox import gmm as mblx  # pylint: disable=g-import-not-at-top
-    tiling = tuple(min(512, d) for d in (m, k, n))
-    return mblx(lhs, rhs.astype(lhs.dtype), sizes.astype(jnp.int32),
-                preferred_element_type=lhs.dtype, tiling=tiling)
-  return gmm(lhs, rhs, sizes, backend=backend)
-
-
 def expert_ffn_local(x: jax.Array, local_ids: jax.Array, w_gate: jax.Array, w_up: jax.Array,
                      w_down: jax.Array, *, beta1: float, beta2: float,
-                     gmm_backend: str = "auto", platform: str = "cpu") -> jax.Array:
+                     gmm_backend: str = "auto", platform: str | None = None) -> jax.Array:
   """SiTU-GLU experts on rows x [R, L] with local expert ids [R] (id >= G marks an empty row).
 
   w_gate, w_up: [G, L, F]; w_down: [G, F, L]. Returns [R, L] in x's dtype; empty rows give 0.
@@ -122,10 +107,10 @@ def expert_ffn_local(x: jax.Array, local_ids: jax.Array, w_gate: jax.Array, w_up
   order = jnp.argsort(local_ids, stable=True)
   xs = x[order]
   sizes = jax.ops.segment_sum(jnp.ones_like(local_ids), local_ids, num_segments=G)
-  g = _gmm(xs, w_gate, sizes, gmm_backend, platform)
-  u = _gmm(xs, w_up, sizes, gmm_backend, platform)
+  g = gmm(xs, w_gate, sizes, backend=gmm_backend, platform=platform)
+  u = gmm(xs, w_up, sizes, backend=gmm_backend, platform=platform)
   h = situ_activation(g, u, beta1, beta2).astype(x.dtype)
-  ys = _gmm(h, w_down, sizes, gmm_backend, platform)
+  ys = gmm(h, w_down, sizes, backend=gmm_backend, platform=platform)
   valid = (jnp.arange(x.shape[0]) < jnp.sum(sizes))[:, None]
   ys = jnp.where(valid, ys, 0)  # rows past the groups: zero whatever the backend returns
   return jnp.zeros_like(ys).at[order].set(ys)

@@ -7,7 +7,15 @@ group_sizes[g]] are multiplied by rhs[g]; rows past sum(group_sizes) give zeros.
   "tokamax":    tokamax.ragged_dot (Mosaic GPU / TPU kernels; on CPU it falls back to XLA).
                 Measured on an H200: 170-320 TFLOP/s versus 5-33 for jax.lax.ragged_dot.
   "megablox":   the Pallas TPU megablox gmm (TPU; interpret mode elsewhere, tests only).
-  "auto":       ragged_dot on CPU, tokamax on GPU and TPU.
+  "auto":       ragged_dot on CPU, tokamax on GPU, megablox on TPU.
+The backend is resolved for the platform the program is compiled for (`platform`, default the
+host's `jax.default_backend()`): an ahead-of-time compile for TPU from a CPU host
+(`launch/aot_plan.py`) passes "tpu", and gets the megablox kernel, not XLA's ragged_dot, which
+the TPU compiler may expand densely over the groups (72.9 TB of temporaries per chip for the
+full model, docs/scaling.md). On TPU, "tokamax" also means megablox when the host is not a TPU
+(tokamax picks its kernel from the host's backend), and shapes that Mosaic cannot tile (K or
+N not a multiple of 128) use ragged_dot. Under a mesh, Mosaic kernels must run inside a
+`shard_map` (`moe/expert_parallel.py` calls `gmm` there).
 The "dense" reference (every expert on every token) lives in `latent_moe.dense_reference`,
 because it is not a grouped matmul.
 """
@@ -21,10 +29,18 @@ from absl import flags
 GMM_IMPLS = ("ragged_dot", "tokamax", "megablox")
 
 
-def resolve_backend(backend: str) -> str:
-  """Concrete backend for `backend` on the current default platform."""
+def resolve_backend(backend: str, platform: str | None = None, *, k: int = 128,
+                    n: int = 128) -> str:
+  """Concrete backend for `backend` on `platform` ("cpu", "gpu"/"cuda", "tpu"; default the
+  host's), for a [., k] x [G, k, n] product (see the module docstring)."""
+  host = jax.default_backend()
+  platform = platform or host
+  if platform == "tpu":
+    if backend in ("auto", "megablox") or (backend == "tokamax" and host != "tpu"):
+      return "megablox" if k % 128 == 0 and n % 128 == 0 else "ragged_dot"
+    return backend
   if backend == "auto":
-    return "ragged_dot" if jax.default_backend() == "cpu" else "tokamax"
+    return "ragged_dot" if platform == "cpu" else "tokamax"
   return backend
 
 
@@ -44,8 +60,8 @@ def _tile(dim: int, prefs=(512, 256, 128)) -> int:
   return next((t for t in prefs if dim % t == 0), dim)
 
 
-def _megablox_gmm(lhs, rhs, group_sizes):
-  """Pallas megablox gmm (TPU; Pallas interpret mode elsewhere, for tests only).
+def _megablox_gmm(lhs, rhs, group_sizes, interpret: bool):
+  """Pallas megablox gmm (compiled for TPU; Pallas interpret mode elsewhere, tests only).
 
   megablox needs M divisible by the row tile, so rows are padded; rows past sum(group_sizes)
   are not written by the kernel and are zeroed here.
@@ -54,7 +70,7 @@ def _megablox_gmm(lhs, rhs, group_sizes):
   from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
   m, k = lhs.shape
   n = rhs.shape[-1]
-  tm = 128 if m >= 128 else -(-m // 8) * 8
+  tm = 512 if m >= 512 else 128 if m >= 128 else -(-m // 8) * 8
   m_pad = -(-m // tm) * tm
   # Mask on both sides: the forward kernel leaves rows past sum(group_sizes) unwritten, and so
   # does its lhs-gradient kernel; a `where` (not a multiply) keeps that garbage out of both.
@@ -62,18 +78,20 @@ def _megablox_gmm(lhs, rhs, group_sizes):
   lhs_p = jnp.pad(jnp.where(live, lhs, jnp.zeros((), lhs.dtype)), ((0, m_pad - m), (0, 0)))
   out = megablox_gmm(lhs_p, rhs, group_sizes, preferred_element_type=lhs.dtype,
                      tiling=(tm, _tile(k), _tile(n)),
-                     interpret=jax.default_backend() != "tpu")[:m]
+                     interpret=interpret)[:m]
   return jnp.where(live, out, jnp.zeros((), out.dtype))
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
-        backend: str = "auto") -> jax.Array:
+        backend: str = "auto", platform: str | None = None) -> jax.Array:
   """Grouped matmul; see the module docstring.
 
   Args:
     lhs: [M, K] rows sorted by group; rhs: [G, K, N] (cast to lhs's dtype);
     group_sizes: [G] int32 with sum <= M.
     backend: "auto", "ragged_dot", "tokamax" or "megablox".
+    platform: the platform the program is compiled for (e.g. a mesh's
+      `devices.flat[0].platform`); default the host's `jax.default_backend()`.
 
   Returns:
     [M, N] in lhs's dtype (accumulated in fp32 by every backend).
@@ -81,7 +99,8 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   Raises:
     ValueError: unknown backend.
   """
-  backend = resolve_backend(backend)
+  platform = platform or jax.default_backend()
+  backend = resolve_backend(backend, platform, k=lhs.shape[1], n=rhs.shape[-1])
   rhs = rhs.astype(lhs.dtype)
   group_sizes = group_sizes.astype(jnp.int32)
   if backend == "ragged_dot":
@@ -89,5 +108,5 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   if backend == "tokamax":
     return _tokamax_ragged_dot(lhs, rhs, group_sizes)
   if backend == "megablox":
-    return _megablox_gmm(lhs, rhs, group_sizes)
+    return _megablox_gmm(lhs, rhs, group_sizes, interpret=platform != "tpu")
   raise ValueError(f"unknown gmm backend {backend!r}; choose one of {('auto',) + GMM_IMPLS}")

@@ -153,6 +153,10 @@ class LatentMoE(nnx.Module):
   SiTUGLU of hidden num_shared_experts * shared_expert_hidden: [embed, mlp], [mlp, embed]).
   Non-trainable state: balancer_bias [E] (BalancerBias), balancer_load [E] and, for
   balancer="quantile", balancer_hist [E, balancer_bins] (BalancerStats).
+
+  With cfg.moe_latent=False (Kimi-Linear) there is no latent space: w_down, latent_norm and
+  w_up are None, the experts map D -> F -> D and y = u + shared(x). With
+  cfg.ffn_activation="swiglu" every expert is SwiGLU (silu(g) * u).
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -167,23 +171,30 @@ class LatentMoE(nnx.Module):
     self.balancer_bins = cfg.balancer_bins
     self.bias_sign_rate = cfg.bias_sign_rate
     self.aux_loss_coef = cfg.aux_loss_coef
-    self.beta1, self.beta2 = cfg.situ_beta1, cfg.situ_beta2
+    self.beta1, self.beta2 = cfg.glu_betas
     self.norm_eps = cfg.norm_eps
     self.compute_dtype = cfg.dtype
     self.qb_cutoff = "midpoint"  # router.route: alpha between z_(k) and z_(k+1)
 
     normal = nn.jax_normal_init(std)
     self.router = nn.param(rngs, (d, e), ("embed", "exp"), init=normal, dtype=jnp.float32)
-    self.w_down = nn.param(rngs, (d, lat), ("embed", "latent"), init=normal, dtype=pdt)
+    self.latent = cfg.moe_latent
+    if not cfg.moe_latent:  # Kimi-Linear: the experts read and write the full width
+      lat = d
+    self.w_down = (nn.param(rngs, (d, lat), ("embed", "latent"), init=normal, dtype=pdt)
+                   if self.latent else None)
     self.expert_gate = nn.param(rngs, (e, lat, f), ("exp", "latent", "expert_mlp"),
                                 init=normal, dtype=pdt)
     self.expert_up = nn.param(rngs, (e, lat, f), ("exp", "latent", "expert_mlp"),
                                 init=normal, dtype=pdt)
     self.expert_down = nn.param(rngs, (e, f, lat), ("exp", "expert_mlp", "latent"),
                                 init=normal, dtype=pdt)
-    self.latent_norm = nnx.Param(jnp.ones((lat,), pdt), out_sharding=("latent",),
-                                 eager_sharding=False)
-    self.w_up = nn.param(rngs, (lat, d), ("latent", "embed"), init=normal, dtype=pdt)
+    if self.latent:
+      self.latent_norm = nnx.Param(jnp.ones((lat,), pdt), out_sharding=("latent",),
+                                   eager_sharding=False)
+      self.w_up = nn.param(rngs, (lat, d), ("latent", "embed"), init=normal, dtype=pdt)
+    else:
+      self.latent_norm = self.w_up = None
     if cfg.num_shared_experts > 0:
       self.shared = SiTUGLU(d, cfg.num_shared_experts * cfg.shared_expert_hidden, cfg=cfg,
                             rngs=rngs, in_axis="embed", hidden_axis="mlp")
@@ -246,12 +257,15 @@ class LatentMoE(nnx.Module):
       drop_rate = dropped / jnp.maximum(assigned, 1.0)
       ids = jnp.where(keep, ids, e)
 
-    z = jnp.dot(x.astype(dt), self.w_down[...].astype(dt))
+    z = jnp.dot(x.astype(dt), self.w_down[...].astype(dt)) if self.latent else x.astype(dt)
     z = sharding.constrain(z, LATENT_AXES)
     u = dispatch_and_compute(z.reshape(n, -1), ids, routing.gates, self.expert_params(),
                              backend=self.gmm_backend, beta1=self.beta1, beta2=self.beta2)
-    u = nn.rms_norm(u, self.latent_norm[...], self.norm_eps).astype(dt)
-    y = jnp.dot(u, self.w_up[...].astype(dt)).reshape(bsz, seq, dim)
+    if self.latent:
+      u = nn.rms_norm(u, self.latent_norm[...], self.norm_eps).astype(dt)
+      y = jnp.dot(u, self.w_up[...].astype(dt)).reshape(bsz, seq, dim)
+    else:
+      y = u.astype(dt).reshape(bsz, seq, dim)
     if self.shared is not None:
       y = y + self.shared(x.astype(dt))
     y = sharding.constrain(y.astype(x.dtype), BATCH_AXES)

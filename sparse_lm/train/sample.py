@@ -1,17 +1,14 @@
-"""A short generated sample at the end of a stage (full recompute; not the serving path).
+"""A short generated sample at the end of a stage, through the inference engine.
 
-Each new token re-runs the whole fixed-length buffer through the model (one compile, since the
-buffer's shape never changes); the model is causal, so the padding after the cursor does not
-influence the logits read at the cursor. O(n^2) work, fine for a few dozen tokens.
+The engine prefills the prompt through the chunked paths and decodes from the KDA states and
+the MLA latent cache (sparse_lm.inference), the same code that serves RL rollouts and the
+`python -m sparse_lm.generate` CLI.
 """
 
 from __future__ import annotations
 
 from typing import Sequence
 
-import jax
-import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 
@@ -22,30 +19,18 @@ def generate(graphdef: nnx.GraphDef, params: nnx.State, model_vars: nnx.State,
   """Continue `prompt` (token ids) by up to `max_new_tokens` tokens.
 
   temperature 0 = greedy; otherwise sample from softmax(logits / temperature). Stops at
-  `eos_id`. Returns only the new token ids.
+  `eos_id` (not returned). An empty prompt starts from `pad_id`. Returns only the new token ids.
+  `length_multiple` rounds the engine's max_length (fewer distinct compiled shapes).
   """
+  from sparse_lm.inference import Engine, SamplingParams
+
   prompt = list(prompt) or [pad_id]
   total = len(prompt) + max_new_tokens
   total = -(-total // length_multiple) * length_multiple
-
-  @jax.jit
-  def next_token(params, model_vars, tokens, cursor, key):
-    model = nnx.merge(graphdef, params, model_vars)
-    logits = model(tokens, train=False)[0]  # [T, V]
-    row = jax.lax.dynamic_index_in_dim(logits, cursor, keepdims=False).astype(jnp.float32)
-    if temperature <= 0:
-      return jnp.argmax(row).astype(jnp.int32)
-    return jax.random.categorical(key, row / temperature).astype(jnp.int32)
-
-  buf = np.full((1, total), pad_id, np.int32)
-  buf[0, :len(prompt)] = prompt
-  key = jax.random.PRNGKey(seed)
-  out = []
-  for cursor in range(len(prompt) - 1, len(prompt) - 1 + max_new_tokens):
-    key, sub = jax.random.split(key)
-    tok = int(next_token(params, model_vars, jnp.asarray(buf), cursor, sub))
-    if eos_id is not None and tok == eos_id:
-      break
-    buf[0, cursor + 1] = tok
-    out.append(tok)
-  return out
+  model = nnx.merge(graphdef, params, model_vars)
+  engine = Engine(model, max_length=total, max_batch=1, prefill_chunk=min(total, 512))
+  stops = () if eos_id is None else (eos_id,)
+  out = engine.generate([prompt], max_new_tokens=max_new_tokens, seed=seed,
+                        sampling=SamplingParams(temperature=temperature, stop_tokens=stops))[0]
+  tokens = out.tokens
+  return tokens[:-1] if out.finish_reason == "stop" else tokens

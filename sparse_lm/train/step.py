@@ -2,9 +2,12 @@
 
 `train_step(state, batch) -> (state, metrics)`:
   1. split the global batch [micro_batches * b, T] into micro-batches and scan over them,
-     summing fp32 gradients and threading the model's non-Param variables (the Quantile
-     Balancing histograms accumulate over all micro-batches, ARCHITECTURE.md §6 step 4);
-  2. clip + AdamW (optimizer.py) on the averaged gradient;
+     summing in fp32 each micro-batch's gradient of (its mean loss x its target-token count)
+     and the counts, threading the model's non-Param variables (the Quantile Balancing
+     histograms accumulate over all micro-batches, ARCHITECTURE.md §6 step 4); dividing once
+     by the total count gives exactly the one-batch mean-per-token loss and gradient, however
+     unevenly the target tokens fall among the micro-batches (SFT, RL, padding);
+  2. clip + AdamW (optimizer.py) on that gradient;
   3. after the optimizer step, `update_balancers` turns the histograms into new biases (§6
      step 5) on the merged model.
 A step whose loss or gradient norm is not finite leaves the state unchanged and reports
@@ -26,9 +29,23 @@ Batch = dict[str, jax.Array]
 LossFn = Callable[..., tuple[jax.Array, dict[str, jax.Array]]]
 
 
-def _mean_metrics(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
-  """Average per-micro-batch metrics over the leading (micro-batch) axis."""
-  return {k: jnp.mean(jnp.asarray(v, jnp.float32), axis=0) for k, v in metrics.items()}
+def _token_weighted(metrics: dict[str, jax.Array], weights: jax.Array) -> dict[str, jax.Array]:
+  """Combine per-micro-batch metrics (leading axis) as one batch would report them.
+
+  Per-token means (loss, z_loss, accuracy, ...) are weighted by each micro-batch's token count
+  `weights` [M]; `num_tokens` is summed. Per-layer arrays are weighted the same way.
+  """
+  total = jnp.sum(weights)
+  safe = jnp.where(total > 0, total, 1.0)
+  out = {}
+  for k, v in metrics.items():
+    v = jnp.asarray(v, jnp.float32)
+    if k == "num_tokens":
+      out[k] = jnp.sum(v, axis=0)
+    else:
+      w = weights.reshape((-1,) + (1,) * (v.ndim - 1))
+      out[k] = jnp.sum(v * w, axis=0) / safe
+  return out
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
@@ -49,19 +66,30 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
 
   Batch: int32 [B, T] arrays `tokens`, `segment_ids`, `positions`, `loss_mask` (any extra
   keys pass through to `loss_fn`).
-  Metrics: float32 `objective` (the differentiated loss, averaged over micro-batches),
-  `grad_norm`, `lr`, `finite`; the loss function's own metrics averaged over micro-batches
-  (`loss` is its mean NLL when it reports one, else the objective; per-layer arrays stay
+  Metrics: float32 `objective` (the differentiated loss, per counted token over the whole
+  batch), `grad_norm`, `lr`, `finite`; the loss function's own metrics combined over
+  micro-batches as one batch would report them (weighted by `num_tokens`, which is summed;
+  `loss` is its mean NLL when it reports one, else the objective; per-layer arrays stay
   arrays); and the balancer's.
   """
 
   def micro_loss(params, model_vars, micro_batch):
+    """(mean loss x token count, (mean loss, token count, metrics, new model vars)); the count
+    is `metrics["num_tokens"]` (1 when the loss function reports none: equal weights)."""
     model = nnx.merge(graphdef, params, model_vars, copy=True)
     loss, metrics = loss_fn(model, micro_batch, train=True, z_loss_coef=z_loss_coef)
     _, _, new_vars = nnx.split(model, nnx.Param, ...)
+    count = jax.lax.stop_gradient(jnp.asarray(metrics.get("num_tokens", 1.0), jnp.float32))
+    return loss * count, (loss, count, metrics, new_vars)
+
+  def mean_loss(params, model_vars, batch):
+    model = nnx.merge(graphdef, params, model_vars, copy=True)
+    loss, metrics = loss_fn(model, batch, train=True, z_loss_coef=z_loss_coef)
+    _, _, new_vars = nnx.split(model, nnx.Param, ...)
     return loss, (metrics, new_vars)
 
-  grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+  weighted_grad_fn = jax.value_and_grad(micro_loss, has_aux=True)
+  grad_fn = jax.value_and_grad(mean_loss, has_aux=True)
 
   def train_step(state: TrainState, batch: Batch) -> tuple[TrainState, dict[str, jax.Array]]:
     def split(x):
@@ -71,23 +99,26 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
       return x.reshape((micro_batches, x.shape[0] // micro_batches) + x.shape[1:])
 
     def accumulate(carry, micro_batch):
-      grads_sum, model_vars = carry
-      (loss, (metrics, model_vars)), grads = grad_fn(state.params, model_vars, micro_batch)
+      grads_sum, count_sum, model_vars = carry
+      (_, (loss, count, metrics, model_vars)), grads = weighted_grad_fn(
+          state.params, model_vars, micro_batch)
       grads_sum = jax.tree.map(lambda a, g: a + g.astype(jnp.float32), grads_sum, grads)
-      return (grads_sum, model_vars), (loss, metrics)
+      return (grads_sum, count_sum + count, model_vars), (loss, count, metrics)
 
     if micro_batches == 1:  # no accumulator: one parameter-sized fp32 buffer less
       (loss, (metrics, model_vars)), grads = grad_fn(state.params, state.model_vars, batch)
-      losses, loss_metrics = loss[None], jax.tree.map(lambda x: jnp.asarray(x)[None], metrics)
+      metrics = {k: jnp.asarray(v, jnp.float32) for k, v in metrics.items()}
       grads = jax.tree.map(lambda g, p: g.astype(p.dtype), grads, state.params)
     else:
       zeros = jax.tree.map(lambda p: jnp.zeros(p.shape, jnp.float32), state.params)
-      (grads, model_vars), (losses, loss_metrics) = jax.lax.scan(
-          accumulate, (zeros, state.model_vars), jax.tree.map(split, batch))
-      grads = jax.tree.map(lambda g, p: (g / micro_batches).astype(p.dtype), grads,
-                           state.params)
-    loss = jnp.mean(losses)
-    metrics = _mean_metrics(loss_metrics)
+      (grads, count, model_vars), (losses, counts, loss_metrics) = jax.lax.scan(
+          accumulate, (zeros, jnp.zeros((), jnp.float32), state.model_vars),
+          jax.tree.map(split, batch))
+      # Divide once by the total count (0 counted tokens: the gradient sums are 0 too).
+      count = jnp.where(count > 0, count, 1.0)
+      grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads, state.params)
+      loss = jnp.sum(losses * counts) / count
+      metrics = _token_weighted(loss_metrics, counts)
     if nan_at_step is not None:
       poison = jnp.where(state.step == nan_at_step, jnp.nan, 0.0)
       loss = loss + poison

@@ -19,10 +19,12 @@ Choices not fixed by the sources (documented, not config fields):
   * Projector hidden width 4C (the merged width); a final RMSNorm with learned scale so image
     tokens enter the residual stream at RMS ~1, like the unit-variance text embeddings
     (`nn.Embed`).
-  * Attention is exact softmax over all patches of an image, queries blocked by
-    cfg.attention_chunk_size (the decoder's memory-efficient XLA block size) to bound memory.
-  * Images in one batch do not attend to each other: the batch is padded [N, P, C] with a key
-    mask, not NaViT-packed into one sequence (simpler, and exact for any mix of sizes).
+  * Attention is exact softmax over all patches of an image, queries and keys blocked by
+    cfg.attention_chunk_size (the decoder's blocked softmax, `flash_attention`) to bound memory.
+  * Images do not attend to each other. Two input forms: a padded batch [N, H, W, 3] with a
+    key mask (`__call__`, `ImageBatch`), or NaViT-style packed rows of patches with segment
+    ids (`encode_packed`, `PackedImages`: what the data pipeline feeds; fixed shapes for any
+    mix of image sizes).
 
 Logical axis names of the parameters: vision_patch (p*p*3 pixel values), vision_embed (C),
 heads, kv (head dim), vision_mlp (ViT MLP hidden and projector hidden), vision_merged (4C),
@@ -36,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.attention import flash_attention
 from sparse_lm import nn, sharding
 from sparse_lm.config import ModelConfig
 from sparse_lm.data import images as image_data
@@ -101,58 +104,37 @@ def apply_rope_2d(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   return (xf * c + rotated * s).reshape(x.shape).astype(x.dtype)
 
 
-def _attend(q, k, v, key_seg, query_seg):
-  scale = q.shape[-1] ** -0.5
-  logits = jnp.einsum("nqhd,nkhd->nhqk", q, k, preferred_element_type=jnp.float32) * scale
-  allowed = (key_seg > 0)[:, None, None, :]
-  if query_seg is not None:  # packed rows: only keys of the query's own image
-    allowed = allowed & (query_seg[:, None, :, None] == key_seg[:, None, None, :])
-  logits = jnp.where(allowed, logits, -1e30)
-  probs = jax.nn.softmax(logits, axis=-1).astype(v.dtype)
-  return jnp.einsum("nhqk,nkhd->nqhd", probs, v, preferred_element_type=jnp.float32
-                    ).astype(q.dtype)
-
-
 def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_mask: jax.Array | None = None,
                      *, segment_ids: jax.Array | None = None,
                      query_chunk: int | None = None) -> jax.Array:
-  """Bidirectional softmax attention within images: padding keys masked out, and in packed
-  rows each patch attends only to the patches of its own image.
+  """Bidirectional softmax attention within images: the blocked softmax of
+  `pallas_kernels.attention.flash_attention` with causal=False.
 
   Args:
     q, k, v: [N, P, H, Dh] in the compute dtype.
-    key_mask: bool [N, P], False for padding patches (one image per row), or
+    key_mask: bool [N, P], False for padding patches (one image per row; every query sees the
+      valid keys), or
     segment_ids: int [N, P] instead: the image of each patch of a packed row (0 = padding);
-      query i attends key j iff segment_ids[i] == segment_ids[j] > 0 (NaViT packing).
-    query_chunk: when P > query_chunk, queries are processed in blocks of this many
-      (`lax.map`, each block rematerialised in the backward pass), so the fp32 logits held at
-      once are [N, H, query_chunk, P] instead of [N, H, P, P]; the result is the same.
+      query i sees key j iff segment_ids[i] == segment_ids[j] != 0 (NaViT packing), so a
+      patch's output does not depend on the other images of its row.
+    query_chunk: query and key block (None: one block of P); the fp32 logits held at once are
+      [N, H, query_chunk, query_chunk] instead of [N, H, P, P], in the forward and the
+      (recomputing) backward pass; the result is the same up to fp32 rounding.
 
   Returns:
     [N, P, H, Dh] in q.dtype. Logits and softmax in fp32, scale 1/sqrt(Dh). A query with no
-    allowed key (padding) gets a finite average instead of NaN (masked logits are a large
-    finite negative), so gradients stay finite. Masked keys get probability exactly 0, so a
-    patch's output does not depend on the other images of its row.
+    visible key (an empty slot) gets a zero row and zero gradients.
   """
-  N, P, H, Dh = q.shape
+  N, P = q.shape[:2]
+  block = P if query_chunk is None else query_chunk
   if segment_ids is None:
-    key_seg, query_seg = key_mask.astype(jnp.int32), None
+    kseg = key_mask.astype(jnp.int32)  # 0 = padding key
+    qseg = jnp.ones((N, P), jnp.int32)
   else:
-    key_seg = query_seg = segment_ids.astype(jnp.int32)
-  if query_chunk is None or P <= query_chunk:
-    return _attend(q, k, v, key_seg, query_seg)
-  nb = -(-P // query_chunk)
-  qb = jnp.pad(q, ((0, 0), (0, nb * query_chunk - P), (0, 0), (0, 0)))
-  qb = qb.reshape(N, nb, query_chunk, H, Dh).swapaxes(0, 1)  # [nb, N, chunk, H, Dh]
-  if query_seg is None:
-    block = jax.checkpoint(lambda qc: _attend(qc, k, v, key_seg, None))
-    o = jax.lax.map(block, qb)
-  else:
-    sb = jnp.pad(query_seg, ((0, 0), (0, nb * query_chunk - P)))
-    sb = sb.reshape(N, nb, query_chunk).swapaxes(0, 1)
-    block = jax.checkpoint(lambda xs: _attend(xs[0], k, v, key_seg, xs[1]))
-    o = jax.lax.map(block, (qb, sb))
-  return o.swapaxes(0, 1).reshape(N, nb * query_chunk, H, Dh)[:, :P]
+    kseg = qseg = segment_ids.astype(jnp.int32)
+  pos = jnp.arange(P, dtype=jnp.int32)
+  return flash_attention(q, k, v, pos, pos, qseg, kseg, scale=q.shape[-1] ** -0.5,
+                         block_q=block, block_k=block, causal=False)
 
 
 # ------------------------------------------------------------------------------ modules

@@ -226,3 +226,47 @@ def test_state_from_another_pipeline_is_refused(corpus, corpus_tokenizer):
     reseeded.set_state(state)
   with pytest.raises(ValueError, match="not a data-iterator state"):
     other.set_state({"next_index": 3})
+
+
+def test_one_file_corpus_is_split_by_its_tail_or_not_at_all(corpus, corpus_tokenizer, tmp_path):
+  """Issue 12 (newcomer): `text:input.txt` trains; the held-out split is the file's last
+  eval_fraction (cut at a line break), or there is none with eval_fraction=0."""
+  from sparse_lm.data import sources
+  book = tmp_path / "input.txt"
+  text = "".join(f"line {i}: " + "word " * (i % 7) + "\n" for i in range(2000))
+  book.write_text(text)
+  cfg = DataConfig(source=f"text:{book}", eval_fraction=0.1, prefetch=0)
+  train = sources.open_split(cfg.source, split="train", eval_fraction=0.1)
+  held = sources.open_split(cfg.source, split="eval", eval_fraction=0.1)
+  assert (train.split_by, held.split_by, len(train), len(held)) == ("tail", "tail", 1, 1)
+  head, tail = train.load(0), held.load(0)
+  assert head + tail == text and head.endswith("\n")  # disjoint, complete, at a line break
+  assert len(tail) == pytest.approx(0.1 * len(text), abs=40)
+  assert "by tail" in describe(cfg)
+  batch = next(make_train_iterator(cfg, corpus_tokenizer, seq_len=64, batch_size=2))
+  assert batch["tokens"].shape == (2, 64)
+  evals = make_eval_batches(cfg, corpus_tokenizer, seq_len=64, batch_size=2, num_batches=2)
+  assert len(evals) == 2
+  want = corpus_tokenizer.encode(tail)
+  got = evals[0]["tokens"][0][evals[0]["segment_ids"][0] == 1][1:]  # after <bos>
+  assert list(got[:20]) == want[:20]  # the held-out rows start with the file's tail
+  # Documents mode on one file: one clear way out, no back and forth.
+  by_docs = DataConfig(source=cfg.source, eval_fraction=0.1, eval_split="documents")
+  errors = []
+  for make in (lambda: make_train_iterator(by_docs, corpus_tokenizer, seq_len=64, batch_size=2),
+               lambda: make_eval_batches(by_docs, corpus_tokenizer, seq_len=64, batch_size=2,
+                                         num_batches=1)):
+    try:
+      make()
+    except ValueError as e:
+      errors.append(str(e))
+  assert len(errors) == 1 and "data.eval_split=tail" in errors[0]
+  assert "data.eval_fraction=0" in errors[0]
+  none = DataConfig(source=cfg.source, eval_fraction=0.0, prefetch=0)
+  assert make_eval_batches(none, corpus_tokenizer, seq_len=64, batch_size=2, num_batches=1) == []
+  assert "no held-out split" in describe(none)
+  assert next(make_train_iterator(none, corpus_tokenizer, seq_len=64, batch_size=2))[
+      "tokens"].shape == (2, 64)
+  # A corpus of many documents keeps the document split under "auto".
+  many = sources.open_split(f"text:{corpus[0]}", split="eval", eval_fraction=0.2)
+  assert many.split_by == "documents" and len(many) > 0

@@ -144,3 +144,36 @@ def test_long_texts_encoded_in_pieces_match_whole_text_encoding(stdlib_tokenizer
     text = "".join(rng.choice(fragments, 12000))
     assert len(text) > 3 * tokenizer_lib._PIECE_CHARS
     assert stdlib_tokenizer.encode(text) == whole.encode(text, add_special_tokens=False).ids
+
+
+def test_cache_is_keyed_by_source_never_degenerate_and_group_readable(corpus, tmp_path,
+                                                                       monkeypatch):
+  """Issue 12 (newcomer): a failed run (no text: a byte-only BPE) caches nothing; a fixed data
+  source then trains its own tokenizer; a cache for another source is not reused."""
+  del monkeypatch
+  old = os.umask(0o022)
+  try:
+    workdir = str(tmp_path / "run")
+    os.makedirs(workdir)
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    (empty / "blank.txt").write_text("   \n")  # a text file with no text
+    broken = DataConfig(source=f"text:{empty}", eval_fraction=0.0)
+    tok = load_or_train_tokenizer(broken, workdir, vocab_size=300)
+    assert tokenizer_lib.is_degenerate(tok) and tok.vocab_size == 264
+    assert os.listdir(workdir) == []  # never cached
+    fixed = DataConfig(source=f"text:{corpus[0]}")
+    good = load_or_train_tokenizer(fixed, workdir, vocab_size=300)
+    assert good.vocab_size == 300 and not tokenizer_lib.is_degenerate(good)
+    cache = os.path.join(workdir, "tokenizer.json")
+    assert os.stat(cache).st_mode & 0o777 == 0o644  # readable by the group, like other outputs
+    other = DataConfig(source=f"text:{corpus[0]}/d000*.txt")
+    second = load_or_train_tokenizer(other, workdir, vocab_size=300)
+    assert second.fingerprint != good.fingerprint  # trained on its own source, cached apart
+    files = sorted(os.listdir(workdir))
+    assert len(files) == 4 and files[2:] == ["tokenizer.json", "tokenizer.source.json"]
+    assert files[0].startswith("tokenizer-") and files[1] == files[0][:-5] + ".source.json"
+    assert load_or_train_tokenizer(fixed, workdir, 300).fingerprint == good.fingerprint
+    assert load_or_train_tokenizer(other, workdir, 300).fingerprint == second.fingerprint
+  finally:
+    os.umask(old)

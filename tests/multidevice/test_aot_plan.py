@@ -1,7 +1,14 @@
-"""CI check of launch/aot_plan.py: the `tiny` preset's full train step (forward, backward,
-AdamW, balancer update) compiles with the real TPU compiler for v5p:2x2x2 (8 chips) with the
-fsdp, expert and context axes all > 1, and the reported per-chip total is below HBM; also with
-the sequence over expert x context (`expert_shards=context`, the stage_1m layout's mode)."""
+"""CI checks of launch/aot_plan.py (compile-only TPU devices from libtpu; no TPU needed).
+
+- The `tiny` preset's full train step and its eval steps compile with the real TPU compiler
+  for v5p:2x2x2 (8 chips) with the fsdp, expert and context axes all > 1, and the per-chip
+  totals are below HBM.
+- A mid-size plan (the reduced tiny model on a 256-chip v5p:4x8x8 slice, EP 16, the sequence
+  over expert x context) compiles with the planner's peak host memory below a recorded bound,
+  so that a change that makes the planner's host memory grow shows here before it kills a
+  full-scale plan (issue 20; docs/scaling.md has the numbers).
+- The hosts of a real 16-host slice load the batch row groups their chips hold.
+"""
 
 import json
 import os
@@ -17,26 +24,62 @@ SMALLER = ["num_layers=5", "d_model=32", "vocab_size=128", "dense_hidden=64",
            "moe_latent_dim=16", "expert_hidden=32", "shared_expert_hidden=32",
            "balancer_bins=64", "attention_chunk_size=16", "loss_chunk_size=64"]
 
+# Peak RSS of the mid-size plan: 1.85 GB measured 2026-11-30 (docs/scaling.md), plus 35%.
+MID_SIZE_RSS_BOUND_GB = 2.5
 
-@pytest.mark.parametrize("layout", ["fsdp=2,expert=2,context=2",
-                                    "fsdp=2,expert=2,context=2,expert_shards=context"])
-def test_tiny_compiles_for_v5p_2x2x2_with_fsdp_expert_context(tmp_path, layout):
-  out = tmp_path / "plan.json"
-  cmd = [sys.executable, "-m", "launch.aot_plan", "--preset", "tiny", "--stage", "stage_8k",
-         "--topology", "v5p:2x2x2", "--mesh", layout,
-         "--global-batch", "4", "--seq-len", "64", "--json", str(out)]
-  for s in SMALLER:
-    cmd += ["--set", s]
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1")
+
+def _aot_env():
+  env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1",
+             ALLOW_MULTIPLE_LIBTPU_LOAD="1")
   env.pop("XLA_FLAGS", None)
-  proc = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
+  return env
+
+
+def _plan(tmp_path, args):
+  out = tmp_path / "plan.json"
+  cmd = [sys.executable, "-m", "launch.aot_plan", *args, "--json", str(out)]
+  proc = subprocess.run(cmd, cwd=ROOT, env=_aot_env(), capture_output=True, text=True,
+                        timeout=900)
   assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-6000:]
-  plan = json.loads(out.read_text())
+  return json.loads(out.read_text()), proc.stdout
+
+
+def _sets(items):
+  return [a for s in items for a in ("--set", s)]
+
+
+def test_tiny_train_and_eval_steps_compile_for_v5p_2x2x2_with_fsdp_expert_context(tmp_path):
+  sets = ["mesh=fsdp=2,expert=2,context=2", "tokens_per_batch=256", "seq_len=64",
+          "micro_batches=1", "eval_batch_size=4", "ep_capacity_factor=1.25"]
+  plan, stdout = _plan(tmp_path, ["--preset", "tiny", "--stage", "stage_8k", "--topology",
+                                  "v5p:2x2x2", "--eval"]
+                       + _sets(sets + [f"model.{s}" for s in SMALLER]))
   assert plan["mesh"] == {"data": 1, "fsdp": 2, "expert": 2, "tensor": 1, "context": 2}
-  assert 0 < plan["total"] < plan["hbm"] and plan["fits"]
-  assert plan["arguments"] > 0 and plan["temporaries"] > 0
-  assert "FITS" in proc.stdout
-  assert plan["expert_shards"] == ("context" if "expert_shards=context" in layout else "batch")
+  assert plan["expert_shards"] == "batch"
+  assert [(s["step"], s["rows"], s["seq_len"]) for s in plan["steps"]] == [
+      ("train", 4, 64), ("eval", 4, 64), ("eval 2x length", 4, 128)]
+  for s in plan["steps"]:
+    assert 0 < s["total"] < s["hbm"] and s["fits"], s
+    assert s["arguments"] > 0 and s["temporaries"] > 0 and s["compile_s"] > 0
+  assert plan["steps"][0]["aliased"] > 0  # the train state is donated
+  assert 0 < plan["peak_rss"] < 8e9
+  assert "FITS" in stdout and "peak host RSS" in stdout
+
+
+def test_mid_size_plan_stays_within_its_host_memory_bound(tmp_path):
+  """256 chips, the sequence over expert x context = 128 shards (`expert_shards=context`,
+  the long stages' mode), 16 experts over EP 16."""
+  sets = ["mesh=fsdp=2,expert=16,context=8,expert_shards=context", "topology=v5p:4x8x8",
+          "seq_len=2048", "tokens_per_batch=4096", "micro_batches=1",
+          "ep_capacity_factor=1.25", "model.num_experts=16"]
+  plan, stdout = _plan(tmp_path, ["--preset", "tiny", "--stage", "stage_8k"]
+                       + _sets(sets + [f"model.{s}" for s in SMALLER]))
+  assert plan["mesh"] == {"data": 1, "fsdp": 2, "expert": 16, "tensor": 1, "context": 8}
+  assert plan["expert_shards"] == "context" and plan["steps"][0]["fits"]
+  print(f"mid-size plan: peak host RSS {plan['peak_rss'] / 1e9:.2f} GB; {stdout[-600:]}")
+  assert plan["peak_rss"] < MID_SIZE_RSS_BOUND_GB * 1e9, (
+      f"the planner's peak host memory {plan['peak_rss'] / 1e9:.2f} GB exceeds the recorded "
+      f"bound {MID_SIZE_RSS_BOUND_GB} GB; phases: {plan['phases']}")
 
 
 ROWS_SCRIPT = """
@@ -61,10 +104,7 @@ def test_hosts_of_a_v5p_slice_load_their_row_groups():
   fsdp x expert, sequence over context = 4: the device mesh puts each sequence's 4 chips on 2
   hosts, so 8 row groups of 2 rows, each loaded by 2 hosts. Sequence over expert x context =
   32 chips (8 hosts): 8 hosts load the same 2 rows."""
-  env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1",
-             ALLOW_MULTIPLE_LIBTPU_LOAD="1")
-  env.pop("XLA_FLAGS", None)
-  proc = subprocess.run([sys.executable, "-c", ROWS_SCRIPT], cwd=ROOT, env=env,
+  proc = subprocess.run([sys.executable, "-c", ROWS_SCRIPT], cwd=ROOT, env=_aot_env(),
                         capture_output=True, text=True, timeout=300)
   assert proc.returncode == 0, proc.stderr[-4000:]
   lines = [l for l in proc.stdout.splitlines() if l.startswith("fsdp=")]

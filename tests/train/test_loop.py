@@ -1,34 +1,66 @@
 """The training loop end to end on a small tiny-preset stage (5 layers, 64 tokens, 5 steps):
-exact resume after SIGTERM, fallback over a truncated checkpoint, a NaN loss stops the run."""
+exact resume after Ctrl-C (SIGINT), fallback over a truncated checkpoint that is then replaced,
+configs compared on resume, the workdir lock, plain progress lines and routing health in
+metrics.jsonl, `sparse_lm.train.load`, a NaN loss stops the run."""
 
+import dataclasses
+import json
 import os
+import re
 import signal
+import warnings
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
+from flax import nnx
 
+import sparse_lm.train
 from sparse_lm.train import loop
-from sparse_lm.train.checkpoint import Checkpointer
+from sparse_lm.train.checkpoint import UNREADABLE_DIR, Checkpointer, ConfigMismatchError
+from sparse_lm.train.metrics import Alerts
+from sparse_lm.train.workdir import WorkdirLock, WorkdirLockedError
 from tests.train.conftest import small_stage
 
 
-def _sigterm_at(step_to_signal):
+def _signal_at(step_to_signal, signum=signal.SIGINT):
   def on_step(step, scalars):
     del scalars
     if step == step_to_signal:
-      os.kill(os.getpid(), signal.SIGTERM)
+      os.kill(os.getpid(), signum)
   return on_step
 
 
-def test_sigterm_resume_and_truncated_fallback_are_bit_exact(workdir, tmp_path_factory):
+def test_sigint_resume_and_truncated_fallback_are_bit_exact(workdir, tmp_path_factory, capsys):
   stage = small_stage()
   other = tmp_path_factory.mktemp("uninterrupted")
   (other / "tokenizer.json").write_bytes((workdir / "tokenizer.json").read_bytes())
-  full = loop.run(stage, other, progress=False)
+  full = loop.run(stage, other, progress=False, progress_every=2,
+                  alerts=Alerts(max_mean_load=1.0))
   assert sorted(full.losses) == [0, 1, 2, 3, 4]
   assert not full.preempted and full.end_step == 5
+  # Off a terminal: a plain line every 2 steps (and at the end) with the routing health.
+  out = capsys.readouterr().out
+  lines = re.findall(r"\[stage_8k\] step (\d)/5  loss ([\d.]+)  [\d,]+ tok/s  MFU n/a  "
+                     r"max/mean load ([\d.]+)  dead ([\d.]+)%  ETA", out)
+  assert [int(l[0]) for l in lines] == [2, 4, 5], out
+  assert [float(l[1]) for l in lines] == [round(full.losses[s - 1], 4) for s in (2, 4, 5)]
+  # One routing warning per eval interval (eval_every=100: one) past the threshold.
+  assert len(re.findall(r"warning at step \d: routing imbalance: max/mean expert load "
+                        r"[\d.]+ > 1 in MoE layer \d", out)) == 1
+  records = [json.loads(l) for l in (other / stage.name / "tb" / "metrics.jsonl").open()]
+  train = [r for r in records if "train/loss" in r]
+  assert [r["step"] for r in train] == [0, 1, 2, 3, 4]
+  for r in train:
+    assert r["train/moe/max_mean_load"] >= 1.0 and 0.0 <= r["train/moe/dead_frac_max"] <= 1.0
+    assert r["train/moe/max_mean_load_layer"].startswith("MoE layer ")
+  assert [float(l[2]) for l in lines] == [round(train[s - 1]["train/moe/max_mean_load"], 2)
+                                          for s in (2, 4, 5)]
 
-  first = loop.run(stage, workdir, progress=False, on_step=_sigterm_at(1))
+  first = loop.run(stage, workdir, progress=False, on_step=_signal_at(1))  # Ctrl-C
   assert first.preempted and 2 <= first.end_step < 5
+  assert "SIGINT: saved step" in capsys.readouterr().out
   stop = first.end_step
   ckpt_dir = workdir / stage.name / "checkpoints"
   assert stop in Checkpointer(ckpt_dir).all_steps()
@@ -38,8 +70,9 @@ def test_sigterm_resume_and_truncated_fallback_are_bit_exact(workdir, tmp_path_f
   assert resumed == full.losses  # exact float equality, step by step
   assert second.final_eval == full.final_eval
 
-  # Truncate the final checkpoint: the next run warns, falls back to the one before and
-  # replays the last steps with the same losses.
+  # Truncate the final checkpoint: the next run warns, falls back to the one before, replays
+  # the last steps with the same losses, and saves step 5 again (the unreadable one is moved
+  # aside); the following run and the next stage start from the new step 5.
   steps = Checkpointer(ckpt_dir).all_steps()
   assert steps[-1] == 5 and len(steps) >= 2
   for f in (ckpt_dir / "5" / "state").rglob("*"):
@@ -49,6 +82,42 @@ def test_sigterm_resume_and_truncated_fallback_are_bit_exact(workdir, tmp_path_f
     third = loop.run(stage, workdir, progress=False)
   assert third.start_step == steps[-2]
   assert third.losses == {s: full.losses[s] for s in range(steps[-2], 5)}
+  assert [p.name.split("-")[0] for p in (workdir / stage.name / UNREADABLE_DIR).iterdir()] == ["5"]
+  with warnings.catch_warnings():
+    warnings.simplefilter("error", RuntimeWarning)
+    fourth = loop.run(stage, workdir, progress=False)
+  assert fourth.start_step == 5 and fourth.losses == {}
+  assert fourth.final_eval == full.final_eval
+  capsys.readouterr()
+  nxt = dataclasses.replace(stage, name="stage_next", init_from=stage.name, steps=5)
+  loop.run(nxt, workdir, progress=False, on_step=_signal_at(0))
+  assert f"initialised from {stage.name} step 5 " in capsys.readouterr().out
+
+  # The model of the stage in one call; its eval forward mutates nothing, so plain jax.jit.
+  model, tokenizer, saved = sparse_lm.train.load(workdir, stage.name)
+  assert saved == stage and tokenizer.to_json() == (workdir / "tokenizer.json").read_text()
+  before = jax.tree.map(np.asarray, nnx.state(model))
+  tokens = jnp.asarray([tokenizer.encode("def f(x):\n    return x")])
+  logits = jax.jit(lambda t: model(t))(tokens)
+  assert logits.shape == tokens.shape + (512,) and bool(jnp.all(jnp.isfinite(logits)))
+  after = jax.tree.map(np.asarray, nnx.state(model))
+  assert all(jax.tree.leaves(jax.tree.map(np.array_equal, before, after)))
+
+
+def test_resume_refuses_another_model_or_schedule_and_a_held_lock(workdir):
+  stage = small_stage(steps=6)
+  stopped = loop.run(stage, workdir, progress=False, on_step=_signal_at(1, signal.SIGTERM))
+  assert stopped.preempted
+  steps = Checkpointer(workdir / stage.name / "checkpoints").all_steps()
+  with pytest.raises(ConfigMismatchError, match=r"steps: 6 \(saved\) vs 5 \(now\)"):
+    loop.run(small_stage(steps=5), workdir, progress=False)
+  with pytest.raises(ConfigMismatchError, match=r"num_layers: 5 \(saved\) vs 9 \(now\).*"
+                     r"use a new workdir"):
+    loop.run(dataclasses.replace(stage, model_overrides=()), workdir, progress=False)
+  assert Checkpointer(workdir / stage.name / "checkpoints").all_steps() == steps  # untouched
+  with WorkdirLock(workdir / stage.name):
+    with pytest.raises(WorkdirLockedError, match=f"in use by another run: pid {os.getpid()} "):
+      loop.run(stage, workdir, progress=False)
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(workdir):

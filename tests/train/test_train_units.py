@@ -70,8 +70,18 @@ def test_truncated_checkpoint_falls_back_to_previous(tmp_path: pathlib.Path):
   assert int(state.step) == 1 and data_state == {"pos": 1}
   np.testing.assert_array_equal(state.params["w"][...], _toy_state(1, tx).params["w"][...])
   assert meta_out["tokenizer"]["fingerprint"] == "abc"
+  # Issue 12.1: the unreadable step was moved aside, so it is saved again when retrained.
+  assert ck2.all_steps() == [1]
+  aside = list((tmp_path / ckpt_lib.UNREADABLE_DIR).iterdir())
+  assert [p.name.split("-")[0] for p in aside] == ["2"]
+  ck2.save(_toy_state(2, tx), data_state={"pos": 22}, meta=meta)
+  ck2.wait()
+  ck3 = ckpt_lib.Checkpointer(tmp_path / "ck", keep=3)
+  state, data_state, _ = ck3.restore_latest(target)
+  assert int(state.step) == 2 and data_state == {"pos": 22}
   ck.close()
   ck2.close()
+  ck3.close()
 
 
 def test_tokenizer_mismatch_is_an_error():
@@ -94,11 +104,10 @@ def test_reset_schedule_count_keeps_adam_count():
 
 
 def test_data_positions_are_kept_per_row_group():
-  from sparse_lm.train import loop
-  saved = loop._all_shard_states({"pos": 7}, 0)  # one process: its own row group
+  saved = ckpt_lib.data_item({"pos": 7}, 0)  # one process: its own row group
   assert saved == {"shards": {"0": {"pos": 7}}}
-  assert loop._shard_state(saved, 0) == {"pos": 7}
-  assert loop._shard_state({"pos": 3}, 0) == {"pos": 3}  # the earlier one-process format
-  assert loop._shard_state(None, 0) is None
+  assert ckpt_lib.shard_state(saved, 0) == {"pos": 7}
+  assert ckpt_lib.shard_state({"pos": 3}, 0) == {"pos": 3}  # the earlier one-process format
+  assert ckpt_lib.shard_state(None, 0) is None
   with pytest.raises(ValueError, match="row groups \\['0'\\], not 1"):
-    loop._shard_state(saved, 1)
+    ckpt_lib.shard_state(saved, 1)

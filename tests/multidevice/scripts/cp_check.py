@@ -15,6 +15,7 @@ import numpy as np
 from pallas_kernels.kda import chunk_kda
 from sparse_lm import sharding as shd
 from sparse_lm.model import context_parallel as cp
+from sparse_lm.model import kda
 
 FAILED = []
 
@@ -107,10 +108,10 @@ def check_conv(name, layout, T, segs, B=2, C=6, W=4):
                for i in range(W))
 
   y0 = ref(x, w)
-  y1 = jax.jit(lambda x, w: cp.cp_short_conv(x, w, segs, mesh=mesh))(x, w)
+  y1 = jax.jit(lambda x, w: kda.cp_short_conv(x, w, segs, mesh=mesh))(x, w)
   gr = lambda f: jax.grad(lambda x, w: jnp.sum(jnp.sin(f(x, w))), argnums=(0, 1))(x, w)
   g0 = gr(ref)
-  g1 = jax.jit(lambda x, w: gr(lambda x, w: cp.cp_short_conv(x, w, segs, mesh=mesh)))(x, w)
+  g1 = jax.jit(lambda x, w: gr(lambda x, w: kda.cp_short_conv(x, w, segs, mesh=mesh)))(x, w)
   report(name, [rel(y1, y0)] + [rel(a, b) for a, b in zip(g1, g0)], 1e-5)
 
 

@@ -1,0 +1,174 @@
+"""Generate text from a trained checkpoint: `python -m sparse_lm.generate`.
+
+    python -m sparse_lm.generate --workdir runs/tiny --prompt 'def '
+    python -m sparse_lm.generate --checkpoint runs/tiny/stage_8k/checkpoints/1000 --interactive
+
+Loads the newest checkpoint of the newest stage in the workdir (the stage whose latest
+checkpoint was written last; `--stage` picks another) through `sparse_lm.train.load`, or one
+step directory `--checkpoint PATH`, with the tokenizer saved in it, and streams the completion. `--interactive` is a multi-turn chat: each turn continues the previous turn's
+decode state (sparse_lm.inference.DecodeState), so the history is never re-read.
+"""
+
+from __future__ import annotations
+
+import argparse
+import pathlib
+import sys
+from typing import Any, Sequence
+
+
+def load_workdir(workdir: str | pathlib.Path, *, stage: str | None = None,
+                 preset: str | None = None):
+  """(model, tokenizer, description) of the newest checkpoint of `stage` (default: the stage
+  written last) in a training workdir, through `sparse_lm.train.load`.
+
+  Raises:
+    FileNotFoundError: no checkpoint in `workdir` (the message lists its stages).
+    ValueError: the checkpoint's preset differs from `preset`.
+  """
+  from sparse_lm.train import load
+
+  model, tokenizer, stage_cfg = load(workdir, stage)
+  _check_preset(preset, stage_cfg.preset, f"{workdir} ({stage_cfg.name})")
+  return model, tokenizer, f"{stage_cfg.name}, preset {stage_cfg.preset}: {workdir}"
+
+
+def _check_preset(wanted: str | None, found: str, where) -> None:
+  if wanted is not None and wanted != found:
+    raise ValueError(f"--preset={wanted!r}, but checkpoint {where} holds a {found!r} model; "
+                     f"drop --preset or pass --preset={found}")
+
+
+def load_checkpoint(path: str | pathlib.Path, *, preset: str | None = None):
+  """(model, tokenizer, meta) from one checkpoint step directory written by the training loop.
+
+  The model is built from the stage config saved in the checkpoint (its preset and
+  model_overrides); params and the balancer state are restored (the optimizer state is read and
+  dropped).
+
+  Args:
+    path: `<stage>/checkpoints/<step>`.
+    preset: if given, the preset the caller expects; a checkpoint of another one is refused.
+
+  Raises:
+    FileNotFoundError: path is not a checkpoint step directory.
+    ValueError: the checkpoint's preset differs from `preset`, or its arrays do not fit the
+      model its config describes.
+  """
+  import jax
+  import orbax.checkpoint as ocp
+  from flax import nnx
+
+  from sparse_lm.data import Tokenizer
+  from sparse_lm.model import Transformer
+  from sparse_lm.train.checkpoint import stage_from_json
+
+  path = pathlib.Path(path).absolute()
+  if not (path.is_dir() and path.name.isdigit()):
+    raise FileNotFoundError(f"--checkpoint {path}: expected a step directory "
+                            "<workdir>/<stage>/checkpoints/<step>")
+  mgr = ocp.CheckpointManager(path.parent)
+  step = int(path.name)
+  meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+  stage = meta["stage"]
+  _check_preset(preset, stage["preset"], path)
+  cfg = stage_from_json(stage).model_config()
+  abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  graphdef, params, model_vars = nnx.split(abstract, nnx.Param, ...)
+  state = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state
+  mgr.close()
+  def pure(tree):  # a restored Variable is {"value": array}
+    if isinstance(tree, dict):
+      if set(tree) == {"value"} and not isinstance(tree["value"], dict):
+        return tree["value"]
+      return {k: pure(v) for k, v in tree.items()}
+    return tree
+
+  try:
+    nnx.replace_by_pure_dict(params, pure(state["params"]))
+    nnx.replace_by_pure_dict(model_vars, pure(state["model_vars"]))
+    model = nnx.merge(graphdef, params, model_vars)
+    for (p, want), got in zip(jax.tree_util.tree_leaves_with_path(nnx.state(abstract)),
+                              jax.tree.leaves(nnx.state(model))):
+      if tuple(want.shape) != tuple(got.shape):
+        raise ValueError(f"{jax.tree_util.keystr(p)}: {got.shape} vs {want.shape}")
+  except (KeyError, ValueError) as e:
+    raise ValueError(f"checkpoint {path} does not fit the {stage['preset']!r} model its config "
+                     f"describes ({e}); was it written by another version?") from e
+  tokenizer = Tokenizer.from_json(meta["tokenizer"]["json"])
+  return model, tokenizer, meta
+
+
+def _parser() -> argparse.ArgumentParser:
+  p = argparse.ArgumentParser(prog="python -m sparse_lm.generate", description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
+  src = p.add_mutually_exclusive_group(required=True)
+  src.add_argument("--workdir", help="training workdir: the newest stage's newest checkpoint")
+  src.add_argument("--checkpoint", help="a checkpoint step directory")
+  p.add_argument("--stage", help="with --workdir: this stage (default: the one written last)")
+  p.add_argument("--preset", help="refuse a checkpoint of another preset")
+  p.add_argument("--prompt", default="", help="text to continue")
+  p.add_argument("--interactive", action="store_true", help="multi-turn chat on stdin")
+  p.add_argument("--max-new-tokens", type=int, default=64)
+  p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+  p.add_argument("--top-k", type=int, default=0)
+  p.add_argument("--top-p", type=float, default=1.0)
+  p.add_argument("--seed", type=int, default=0)
+  p.add_argument("--max-length", type=int, default=4096, help="tokens of history kept")
+  p.add_argument("--prefill-chunk", type=int, default=512)
+  return p
+
+
+def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
+  """Run the CLI; returns the exit status. `out` (default stdout) receives the text."""
+  out = out or sys.stdout
+  args = _parser().parse_args(argv)
+  from sparse_lm.inference import Engine, SamplingParams
+
+  sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+  if not args.interactive and not args.prompt:
+    raise SystemExit("--prompt is empty: give text to continue, or use --interactive")
+  if args.checkpoint:
+    model, tokenizer, meta = load_checkpoint(args.checkpoint, preset=args.preset)
+    where = f"{meta['stage']['name']} step {meta.get('step')}: {args.checkpoint}"
+  else:
+    model, tokenizer, where = load_workdir(args.workdir, stage=args.stage, preset=args.preset)
+  print(f"[{where}]", file=sys.stderr)
+  sampling = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k,
+                            top_p=sampling.top_p, stop_tokens=[tokenizer.eos_id])
+  engine = Engine(model, max_length=args.max_length, max_batch=1,
+                  prefill_chunk=args.prefill_chunk)
+
+  def turn(text, state, seed):
+    ids = tokenizer.encode(text)
+    if state is None:
+      ids = [tokenizer.bos_id] + ids
+    shown = ""
+
+    def stream(_, tokens):
+      nonlocal shown
+      text = tokenizer.decode(tokens, skip_special=True)
+      if text.startswith(shown):
+        out.write(text[len(shown):])
+        out.flush()
+        shown = text
+    res = engine.generate([ids], max_new_tokens=args.max_new_tokens, sampling=sampling,
+                          seed=seed, states=[state], stream=stream)[0]
+    out.write("\n")
+    return res.state
+
+  if not args.interactive:
+    out.write(args.prompt)
+    turn(args.prompt, None, args.seed)
+    return 0
+  state = None
+  if args.prompt:
+    out.write(args.prompt)
+    state = turn(args.prompt, None, args.seed)
+  for n, line in enumerate(sys.stdin, start=1):
+    state = turn(line.rstrip("\n"), state, args.seed + n)
+  return 0
+
+
+if __name__ == "__main__":
+  sys.exit(main())

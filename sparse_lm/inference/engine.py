@@ -1,0 +1,347 @@
+"""The inference engine: chunked prefill, cached decode, continuous batching, multi-turn state.
+
+    from sparse_lm.inference import Engine, SamplingParams
+    engine = Engine(model, max_length=4096, max_batch=8)
+    outs = engine.generate(prompts, max_new_tokens=32, sampling=SamplingParams(temperature=0.0),
+                           seed=0)
+    outs[i].tokens, outs[i].logprobs, outs[i].state
+    more = engine.generate([next_turn_ids], max_new_tokens=32, states=[outs[0].state])
+
+The engine owns a fixed batch of `max_batch` slots, each a row of every layer's cache
+(cache.py). A request takes a free slot, is prefilled in pieces of `prefill_chunk` tokens (all
+prefilling slots together, one jitted call per piece), then decodes one token per jitted step
+together with every other decoding slot; a finished row frees its slot for the next request.
+Both calls have fixed shapes ([max_batch, prefill_chunk] and [max_batch, 1]), so refilling slots
+never recompiles. Each row keeps its own length: no shared position, no left padding.
+
+Randomness: request i of a call with an int `seed` draws its n-th token with
+fold_in(fold_in(PRNGKey(seed), i), n) (with a list of seeds, fold_in(PRNGKey(seed[i]), n)), so
+results do not depend on which slot or which other requests it ran with.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import functools
+from typing import Callable, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sparse_lm.inference import cache as cache_lib
+from sparse_lm.inference.forward import DecoderStack, forward_cached
+from sparse_lm.inference.sampling import SamplingParams, sample
+
+# Kernels cast to the compute dtype once (the model casts them at every use anyway); norms,
+# the router, gates' A_log / dt_bias, conv kernels and the embedding stay as trained.
+_CAST = {"w_q", "w_k", "w_v", "w_g_down", "w_g_up", "w_beta", "w_og", "w_og_down", "w_og_up",
+         "w_o", "w_dq", "w_uq", "w_dkv", "w_ukv", "w_gate", "w_up", "w_down", "expert_gate", "expert_up",
+         "expert_down", "lm_head"}
+
+
+@dataclasses.dataclass(frozen=True)
+class DecodeState:
+  """What continues a conversation: one row of every layer's cache (device arrays, batch 1),
+  the number of tokens in it, and the history tokens not yet in it (the last generated token,
+  which no forward pass has read yet). History = the prompts and completions so far."""
+  cache: list
+  length: int
+  pending: tuple[int, ...]
+  signature: tuple
+
+  @property
+  def history_length(self) -> int:
+    return self.length + len(self.pending)
+
+
+@dataclasses.dataclass(frozen=True)
+class GenerationOutput:
+  """One request's result.
+
+  tokens: the new token ids (a stop token included). logprobs: log p(token | history) under
+  the model (log_softmax of the logits at temperature 1, untruncated: what the trainer computes).
+  state: DecodeState after prompt + tokens. finish_reason: "stop" (a stop token),
+  "max_new_tokens", or "max_length" (the engine's cache is full).
+  """
+  tokens: list[int]
+  logprobs: list[float]
+  state: DecodeState
+  finish_reason: str
+
+
+def _weights(graphdef, state, cfg):
+  """The stack's state with the kernels in _CAST in the compute dtype."""
+  dt = jnp.dtype(cfg.dtype)
+  if dt == jnp.dtype(cfg.param_dtype):
+    return state
+
+  def cast(path, x):
+    names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
+    return x.astype(dt) if names & _CAST and jnp.issubdtype(x.dtype, jnp.floating) else x
+  return jax.tree_util.tree_map_with_path(cast, state)
+
+
+@functools.partial(jax.jit, static_argnames=("graphdef", "kv_block"), donate_argnums=(2,))
+def _step(graphdef, weights, cache, tokens, start, n_valid, req_keys, counts, mode, temperature,
+          top_k, top_p, *, kv_block):
+  """One jitted prefill piece (T > 1) or decode step (T = 1) for all slots, then sampling."""
+  stack = nnx.merge(graphdef, weights)
+  logits, cache = forward_cached(stack, tokens, cache, start, n_valid, kv_block=kv_block)
+  keys = jax.vmap(jax.random.fold_in)(req_keys, counts)
+  tok, logp = sample(logits, keys, mode=mode, temperature=temperature, top_k=top_k,
+                     top_p=top_p)
+  return cache, tok, logp
+
+
+@jax.jit
+def _read_row(cache, slot):
+  return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0), cache)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _write_row(cache, row, slot):
+  return jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=0),
+                      cache, row)
+
+
+@functools.partial(jax.jit, donate_argnums=(0,))
+def _reset_row(cache, slot):
+  """Zero a slot's KDA state and conv tails (its latent cache is unread beyond length 0)."""
+  def zero(path, a):
+    if any(getattr(k, "key", None) in ("conv", "S") for k in path):
+      return jax.lax.dynamic_update_slice_in_dim(a, jnp.zeros((1,) + a.shape[1:], a.dtype),
+                                                 slot, axis=0)
+    return a
+  return jax.tree_util.tree_map_with_path(zero, cache)
+
+
+class Engine:
+  """Batched generation from a `sparse_lm.model.Transformer` (see the module docstring).
+
+  Args:
+    model: the Transformer (its current weights are copied in: see `load_weights`).
+    max_length: tokens of history (prompts + generated) one row can hold.
+    max_batch: slots decoded together.
+    prefill_chunk: tokens per row per prefill call (bounds prefill memory).
+    kv_block: key block of the prefill's latent attention (default cfg.attention_chunk_size).
+
+  Raises:
+    ValueError: a size argument that is not a positive int (names it).
+  """
+
+  def __init__(self, model, *, max_length: int = 4096, max_batch: int = 8,
+               prefill_chunk: int = 512, kv_block: int | None = None):
+    for name, v in (("max_length", max_length), ("max_batch", max_batch),
+                    ("prefill_chunk", prefill_chunk), ("kv_block", kv_block or 1)):
+      if not isinstance(v, (int, np.integer)) or v <= 0:
+        raise ValueError(f"Engine: {name}={v!r} must be a positive int")
+    self.cfg = model.cfg
+    self.max_length = int(max_length)
+    self.max_batch = int(max_batch)
+    self.kv_block = int(kv_block or self.cfg.attention_chunk_size)
+    self.cache_length = cache_lib.padded_length(self.max_length, self.kv_block)
+    self.prefill_chunk = int(min(prefill_chunk, self.cache_length))
+    self.signature = (self.cfg, self.cache_length)
+    self.load_weights(model)
+    self._cache = cache_lib.init_cache(self.cfg, self.max_batch, self.cache_length)
+
+  def load_weights(self, model) -> None:
+    """Take `model`'s current weights (e.g. after a training step); no recompile.
+
+    Raises:
+      ValueError: `model` has another config than the engine's.
+    """
+    if model.cfg != self.cfg:
+      diff = [f.name for f in dataclasses.fields(self.cfg)
+              if getattr(model.cfg, f.name) != getattr(self.cfg, f.name)]
+      raise ValueError(f"Engine.load_weights: model config differs from the engine's in {diff} "
+                       f"(model preset {model.cfg.name!r}, engine {self.cfg.name!r}); build a "
+                       "new Engine for another model")
+    graphdef, state = nnx.split(DecoderStack(model))
+    self._graphdef = graphdef
+    self._weights = _weights(graphdef, state, self.cfg)
+
+  def step(self, tokens, lengths, n_valid, sampling: SamplingParams | None = None, seed=0):
+    """Low level, for benchmarks and custom schedulers: one jitted call on all slots.
+
+    tokens [max_batch, prefill_chunk] (a prefill piece) or [max_batch, 1] (a decode step)
+    int32; lengths [max_batch] int32, tokens already in each slot's cache; n_valid
+    [max_batch] int32, real tokens per row. Appends them to the caches (no checks) and returns
+    (next tokens [max_batch], their log-probs) as device arrays.
+    """
+    sampling = SamplingParams(temperature=0.0) if sampling is None else sampling
+    keys = jax.random.split(jax.random.PRNGKey(seed), self.max_batch)
+    self._cache, tok, logp = _step(
+        self._graphdef, self._weights, self._cache, jnp.asarray(tokens, jnp.int32),
+        jnp.asarray(lengths, jnp.int32), jnp.asarray(n_valid, jnp.int32), keys,
+        jnp.zeros((self.max_batch,), jnp.int32), mode=np.int32(sampling.mode),
+        temperature=np.float32(max(sampling.temperature, 1e-6)),
+        top_k=np.int32(sampling.top_k), top_p=np.float32(sampling.top_p),
+        kv_block=self.kv_block)
+    return tok, logp
+
+  def cache_bytes(self) -> int:
+    """Bytes of the engine's allocated caches (all slots)."""
+    return sum(a.nbytes for a in jax.tree.leaves(self._cache))
+
+  # ------------------------------------------------------------------ validation
+  def _check(self, prompts, max_new_tokens, sampling, seed, states):
+    if isinstance(prompts, (str, bytes)) or not isinstance(prompts, Sequence):
+      raise ValueError("prompts must be a list of token-id lists (list[list[int]]), got "
+                       f"{type(prompts).__name__}; encode text with the tokenizer first")
+    if not prompts:
+      raise ValueError("prompts is empty: give at least one prompt")
+    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+    if not isinstance(sampling, SamplingParams):
+      raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
+    if isinstance(seed, Sequence):
+      if len(seed) != len(prompts) or not all(isinstance(x, (int, np.integer)) for x in seed):
+        raise ValueError(f"seed: a list of seeds needs one int per prompt ({len(prompts)}), "
+                         f"got {seed!r}")
+    elif not isinstance(seed, (int, np.integer)):
+      raise ValueError(f"seed={seed!r} must be an int or one int per prompt")
+    if states is not None and len(states) != len(prompts):
+      raise ValueError(f"states has {len(states)} entries for {len(prompts)} prompts: give one "
+                       "per prompt (None for a fresh conversation)")
+    vocab = self.cfg.vocab_size
+    for t in sampling.stop_tokens:
+      if not 0 <= t < vocab:
+        raise ValueError(f"sampling.stop_tokens holds {t}, outside the vocabulary [0, {vocab})")
+    feeds = []
+    for i, p in enumerate(prompts):
+      if isinstance(p, (str, bytes)) or not isinstance(p, (Sequence, np.ndarray)):
+        raise ValueError(f"prompts[{i}] must be a list of token ids, got {type(p).__name__}")
+      ids = np.asarray(p, np.int64).reshape(-1) if len(p) else np.zeros((0,), np.int64)
+      if len(p) and not np.issubdtype(np.asarray(p).dtype, np.integer):
+        raise ValueError(f"prompts[{i}] must hold integer token ids")
+      bad = ids[(ids < 0) | (ids >= vocab)]
+      if bad.size:
+        raise ValueError(f"prompts[{i}] holds token id {int(bad[0])}, outside the vocabulary "
+                         f"[0, {vocab}) of model {self.cfg.name!r}")
+      state = None if states is None else states[i]
+      if state is not None:
+        if not isinstance(state, DecodeState):
+          raise ValueError(f"states[{i}] must be a DecodeState (an output's .state) or None")
+        if state.signature != self.signature:
+          raise ValueError(f"states[{i}] was made by an engine with another model or cache "
+                           "length; continue it with that engine")
+      prefix = 0 if state is None else state.length
+      feed = ([] if state is None else list(state.pending)) + [int(t) for t in ids]
+      if not feed:
+        raise ValueError(f"prompts[{i}] is empty: give at least one token (e.g. the BOS id)")
+      if prefix + len(feed) > self.max_length:
+        raise ValueError(f"prompts[{i}]: {prefix + len(feed)} tokens of history (state + "
+                         f"prompt) exceed the engine's max_length={self.max_length}; shorten "
+                         "it or build the Engine with a larger max_length")
+      feeds.append((feed, state))
+    return feeds
+
+  # ------------------------------------------------------------------ generation
+  def generate(self, prompts: Sequence[Sequence[int]], *, max_new_tokens: int = 32,
+               sampling: SamplingParams | None = None, seed: int | Sequence[int] = 0,
+               states: Sequence[DecodeState | None] | None = None,
+               stream: Callable[[int, list[int]], None] | None = None
+               ) -> list[GenerationOutput]:
+    """Continue each prompt (after its state, if given) by up to max_new_tokens tokens.
+
+    Args:
+      prompts: token ids per request (list[list[int]]); any number (slots are reused).
+      max_new_tokens: tokens to generate per request (fewer on a stop token or a full cache).
+      sampling: SamplingParams (default: temperature 1, no truncation).
+      seed: an int, the randomness of the whole call (see the module docstring), or one int
+        per prompt: request i then draws with PRNGKey(seed[i]), independent of the others.
+      states: per request, a DecodeState from an earlier output (the conversation so far) or
+        None. A state is not consumed: it can be continued several times.
+      stream: called as stream(i, tokens_so_far) after each new token of request i.
+
+    Returns:
+      One GenerationOutput per prompt, in order.
+
+    Raises:
+      ValueError (before anything is compiled or run): an empty prompt, a token id outside the
+        vocabulary, history longer than max_length, a bad sampling / seed / max_new_tokens, or
+        a state from another engine.
+    """
+    sampling = SamplingParams() if sampling is None else sampling
+    feeds = self._check(prompts, max_new_tokens, sampling, seed, states)
+    n, B, P = len(feeds), self.max_batch, self.prefill_chunk
+    if isinstance(seed, Sequence):
+      req_keys = np.asarray(jax.vmap(jax.random.PRNGKey)(jnp.asarray(seed, jnp.uint32)))
+    else:
+      req_keys = np.asarray(jax.vmap(jax.random.fold_in, (None, 0))(
+          jax.random.PRNGKey(seed), jnp.arange(n, dtype=jnp.uint32)))
+    queue = collections.deque(range(n))
+    slot_req = [-1] * B
+    lengths = np.zeros(B, np.int32)
+    fed = [0] * n
+    gen = [[] for _ in range(n)]
+    logps = [[] for _ in range(n)]
+    results: list[GenerationOutput | None] = [None] * n
+    stops = set(sampling.stop_tokens)
+    knobs = dict(mode=np.int32(sampling.mode),
+                 temperature=np.float32(max(sampling.temperature, 1e-6)),
+                 top_k=np.int32(sampling.top_k), top_p=np.float32(sampling.top_p),
+                 kv_block=self.kv_block)
+
+    def finish(s, reason):
+      r = slot_req[s]
+      state = DecodeState(_read_row(self._cache, s), int(lengths[s]), (gen[r][-1],),
+                          self.signature)
+      results[r] = GenerationOutput(gen[r], logps[r], state, reason)
+      slot_req[s] = -1
+
+    while queue or any(r >= 0 for r in slot_req):
+      for s in range(B):
+        if slot_req[s] < 0 and queue:
+          r = queue.popleft()
+          slot_req[s] = r
+          state = feeds[r][1]
+          if state is None:
+            self._cache = _reset_row(self._cache, s)
+            lengths[s] = 0
+          else:
+            self._cache = _write_row(self._cache, state.cache, s)
+            lengths[s] = state.length
+      prefilling = [s for s in range(B) if slot_req[s] >= 0
+                    and fed[slot_req[s]] < len(feeds[slot_req[s]][0])]
+      rows = prefilling or [s for s in range(B) if slot_req[s] >= 0]
+      T = P if prefilling else 1
+      tokens = np.zeros((B, T), np.int32)
+      n_valid = np.zeros(B, np.int32)
+      keys = np.zeros((B,) + req_keys.shape[1:], req_keys.dtype)
+      counts = np.zeros(B, np.int32)
+      for s in rows:
+        r = slot_req[s]
+        if prefilling:
+          piece = feeds[r][0][fed[r]:fed[r] + P]
+          tokens[s, :len(piece)] = piece
+          n_valid[s] = len(piece)
+        else:
+          tokens[s, 0] = gen[r][-1]
+          n_valid[s] = 1
+        keys[s], counts[s] = req_keys[r], len(gen[r])
+      self._cache, tok, logp = _step(self._graphdef, self._weights, self._cache, tokens,
+                                     lengths.copy(), n_valid, keys, counts, **knobs)
+      tok, logp = np.asarray(tok), np.asarray(logp)
+      lengths += n_valid
+      for s in rows:
+        r = slot_req[s]
+        if prefilling:
+          fed[r] += int(n_valid[s])
+          if fed[r] < len(feeds[r][0]):
+            continue  # more pieces to go: this piece's sample is not used
+        gen[r].append(int(tok[s]))
+        logps[r].append(float(logp[s]))
+        if stream is not None:
+          stream(r, gen[r])
+        if gen[r][-1] in stops:
+          finish(s, "stop")
+        elif len(gen[r]) >= max_new_tokens:
+          finish(s, "max_new_tokens")
+        elif lengths[s] >= self.max_length:
+          finish(s, "max_length")
+    return results

@@ -1,0 +1,245 @@
+"""The decoder run from a cache: prefill pieces and decode steps, every row its own length.
+
+One function, `forward_cached`, serves both: it takes T new tokens per row (T = the prefill
+piece, or 1 for a decode step), of which the first n_valid[b] are real, appends them to row b's
+caches at positions start[b] .. start[b] + n_valid[b] - 1, and returns the logits after each
+row's last real token. Rows are right-padded; a row with n_valid = 0 is left unchanged (its KDA
+state and conv tails exactly, its latent cache up to its length), which is how idle slots ride
+along in a batched step.
+
+Per layer (ARCHITECTURE.md §2-§5):
+  KDA  projections and short conv continue from the cached conv tails; the recurrence continues
+       from S: `chunk_kda(..., initial_state=S, output_final_state=True)` for a piece (padding
+       made identity steps: g = 0, beta = 0), the single-token `recurrent_step` when T = 1.
+  MLA  absorbed attention (DeepSeek-V2 §2.1.1): W_uk folded into the query, W_uv into the
+       output, one (kv_lora + rope)-wide head over the latent cache; a piece reads the cache in
+       key blocks with an online softmax (memory O(T x block)), only the blocks up to the
+       batch's furthest position.
+  MoE  routing with the frozen balancing biases and no capacity (never drops a token).
+  AttnRes mixes the sources of one token: nothing cached.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from pallas_kernels.kda import chunk_kda, recurrent_step
+from sparse_lm.model import attnres
+from sparse_lm.model.kda import kda_output, kda_projections
+
+_NEG = -1e30
+
+
+class DecoderStack(nnx.Module):
+  """The Transformer's modules with the scanned layer groups unstacked into a flat list.
+
+  Shares the embedding, head-group layers, last layer, final norm and LM head with `model`
+  (no copy); the stacked groups are sliced into per-layer copies once, so a decode step reads
+  each layer's weights in place instead of slicing a stacked array every step.
+  """
+
+  def __init__(self, model):
+    self.cfg = model.cfg
+    self.embed = model.embed
+    layer_list = list(model.head.layers)
+    if model.groups is not None:
+      graphdef, state = nnx.split(model.groups)
+      for g in range(model.num_groups - 1):
+        group = nnx.merge(graphdef, jax.tree.map(lambda a, g=g: a[g], state))
+        layer_list += list(group.layers)
+    layer_list += list(model.tail or ())  # KDA layers after the last whole group (48B)
+    layer_list.append(model.last)
+    self.layers = nnx.List(layer_list)
+    self.final_query = model.final_query
+    self.final_norm = model.final_norm
+    self.lm_head = model.lm_head
+
+
+def _project(x, w, dtype):
+  """x [..., D] @ w [D, ...] in dtype with fp32 accumulation (as layers.project)."""
+  y = jnp.tensordot(x.astype(dtype), w.astype(dtype), axes=1,
+                    preferred_element_type=jnp.float32)
+  return y.astype(dtype)
+
+
+def conv_tails(p: dict, x: jax.Array, old: dict, n_valid: jax.Array, dtype) -> dict:
+  """The last W-1 conv inputs after each row's n_valid[b] real tokens of x.
+
+  Row b's tail is concat(old, x W)[n_b : n_b + W-1]: positions before the piece come from the
+  old tail, the rest are the projections of the piece's last real tokens (recomputed for those
+  W-1 tokens only).
+
+  Args:
+    p: the KDA arrays (w_q, w_k, w_v [D, H, d]); x: [B, T, D]; old: {"q","k","v": [B, W-1, C]};
+    n_valid: [B] int32 in [0, T].
+
+  Returns:
+    {"q","k","v": [B, W-1, C]} in the tails' dtype.
+  """
+  B, T, _ = x.shape
+  W1 = old["q"].shape[1]
+  idx = n_valid[:, None] - W1 + jnp.arange(W1)[None]  # [B, W-1] position in the piece
+  xg = jnp.take_along_axis(x, jnp.clip(idx, 0, T - 1)[..., None], axis=1)
+  new = {}
+  for name in ("q", "k", "v"):
+    y = _project(xg, p["w_" + name], dtype).reshape(B, W1, -1)
+    prev = jnp.take_along_axis(old[name], jnp.clip(idx + W1, 0, W1 - 1)[..., None], axis=1)
+    new[name] = jnp.where((idx >= 0)[..., None], y.astype(prev.dtype), prev)
+  return new
+
+
+def kda_cached(mixer, x: jax.Array, cache: dict, n_valid: jax.Array) -> tuple[jax.Array, dict]:
+  """KDA over T new tokens per row from its cache: x [B, T, D] -> (y [B, T, D], cache)."""
+  cfg = mixer.cfg
+  dtype = jnp.dtype(cfg.dtype)
+  p = mixer.arrays()
+  T = x.shape[1]
+  proj, _ = kda_projections(p, x, lower_bound=cfg.kda_gate_lower_bound, eps=cfg.l2_norm_eps,
+                            dtype=dtype, conv_state=cache["conv"])
+  valid = jnp.arange(T)[None] < n_valid[:, None]
+  g = jnp.where(valid[..., None, None], proj.g, 0.0)  # padding: identity step
+  beta = jnp.where(valid[..., None], proj.beta, 0.0)
+  if T == 1:
+    o, S = recurrent_step(cache["S"], proj.q[:, 0], proj.k[:, 0], proj.v[:, 0], g[:, 0],
+                          beta[:, 0], cfg.kda_head_dim ** -0.5)
+    o = o[:, None]
+  else:
+    o, S = chunk_kda(proj.q, proj.k, proj.v, g, beta, initial_state=cache["S"],
+                     output_final_state=True, chunk_size=cfg.kda_chunk_size,
+                     backend=cfg.kda_backend, gate_lower_bound=cfg.kda_gate_lower_bound)
+  conv = conv_tails(p, x, cache["conv"], n_valid, dtype)
+  y = kda_output(p, x, o.astype(dtype), eps=cfg.norm_eps, dtype=dtype)
+  return y, {"conv": conv, "S": S}
+
+
+def latent_attention(q_lat: jax.Array, q_rope: jax.Array, c_kv: jax.Array, k_rope: jax.Array,
+                     q_pos: jax.Array, *, scale: float, block: int) -> jax.Array:
+  """Absorbed MLA attention over a latent cache, causal by absolute position.
+
+  Query (b, t) sees cache positions s <= q_pos[b, t]. Scores and softmax in fp32; the matmul
+  operands in the cache's dtype.
+
+  Args:
+    q_lat: [B, T, H, C] (q_nope W_ukᵀ); q_rope: [B, T, H, R]; c_kv: [B, S, C]; k_rope: [B, S, R];
+    q_pos: [B, T] int32 >= 0; scale: logit scale; block: key block (S must be a multiple when
+      block < S; block >= S: one full-softmax pass).
+
+  Returns:
+    o_lat [B, T, H, C] fp32 (multiply by W_uv for the head outputs).
+  """
+  B, T, H, C = q_lat.shape
+  S = c_kv.shape[1]
+  dt = c_kv.dtype
+  ql, qr = q_lat.astype(dt), q_rope.astype(dt)
+
+  def scores(c, r, k0):
+    s = (jnp.einsum("bthc,bsc->bhts", ql, c, preferred_element_type=jnp.float32) +
+         jnp.einsum("bthr,bsr->bhts", qr, r, preferred_element_type=jnp.float32)) * scale
+    mask = (k0 + jnp.arange(c.shape[1]))[None, None, None, :] <= q_pos[:, None, :, None]
+    return jnp.where(mask, s, _NEG), mask
+
+  if block >= S:
+    s, _ = scores(c_kv, k_rope, 0)
+    p = jax.nn.softmax(s, axis=-1)
+    return jnp.einsum("bhts,bsc->bthc", p.astype(dt), c_kv, preferred_element_type=jnp.float32)
+
+  def body(j, carry):
+    m, l, acc = carry
+    k0 = j * block
+    c = jax.lax.dynamic_slice_in_dim(c_kv, k0, block, axis=1)
+    r = jax.lax.dynamic_slice_in_dim(k_rope, k0, block, axis=1)
+    s, mask = scores(c, r, k0)
+    m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+    p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
+    corr = jnp.exp(m - m_new)
+    acc = acc * corr[..., None] + jnp.einsum("bhts,bsc->bhtc", p.astype(dt), c,
+                                             preferred_element_type=jnp.float32)
+    return m_new, l * corr + jnp.sum(p, axis=-1), acc
+
+  init = (jnp.full((B, H, T), _NEG, jnp.float32), jnp.zeros((B, H, T), jnp.float32),
+          jnp.zeros((B, H, T, C), jnp.float32))
+  num_blocks = jnp.max(q_pos) // block + 1  # blocks past every query are skipped
+  _, l, acc = jax.lax.fori_loop(0, num_blocks, body, init)
+  return (acc / l[..., None]).transpose(0, 2, 1, 3)
+
+
+def mla_cached(mixer, x: jax.Array, cache: dict, start: jax.Array, *,
+               kv_block: int) -> tuple[jax.Array, dict]:
+  """Gated MLA over T new tokens per row: writes their latents at start[b] + t and attends
+  causally over the cache. x [B, T, D] -> (y [B, T, D], cache). Writes past the allocated
+  cache are dropped (the engine never asks for them)."""
+  cfg = mixer.cfg
+  dtype = jnp.dtype(cfg.dtype)
+  B, T, _ = x.shape
+  q = mixer.query(x).astype(jnp.float32)
+  c_kv, k_rope = mixer.latent(x)
+  pos = start[:, None] + jnp.arange(T)[None]
+  rows = jnp.arange(B)[:, None]
+  c_all = cache["c_kv"].at[rows, pos].set(c_kv.astype(cache["c_kv"].dtype), mode="drop")
+  r_all = cache["k_rope"].at[rows, pos].set(k_rope.astype(cache["k_rope"].dtype), mode="drop")
+  nope = cfg.qk_nope_head_dim
+  w_ukv = mixer.w_ukv[...].astype(jnp.float32)
+  w_uk, w_uv = w_ukv[..., :nope], w_ukv[..., nope:]
+  q_lat = jnp.einsum("bthd,chd->bthc", q[..., :nope], w_uk)
+  o_lat = latent_attention(q_lat, q[..., nope:], c_all, r_all, pos, scale=mixer.scale,
+                           block=kv_block if T > 1 else c_all.shape[1])
+  o = jnp.einsum("bthc,chd->bthd", o_lat, w_uv).astype(dtype)
+  return mixer.output(x, o), {"c_kv": c_all, "k_rope": r_all}
+
+
+def layer_cached(layer, stream: dict, cache: dict, *, opens: bool, start, valid, n_valid,
+                 kv_block: int) -> tuple[dict, dict]:
+  """One DecoderLayer (transformer.py) from its cache: the same sub-layer order and AttnRes
+  reads; MoE without capacity drops."""
+  cfg = layer.cfg
+  dtype = jnp.dtype(cfg.dtype)
+  stream = attnres.open_block(cfg, stream, opens)
+  x = layer.attn_norm(attnres.sublayer_input(cfg, stream, layer.attn_query[...])).astype(dtype)
+  if layer.mixer_kind == "kda":
+    y, cache = kda_cached(layer.mixer, x, cache, n_valid)
+  else:
+    y, cache = mla_cached(layer.mixer, x, cache, start, kv_block=kv_block)
+  stream = attnres.add_output(cfg, stream, y)
+  x = layer.ffn_norm(attnres.sublayer_input(cfg, stream, layer.ffn_query[...])).astype(dtype)
+  if layer.dense_ffn:
+    y = layer.ffn(x)
+  else:
+    layer.ffn.capacity_factor = None  # inference never drops (this is a traced copy)
+    y, _ = layer.ffn(x, valid=valid, train=False)
+  return attnres.add_output(cfg, stream, y), cache
+
+
+def forward_cached(stack: DecoderStack, tokens: jax.Array, cache: list[dict], start: jax.Array,
+                   n_valid: jax.Array, *, kv_block: int) -> tuple[jax.Array, list[dict]]:
+  """Run T new tokens per row through the decoder from its caches.
+
+  Args:
+    stack: the model's modules (DecoderStack).
+    tokens: [B, T] int32; row b's first n_valid[b] are real, the rest padding.
+    cache: per-layer caches (cache.init_cache), batch B.
+    start: [B] int32, tokens already in each row's cache (its length).
+    n_valid: [B] int32 in [0, T].
+    kv_block: key block of the latent attention for T > 1.
+
+  Returns:
+    logits [B, vocab] fp32 after each row's last real token (garbage for n_valid = 0), and the
+    new caches (row lengths become start + n_valid).
+  """
+  cfg = stack.cfg
+  dtype = jnp.dtype(cfg.dtype)
+  T = tokens.shape[1]
+  valid = jnp.arange(T)[None] < n_valid[:, None]
+  stream = attnres.init_stream(cfg, stack.embed(tokens))
+  new_cache = []
+  for i, (layer, c) in enumerate(zip(stack.layers, cache)):
+    stream, c = layer_cached(layer, stream, c, opens=i % cfg.attnres_block_layers == 0,
+                             start=start, valid=valid, n_valid=n_valid, kv_block=kv_block)
+    new_cache.append(c)
+  h = attnres.final_output(cfg, stream, stack.final_query[...])  # [B, T, D]
+  last = jnp.clip(n_valid - 1, 0, T - 1)
+  h = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+  h = stack.final_norm(h).astype(dtype)
+  logits = jnp.dot(h, stack.lm_head[...].astype(dtype), preferred_element_type=jnp.float32)
+  return logits, new_cache

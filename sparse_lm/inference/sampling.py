@@ -1,0 +1,91 @@
+"""Sampling parameters and the batched sampler of the engine.
+
+Each token is drawn from softmax(logits / temperature) restricted to the top_k most likely
+tokens and then to the smallest set whose probability reaches top_p (nucleus sampling,
+Holtzman et al. 2019); temperature 0 is greedy (argmax). The log-probability returned with a
+token is always under the model's own distribution, log softmax(logits) at temperature 1 with
+no truncation: the quantity a trainer computes for that token (what RL needs), not the
+probability under the modified sampling distribution.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Sequence
+
+import jax
+import jax.numpy as jnp
+
+
+@dataclasses.dataclass(frozen=True)
+class SamplingParams:
+  """How the engine picks each new token.
+
+  Attributes:
+    temperature: >= 0; 0 = greedy (argmax, ties to the lowest id).
+    top_k: keep the k most likely tokens; 0 = all.
+    top_p: nucleus mass in (0, 1]; 1 = all.
+    stop_tokens: token ids that end a row (the stop token is returned, with its log-prob).
+
+  Raises:
+    ValueError: a value outside its range (names the field).
+  """
+
+  temperature: float = 1.0
+  top_k: int = 0
+  top_p: float = 1.0
+  stop_tokens: Sequence[int] = ()
+
+  def __post_init__(self):
+    if not self.temperature >= 0:
+      raise ValueError(f"SamplingParams: temperature={self.temperature} must be >= 0 "
+                       "(0 = greedy)")
+    if not isinstance(self.top_k, int) or self.top_k < 0:
+      raise ValueError(f"SamplingParams: top_k={self.top_k!r} must be an int >= 0 (0 = all)")
+    if not 0 < self.top_p <= 1:
+      raise ValueError(f"SamplingParams: top_p={self.top_p} must be in (0, 1] (1 = no nucleus "
+                       "truncation)")
+    object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+
+  @property
+  def mode(self) -> int:
+    """0 greedy, 1 plain sampling, 2 sampling with top-k / top-p truncation."""
+    if self.temperature == 0:
+      return 0
+    return 2 if (self.top_k > 0 or self.top_p < 1) else 1
+
+
+def sample(logits: jax.Array, keys: jax.Array, *, mode, temperature, top_k,
+           top_p) -> tuple[jax.Array, jax.Array]:
+  """Pick one token per row.
+
+  Args:
+    logits: [B, V] fp32.
+    keys: [B] PRNG keys (one per row; greedy ignores them).
+    mode: int32 scalar, SamplingParams.mode; temperature, top_k, top_p: scalars. All traced:
+      changing the sampling parameters never recompiles (the mode picks a branch at run time,
+      so greedy decoding does not pay for the sort).
+
+  Returns:
+    tokens [B] int32 and their log-probabilities [B] fp32 under log_softmax(logits).
+  """
+  V = logits.shape[-1]
+
+  def greedy(logits):
+    return jnp.argmax(logits, axis=-1).astype(jnp.int32)
+
+  def plain(logits):
+    return jax.vmap(jax.random.categorical)(keys, logits / temperature).astype(jnp.int32)
+
+  def truncated(logits):
+    order = jnp.argsort(-logits, axis=-1)
+    sorted_logits = jnp.take_along_axis(logits, order, axis=-1) / temperature
+    keep = jnp.arange(V)[None] < jnp.where(top_k > 0, top_k, V)
+    probs = jax.nn.softmax(jnp.where(keep, sorted_logits, -jnp.inf), axis=-1)
+    keep &= (jnp.cumsum(probs, axis=-1) - probs) < top_p  # the first token always stays
+    pick = jax.vmap(jax.random.categorical)(keys, jnp.where(keep, sorted_logits, -jnp.inf))
+    return jnp.take_along_axis(order, pick[:, None], axis=-1)[:, 0].astype(jnp.int32)
+
+  tokens = jax.lax.switch(mode, (greedy, plain, truncated), logits)
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  return tokens, jnp.take_along_axis(logp, tokens[:, None], axis=-1)[:, 0]

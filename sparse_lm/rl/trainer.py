@@ -1,0 +1,308 @@
+"""`run(cfg, workdir)`: SFT warm-up on tool-use transcripts, then GRPO on the engine's rollouts.
+
+Two phases, each a stage directory with its own Orbax checkpoints (`train.checkpoint`):
+  <workdir>/sft    next-token loss on the model-written tokens of reference transcripts
+                   (rollout.transcript: the tools really run; results masked out);
+  <workdir>/grpo   starts from sft's final weights; each step samples `prompts_per_step` tasks,
+                   `group_size` episodes each through the inference engine (temperature
+                   `temperature`), scores them, and takes one GRPO step (grpo.py).
+Held-out success (greedy, `eval_tasks` tasks from a seed stream the training never draws from)
+is measured after SFT and after GRPO and written to `<workdir>/<phase>/eval.json`.
+
+Everything random is a function of (cfg.seed, phase, step): a resumed run restores the state of
+its newest checkpoint and redraws exactly the tasks and samples it would have drawn (exact
+resume). TensorBoard events and `metrics.jsonl` go to `<workdir>/<phase>/tb`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import pathlib
+import time
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from sparse_lm.config import get_preset
+from sparse_lm.rl import envs as envs_lib
+from sparse_lm.rl import grpo, rollout
+from sparse_lm.train.checkpoint import Checkpointer
+from sparse_lm.train.metrics import MetricsWriter
+from sparse_lm.train.optimizer import OptimizerConfig, make_optimizer, wsd_schedule
+from sparse_lm.train.state import TrainState, split_model
+
+EVAL_SEED_OFFSET = 1_000_003  # the held-out task stream
+
+
+@dataclasses.dataclass(frozen=True)
+class RLConfig:
+  """An agentic-RL run. Sizes in tokens (seq_len: longest episode), steps, episodes."""
+
+  preset: str = "tiny"
+  model_overrides: tuple[tuple[str, Any], ...] = ()
+  env: str = "arithmetic"
+  env_overrides: tuple[tuple[str, Any], ...] = ()
+  seed: int = 0
+  seq_len: int = 96
+  max_turn_tokens: int = 24
+  sft_steps: int = 150
+  sft_batch: int = 32
+  sft_optim: OptimizerConfig = OptimizerConfig(peak_lr=3e-3, warmup_steps=20, weight_decay=0.0)
+  grpo_steps: int = 30
+  prompts_per_step: int = 8
+  grpo: grpo.GRPOConfig = grpo.GRPOConfig(group_size=8)
+  grpo_optim: OptimizerConfig = OptimizerConfig(peak_lr=3e-4, warmup_steps=0,
+                                                decay_fraction=0.0, weight_decay=0.0)
+  temperature: float = 1.0
+  eval_tasks: int = 128
+  checkpoint_every: int = 25
+  init_from: str | None = None
+
+  def env_instance(self):
+    if self.env not in envs_lib.ENVS:
+      raise ValueError(f"RLConfig.env={self.env!r}; choose one of {sorted(envs_lib.ENVS)}")
+    return envs_lib.ENVS[self.env](**dict(self.env_overrides))
+
+  def validate(self) -> None:
+    """Raise ValueError naming the offending field."""
+    for f in ("seq_len", "max_turn_tokens", "sft_batch", "prompts_per_step", "eval_tasks",
+              "checkpoint_every"):
+      if getattr(self, f) <= 0:
+        raise ValueError(f"RLConfig: {f}={getattr(self, f)} must be > 0")
+    if self.grpo.group_size < 2:
+      raise ValueError(f"RLConfig: grpo.group_size={self.grpo.group_size} must be >= 2 (the "
+                       "advantage is relative to the group)")
+    self.env_instance()
+    get_preset(self.preset, **dict(self.model_overrides))
+
+
+def _rng(cfg: RLConfig, phase: str, step: int) -> np.random.Generator:
+  return np.random.default_rng([cfg.seed, {"sft": 1, "grpo": 2, "tok": 3, "eval": 4}[phase],
+                                step])
+
+
+def _tokenizer(cfg: RLConfig, workdir: pathlib.Path, vocab: int):
+  """The init_from run's tokenizer, else one cached in workdir, else a BPE trained on this
+  environment's transcripts (seconds)."""
+  from sparse_lm.data.tokenizer import Tokenizer, train_bpe  # pylint: disable=import-outside-toplevel
+  if cfg.init_from:
+    return Tokenizer.load(str(pathlib.Path(cfg.init_from) / "tokenizer.json"))
+  path = workdir / "tokenizer.json"
+  if path.exists():
+    return Tokenizer.load(str(path))
+  env, rng = cfg.env_instance(), _rng(cfg, "tok", 0)
+  texts = []
+  for _ in range(2000):
+    task = env.sample(rng)
+    calls, answer = task.solution
+    from sparse_lm.rl.format import format_call  # pylint: disable=import-outside-toplevel
+    texts.append(task.prompt + "\n" + "".join(
+        format_call(c.name, c.arguments) + task.tools.call(c).output for c in calls) + answer)
+  tok = train_bpe(iter(texts), vocab)
+  workdir.mkdir(parents=True, exist_ok=True)
+  tok.save(str(path))
+  return tok
+
+
+def _fresh_state(model, optim: OptimizerConfig, steps: int, seed: int):
+  graphdef, params, rest = split_model(model)
+  tx = make_optimizer(optim, steps)
+  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, model_vars=rest,
+                     opt_state=tx.init(params), rng=jax.random.PRNGKey(seed))
+  return graphdef, tx, state
+
+
+def _restore(ckpt: Checkpointer, state: TrainState):
+  abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
+                                                         sharding=a.sharding), state)
+  return ckpt.restore_latest(abstract)
+
+
+def _init_from_pretraining(model, cfg: RLConfig):
+  """Weights and balancer biases of the newest checkpoint in cfg.init_from (any stage)."""
+  stages = sorted(pathlib.Path(cfg.init_from).glob("*/checkpoints"),
+                  key=lambda p: p.stat().st_mtime)
+  if not stages:
+    raise FileNotFoundError(f"init_from={cfg.init_from!r} holds no <stage>/checkpoints")
+  _, _, state = _fresh_state(model, OptimizerConfig(), 1, cfg.seed)
+  restored = _restore(Checkpointer(stages[-1], async_save=False), state)
+  if restored is None:
+    raise FileNotFoundError(f"no checkpoint under {stages[-1]}")
+  graphdef, _, _ = split_model(model)
+  return nnx.merge(graphdef, restored[0].params, restored[0].model_vars)
+
+
+def evaluate(engine, tok, model, cfg: RLConfig, *, num_tasks: int | None = None) -> dict:
+  """Held-out greedy success rate, mean reward and malformed-call rate."""
+  env = cfg.env_instance()
+  rng = _rng(cfg, "eval", EVAL_SEED_OFFSET)
+  tasks = [env.sample(rng) for _ in range(num_tasks or cfg.eval_tasks)]
+  engine.load_weights(model)
+  eps = rollout.run_episodes(engine, tok, tasks, max_steps=env.max_steps,
+                             max_turn_tokens=cfg.max_turn_tokens, max_length=cfg.seq_len,
+                             temperature=0.0, seed=0)
+  n = len(eps)
+  return {"success": sum(e.success for e in eps) / n, "reward": sum(e.reward for e in eps) / n,
+          "errors_per_episode": sum(e.num_errors for e in eps) / n, "episodes": n}
+
+
+class _Bar:
+  """A rich progress bar whose text shows the latest metrics (off: nothing is drawn)."""
+
+  def __init__(self, total: int, start: int, description: str, enabled: bool):
+    self._bar = None
+    if enabled:
+      from rich.progress import (BarColumn, MofNCompleteColumn, Progress,  # pylint: disable=import-outside-toplevel
+                                 TextColumn, TimeRemainingColumn)
+      self._bar = Progress(TextColumn(description), BarColumn(), MofNCompleteColumn(),
+                           TextColumn("{task.fields[info]}"), TimeRemainingColumn())
+      self._task = self._bar.add_task(description, total=total, completed=start, info="")
+      self._bar.start()
+
+  def update(self, step: int, info: str) -> None:
+    if self._bar is not None:
+      self._bar.update(self._task, completed=step, info=info)
+
+  def close(self) -> None:
+    if self._bar is not None:
+      self._bar.stop()
+
+
+def _put(batch: dict) -> dict:
+  return {k: jnp.asarray(v) for k, v in batch.items()}
+
+
+def run_sft(cfg: RLConfig, workdir: pathlib.Path, model, tok, log=print,
+            progress: bool = False) -> Any:
+  """The SFT phase; returns the model with its final weights."""
+  env = cfg.env_instance()
+  graphdef, tx, state = _fresh_state(model, cfg.sft_optim, cfg.sft_steps, cfg.seed)
+  ckpt = Checkpointer(workdir / "sft" / "checkpoints", async_save=False)
+  restored = _restore(ckpt, state)
+  if restored is not None:
+    state = restored[0]
+  step_fn = jax.jit(grpo.make_sft_step(graphdef, tx, wsd_schedule(cfg.sft_optim,
+                                                                    cfg.sft_steps)),
+                    donate_argnums=0)
+  writer = MetricsWriter(workdir / "sft" / "tb")
+  start = int(state.step)
+  t0 = time.perf_counter()
+  bar = _Bar(cfg.sft_steps, start, "sft", progress)
+  for step in range(start, cfg.sft_steps):
+    rng = _rng(cfg, "sft", step)
+    eps = []
+    for _ in range(cfg.sft_batch):
+      ids, gen = rollout.transcript(tok, env.sample(rng))
+      eps.append(rollout.Episode(tokens=ids, generated=gen, logprobs=[0.0] * len(ids)))
+    batch = grpo.episodes_to_batch(eps, None, cfg.seq_len)
+    state, metrics = step_fn(state, _put({k: batch[k] for k in
+                                          ("tokens", "segment_ids", "positions", "loss_mask")}))
+    if (step + 1) % 10 == 0 or step + 1 == cfg.sft_steps:
+      m = jax.device_get(metrics)
+      writer.write(step + 1, {"loss": m["loss"], "accuracy": m["accuracy"],
+                              "grad_norm": m["grad_norm"]})
+      info = f"loss {float(m['loss']):.4f} acc {float(m['accuracy']):.3f}"
+      bar.update(step + 1, info)
+      log(f"sft {step + 1}/{cfg.sft_steps} {info} ({time.perf_counter() - t0:.0f} s)")
+    if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.sft_steps:
+      ckpt.save(state, data_state={"step": step + 1}, meta={"phase": "sft"},
+                final=step + 1 == cfg.sft_steps)
+  bar.close()
+  ckpt.close()
+  writer.close()
+  return nnx.merge(graphdef, state.params, state.model_vars)
+
+
+def run_grpo(cfg: RLConfig, workdir: pathlib.Path, model, tok, engine, log=print,
+             progress: bool = False) -> tuple:
+  """The GRPO phase from `model` (the SFT result); returns (model, per-step metrics)."""
+  env = cfg.env_instance()
+  G, P = cfg.grpo.group_size, cfg.prompts_per_step
+  graphdef, tx, state = _fresh_state(model, cfg.grpo_optim, cfg.grpo_steps, cfg.seed)
+  ckpt = Checkpointer(workdir / "grpo" / "checkpoints", async_save=False)
+  restored = _restore(ckpt, state)
+  if restored is not None:
+    state = restored[0]
+  step_fn = jax.jit(grpo.make_grpo_step(graphdef, tx, wsd_schedule(cfg.grpo_optim,
+                                                                    cfg.grpo_steps), cfg.grpo),
+                    donate_argnums=0)
+  logp_fn = jax.jit(lambda p, r, t, s: grpo.token_logprobs(nnx.merge(graphdef, p, r), t, s))
+  ref = (state.params, state.model_vars) if cfg.grpo.kl_coef > 0 else None
+  writer = MetricsWriter(workdir / "grpo" / "tb")
+  history = []
+  bar = _Bar(cfg.grpo_steps, int(state.step), "grpo", progress)
+  for step in range(int(state.step), cfg.grpo_steps):
+    rng = _rng(cfg, "grpo", step)
+    tasks = [t for t in (env.sample(rng) for _ in range(P)) for _ in range(G)]
+    engine.load_weights(nnx.merge(graphdef, state.params, state.model_vars))
+    t0 = time.perf_counter()
+    eps = rollout.run_episodes(engine, tok, tasks, max_steps=env.max_steps,
+                               max_turn_tokens=cfg.max_turn_tokens, max_length=cfg.seq_len,
+                               temperature=cfg.temperature, seed=cfg.seed * 100_003 + step)
+    gen_s = time.perf_counter() - t0
+    generated = sum(sum(e.generated) for e in eps)
+    adv = grpo.group_advantages([e.reward for e in eps], G, scale_by_std=cfg.grpo.scale_by_std,
+                                eps=cfg.grpo.eps)
+    batch = _put(grpo.episodes_to_batch(eps, adv, cfg.seq_len))
+    trainer_lp = logp_fn(state.params, state.model_vars, batch["tokens"], batch["segment_ids"])
+    mask = batch["loss_mask"] > 0
+    mismatch = float(jnp.max(jnp.where(mask, jnp.abs(trainer_lp - batch["old_logprobs"]), 0)))
+    if ref is not None:
+      batch["ref_logprobs"] = logp_fn(*ref, batch["tokens"], batch["segment_ids"])
+    t1 = time.perf_counter()
+    state, metrics = step_fn(state, batch)
+    m = {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
+    record = {"reward": float(np.mean([e.reward for e in eps])),
+              "success": float(np.mean([e.success for e in eps])),
+              "errors_per_episode": float(np.mean([e.num_errors for e in eps])),
+              "calls_per_episode": float(np.mean([e.num_calls for e in eps])),
+              "rollout_tokens_per_s": generated / gen_s, "train_s": time.perf_counter() - t1,
+              "logprob_mismatch_max": mismatch, "loss": m["loss"], "kl": m["kl"],
+              "clip_frac": m["clip_frac"], "grad_norm": m["grad_norm"]}
+    history.append(record)
+    writer.write(step + 1, record)
+    info = (f"reward {record['reward']:.3f} success {record['success']:.3f} "
+            f"{record['rollout_tokens_per_s']:.0f} tok/s |dlogp| {mismatch:.1e}")
+    bar.update(step + 1, info)
+    log(f"grpo {step + 1}/{cfg.grpo_steps} {info}")
+    if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.grpo_steps:
+      ckpt.save(state, data_state={"step": step + 1}, meta={"phase": "grpo"},
+                final=step + 1 == cfg.grpo_steps)
+  bar.close()
+  bar.close()
+  ckpt.close()
+  writer.close()
+  return nnx.merge(graphdef, state.params, state.model_vars), history
+
+
+def run(cfg: RLConfig, workdir: str, log=print, progress: bool = False) -> dict:
+  """SFT, held-out eval, GRPO, held-out eval. Returns {"sft": eval, "grpo": eval, "history"}."""
+  cfg.validate()
+  from sparse_lm.inference import Engine  # pylint: disable=import-outside-toplevel
+  from sparse_lm.model.transformer import Transformer  # pylint: disable=import-outside-toplevel
+  wd = pathlib.Path(workdir)
+  model_cfg = get_preset(cfg.preset, **dict(cfg.model_overrides))
+  model = Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed))
+  if cfg.init_from:
+    model = _init_from_pretraining(model, cfg)
+  tok = _tokenizer(cfg, wd, model_cfg.vocab_size)
+  if tok.vocab_size > model_cfg.vocab_size:
+    raise ValueError(f"tokenizer has {tok.vocab_size} ids > model vocab_size "
+                     f"{model_cfg.vocab_size}")
+  model = run_sft(cfg, wd, model, tok, log=log, progress=progress)
+  engine = Engine(model, max_length=cfg.seq_len,
+                  max_batch=max(cfg.prompts_per_step * cfg.grpo.group_size, 1))
+  out = {}
+  for phase in ("sft", "grpo"):
+    if phase == "grpo":
+      model, out["history"] = run_grpo(cfg, wd, model, tok, engine, log=log,
+                                        progress=progress)
+    path = wd / phase / "eval.json"
+    out[phase] = evaluate(engine, tok, model, cfg)
+    path.write_text(json.dumps(out[phase], indent=1))
+    log(f"held-out after {phase}: {out[phase]}")
+  return out

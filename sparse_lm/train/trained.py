@@ -1,0 +1,87 @@
+"""`load(workdir, stage=None) -> (model, tokenizer, stage_config)`: a trained model in one call.
+
+  from sparse_lm.train import load
+  model, tokenizer, stage = load("runs/tiny")            # the newest stage in the workdir
+  logits = model(jnp.asarray([tokenizer.encode("def ")]))  # [1, T, vocab] fp32, train=False
+
+The stage config and the tokenizer come from the checkpoint itself (what the run saved), so
+the model is the one that was trained whatever the stage files say today.
+"""
+
+from __future__ import annotations
+
+import pathlib
+from typing import Sequence
+
+import jax
+from flax import nnx
+
+from sparse_lm import sharding as shd
+from sparse_lm.data import Tokenizer
+from sparse_lm.train.builder import build
+from sparse_lm.train.checkpoint import Checkpointer, stage_from_json
+from sparse_lm.train.config import StageConfig
+
+
+def _stage_dirs(workdir: pathlib.Path) -> list[pathlib.Path]:
+  """Stage directories of `workdir` that hold checkpoints, newest checkpoint last."""
+  found = []
+  for ckpt_dir in workdir.glob("*/checkpoints"):
+    steps = [p for p in ckpt_dir.iterdir() if p.name.isdigit()]
+    if steps:
+      found.append((max(p.stat().st_mtime for p in steps), ckpt_dir.parent))
+  return [d for _, d in sorted(found)]
+
+
+def load(workdir: str | pathlib.Path, stage: str | None = None, *,
+         devices: Sequence[jax.Device] | None = None
+         ) -> tuple[nnx.Module, Tokenizer, StageConfig]:
+  """The model of a stage's newest readable checkpoint, its tokenizer and its stage config.
+
+  Args:
+    workdir: the run directory (`--workdir` of `python -m experiments.stage_*`).
+    stage: the stage's name (e.g. "stage_8k"); None = the stage whose newest checkpoint is
+      the most recent in the workdir.
+    devices: where the parameters live (default all devices; sharded over them along `fsdp`).
+
+  Returns:
+    (model, tokenizer, stage_config): the `Transformer` with its trained parameters and
+    balancer biases (call it with `train=False`, the default), the run's `Tokenizer`, and the
+    `StageConfig` saved with the checkpoint.
+
+  Raises:
+    FileNotFoundError: no checkpoint of `stage` (or of any stage) in `workdir`; the message
+      lists the stages there.
+    RuntimeError: checkpoints exist but none can be read.
+  """
+  workdir = pathlib.Path(workdir).absolute()
+  stages = _stage_dirs(workdir) if workdir.is_dir() else []
+  names = [d.name for d in stages]
+  if stage is None and stages:
+    stage = names[-1]
+  if stage not in names:
+    raise FileNotFoundError(
+        f"no checkpoint of {stage or 'any stage'} in {workdir} (stages with checkpoints: "
+        f"{names or 'none'}); train one with `python -m experiments.<stage> "
+        f"--workdir={workdir}`")
+  ckpt = Checkpointer(workdir / stage / "checkpoints", keep=10**6)
+  try:
+    stage_cfg = None
+    for step in reversed(ckpt.all_steps()):
+      try:
+        stage_cfg = stage_from_json(ckpt.read_meta(step)["stage"])
+        break
+      except Exception:  # pylint: disable=broad-except  (unreadable: try the one before)
+        continue
+    if stage_cfg is None:
+      raise RuntimeError(f"no readable checkpoint in {ckpt.directory}")
+    mesh = shd.make_mesh(shd.MeshLayout(), devices)
+    parts = build(stage_cfg, mesh)
+    with shd.use_mesh(mesh):
+      target = shd.with_shardings(parts.abstract_state, parts.state_shardings)
+      restored = ckpt.restore_latest(target, set_aside=False)
+  finally:
+    ckpt.close()
+  state, _, meta = restored
+  model = nnx.merge(parts.graphdef, state.params, state.model_vars)
+  return model, Tokenizer.from_json(meta["tokenizer"]["json"]), stage_cfg

@@ -1,0 +1,182 @@
+"""The inference engine against the model's full forward pass (tiny preset, fp32, random
+weights, MoE top-2 with non-zero balancing biases, Block AttnRes).
+
+The reference is `Transformer.__call__` over the whole history (chunked KDA, blocked attention
+over decompressed keys): it shares no code with the cache path (forward.py), so a wrong cache,
+conv tail, position or absorbed weight shows up as a different token or log-prob.
+"""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sparse_lm.config import get_preset
+from sparse_lm.inference import Engine, SamplingParams, engine as engine_lib
+from sparse_lm.model import Transformer
+from sparse_lm.moe.balancing import BalancerBias
+
+SEED = 0
+MAX_LENGTH = 224  # the reference pads every history to this length (one compile)
+
+
+@pytest.fixture(scope="module")
+def setup():
+  print(f"seed {SEED}")
+  cfg = get_preset("tiny")
+  model = Transformer(cfg, rngs=nnx.Rngs(SEED))
+  # Non-zero routing biases: the engine must route with them, as the trained model does.
+  key = jax.random.key(SEED + 1)
+  for path, var in nnx.iter_graph(model):
+    if isinstance(var, BalancerBias):
+      key, sub = jax.random.split(key)
+      var[...] = 0.05 * jax.random.normal(sub, var[...].shape)
+  graphdef, state = nnx.split(model)
+  forward = jax.jit(lambda st, t: jax.nn.log_softmax(nnx.merge(graphdef, st)(t), axis=-1))
+
+  def reference(history):
+    """log p(. | history[:t+1]) for every t: [len(history), vocab] from the full forward."""
+    tokens = np.zeros((1, MAX_LENGTH), np.int32)
+    tokens[0, :len(history)] = history
+    return np.asarray(forward(state, tokens))[0, :len(history)]
+
+  engine = Engine(model, max_length=MAX_LENGTH, max_batch=4, prefill_chunk=64)
+  return cfg, model, engine, reference
+
+
+def _prompts(cfg, lengths, seed):
+  rng = np.random.default_rng(seed)
+  return [[int(t) for t in rng.integers(0, cfg.vocab_size, n)] for n in lengths]
+
+
+def _check_against_reference(reference, prompt, out, tol=1e-4, greedy=True):
+  logp = reference(prompt + out.tokens)
+  n = len(prompt)
+  for i, tok in enumerate(out.tokens):
+    row = logp[n - 1 + i]
+    if greedy:
+      assert tok == int(np.argmax(row)), f"step {i}: engine {tok}, full forward {np.argmax(row)}"
+    assert abs(out.logprobs[i] - row[tok]) < tol, (i, out.logprobs[i], row[tok])
+
+
+def test_greedy_decode_equals_recompute(setup):
+  """Lengths 1, 5, 70, 150 in one batch: 150 takes three 64-token prefill pieces and more
+  than two 64-token KDA chunks; every step's token is the full forward's argmax."""
+  cfg, _, engine, reference = setup
+  prompts = _prompts(cfg, (1, 5, 70, 150), SEED)
+  outs = engine.generate(prompts, max_new_tokens=8, sampling=SamplingParams(temperature=0.0))
+  for p, o in zip(prompts, outs):
+    assert len(o.tokens) == 8 and o.finish_reason == "max_new_tokens"
+    _check_against_reference(reference, p, o)
+
+
+def test_sampled_logprobs_are_the_models(setup):
+  """Sampled tokens (temperature, top-k, top-p) carry log p under the unmodified model."""
+  cfg, _, engine, reference = setup
+  prompts = _prompts(cfg, (3, 40), SEED + 2)
+  sp = SamplingParams(temperature=1.3, top_k=50, top_p=0.9)
+  outs = engine.generate(prompts, max_new_tokens=6, sampling=sp, seed=7)
+  for p, o in zip(prompts, outs):
+    _check_against_reference(reference, p, o, greedy=False)
+  again = engine.generate(prompts, max_new_tokens=6, sampling=sp, seed=7)
+  assert [o.tokens for o in outs] == [o.tokens for o in again]
+  other = engine.generate(prompts, max_new_tokens=6, sampling=sp, seed=8)
+  assert [o.tokens for o in outs] != [o.tokens for o in other]
+  # top_k = 1 and a tiny nucleus are greedy.
+  greedy = engine.generate(prompts, max_new_tokens=6, sampling=SamplingParams(temperature=0))
+  for sp in (SamplingParams(top_k=1), SamplingParams(top_p=1e-6)):
+    assert [o.tokens for o in engine.generate(prompts, max_new_tokens=6, sampling=sp)] == \
+        [o.tokens for o in greedy]
+
+
+def test_stop_tokens_end_a_row(setup):
+  cfg, _, engine, _ = setup
+  prompt = _prompts(cfg, (12,), SEED + 3)[0]
+  full = engine.generate([prompt], max_new_tokens=10, sampling=SamplingParams(temperature=0))[0]
+  stop = full.tokens[3]
+  first = full.tokens.index(stop)
+  out = engine.generate([prompt], max_new_tokens=10,
+                        sampling=SamplingParams(temperature=0, stop_tokens=[stop]))[0]
+  assert out.tokens == full.tokens[:first + 1] and out.finish_reason == "stop"
+  assert out.logprobs == pytest.approx(full.logprobs[:first + 1], abs=1e-6)
+
+
+def test_multi_turn_state_equals_concatenated_history(setup):
+  cfg, _, engine, reference = setup
+  p1, p2 = _prompts(cfg, (37, 20), SEED + 4)
+  greedy = SamplingParams(temperature=0.0)
+  turn1 = engine.generate([p1], max_new_tokens=5, sampling=greedy)[0]
+  turn2 = engine.generate([p2], max_new_tokens=6, sampling=greedy, states=[turn1.state])[0]
+  history = p1 + turn1.tokens + p2
+  once = engine.generate([history], max_new_tokens=6, sampling=greedy)[0]
+  assert turn2.tokens == once.tokens
+  np.testing.assert_allclose(turn2.logprobs, once.logprobs, atol=1e-5)
+  _check_against_reference(reference, history, turn2)
+  assert turn2.state.history_length == len(history) + 6
+  # A state is not consumed: continuing it again gives the same turn.
+  again = engine.generate([p2], max_new_tokens=6, sampling=greedy, states=[turn1.state])[0]
+  assert again.tokens == turn2.tokens
+
+
+def test_continuous_batching_matches_one_at_a_time(setup):
+  """20 prompts through 4 slots (rows finish at different steps: stop tokens and a cap) equal
+  each prompt alone, greedy and sampled; refilling slots compiles nothing new."""
+  cfg, _, engine, _ = setup
+  rng = np.random.default_rng(SEED + 5)
+  prompts = _prompts(cfg, rng.integers(1, 90, 20), SEED + 5)
+  stops = [int(t) for t in rng.integers(0, cfg.vocab_size, 40)]
+  seeds = [int(s) for s in rng.integers(0, 2**31, 20)]
+  engine.generate(prompts[:1], max_new_tokens=2, sampling=SamplingParams(temperature=0))
+  engine.generate(prompts[:1], max_new_tokens=2, sampling=SamplingParams(top_k=40, top_p=0.9))
+  compiled = engine_lib._step._cache_size()
+  for sp in (SamplingParams(temperature=0, stop_tokens=stops),
+             SamplingParams(temperature=0.9, top_k=40, top_p=0.9, stop_tokens=stops)):
+    batched = engine.generate(prompts, max_new_tokens=12, sampling=sp, seed=seeds)
+    assert len({len(o.tokens) for o in batched}) > 1  # rows really finished at different steps
+    for p, s, o in zip(prompts, seeds, batched):
+      alone = engine.generate([p], max_new_tokens=12, sampling=sp, seed=[s])[0]
+      assert alone.tokens == o.tokens and alone.finish_reason == o.finish_reason
+      np.testing.assert_allclose(alone.logprobs, o.logprobs, atol=1e-5)
+  assert engine_lib._step._cache_size() == compiled
+
+
+def test_cache_full_ends_generation(setup):
+  cfg, _, engine, _ = setup
+  prompt = _prompts(cfg, (MAX_LENGTH - 3,), SEED + 6)[0]
+  out = engine.generate([prompt], max_new_tokens=10, sampling=SamplingParams(temperature=0))[0]
+  # 3 free positions: the tokens sampled after the prompt and after each of 3 fed tokens.
+  assert len(out.tokens) == 4 and out.finish_reason == "max_length"
+  with pytest.raises(ValueError, match="max_length"):
+    engine.generate([[1]], max_new_tokens=1, states=[out.state])
+
+
+def test_bad_input_is_refused_before_compiling(setup):
+  cfg, model, _, _ = setup
+  engine = Engine(model, max_length=32, max_batch=2, prefill_chunk=16)
+  compiled = engine_lib._step._cache_size()
+  ok = [[1, 2, 3]]
+  cases = [
+      (dict(prompts=[[]]), r"prompts\[0\] is empty"),
+      (dict(prompts=[[1, 2], list(range(33))]), r"prompts\[1\].*max_length=32"),
+      (dict(prompts=[[1, cfg.vocab_size]]), r"prompts\[0\].*token id 512.*vocabulary"),
+      (dict(prompts=[[-1]]), r"prompts\[0\].*token id -1"),
+      (dict(prompts=ok, max_new_tokens=0), "max_new_tokens"),
+      (dict(prompts=ok, seed=[1, 2]), "seed"),
+      (dict(prompts="hello"), "prompts"),
+      (dict(prompts=ok, states=[None, None]), "states"),
+  ]
+  for kwargs, match in cases:
+    with pytest.raises(ValueError, match=match):
+      engine.generate(**kwargs)
+  for top_p in (0.0, 1.5, -0.1):
+    with pytest.raises(ValueError, match="top_p"):
+      SamplingParams(top_p=top_p)
+  with pytest.raises(ValueError, match="temperature"):
+    SamplingParams(temperature=-1)
+  with pytest.raises(ValueError, match="stop_tokens"):
+    engine.generate(ok, sampling=SamplingParams(stop_tokens=[10**6]))
+  other = Transformer(get_preset("tiny", d_model=32, vocab_size=256), rngs=nnx.Rngs(0))
+  with pytest.raises(ValueError, match=r"load_weights.*\['vocab_size', 'd_model'\]"):
+    engine.load_weights(other)
+  assert engine_lib._step._cache_size() == compiled

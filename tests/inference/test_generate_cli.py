@@ -1,0 +1,98 @@
+"""`python -m sparse_lm.generate` on a checkpoint written the way the training loop writes one,
+and the end-of-stage sample (train/sample.py) through the engine."""
+
+import io
+import os
+
+import jax
+import numpy as np
+import pytest
+from flax import nnx
+
+from sparse_lm import generate as cli
+from sparse_lm import sharding as shd
+from sparse_lm.data.tokenizer import train_bpe
+from sparse_lm.inference import Engine, SamplingParams
+from sparse_lm.train import sample
+from sparse_lm.train.builder import build
+from sparse_lm.train.checkpoint import Checkpointer, make_meta
+from sparse_lm.train.config import StageConfig
+from sparse_lm.train.state import split_model
+
+WORDS = "def return class import lambda yield print value index list dict".split()
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+  """Two stages' checkpoints written as the training loop writes them (its builder's state,
+  its meta); stage_64k is written last."""
+  rng = np.random.default_rng(0)
+  texts = [" ".join(rng.choice(WORDS, 40)) for _ in range(200)]
+  tokenizer = train_bpe(iter(texts), vocab_size=300)
+  root = tmp_path_factory.mktemp("run")
+  mesh = shd.make_mesh(shd.MeshLayout())
+  for name, step in (("stage_8k", 3), ("stage_64k", 5)):
+    stage = StageConfig(name=name, preset="tiny", seq_len=64, tokens_per_batch=128, steps=10)
+    parts = build(stage, mesh)
+    state = parts.init().replace(step=jax.numpy.int32(step))
+    ckpt = Checkpointer(root / name / "checkpoints", async_save=False)
+    ckpt.save(state, data_state={},
+              meta=make_meta(stage, tokenizer.fingerprint, tokenizer.to_json()))
+    ckpt.close()
+  model = nnx.merge(parts.graphdef, state.params, state.model_vars)
+  return root, model, tokenizer
+
+
+def test_cli_streams_the_engines_greedy_completion(workdir):
+  root, model, tokenizer = workdir
+  loaded, tok, where = cli.load_workdir(root)
+  assert "stage_64k" in where and tok.fingerprint == tokenizer.fingerprint
+  loaded2, _, meta = cli.load_checkpoint(root / "stage_64k" / "checkpoints" / "5")
+  assert meta["step"] == 5
+  for m in (loaded, loaded2):
+    for a, b in zip(jax.tree.leaves(nnx.state(model)), jax.tree.leaves(nnx.state(m))):
+      np.testing.assert_array_equal(a, b)
+  out = io.StringIO()
+  assert cli.main(["--workdir", str(root), "--prompt", "def ", "--max-new-tokens", "5",
+                   "--max-length", "64", "--prefill-chunk", "64"], out=out) == 0
+  ids = [tokenizer.bos_id] + tokenizer.encode("def ")
+  engine = Engine(model, max_length=64, max_batch=1, prefill_chunk=64)
+  want = engine.generate([ids], max_new_tokens=5, sampling=SamplingParams(
+      temperature=0, stop_tokens=[tokenizer.eos_id]))[0].tokens
+  assert out.getvalue() == "def " + tokenizer.decode(want, skip_special=True) + "\n"
+  # The end-of-stage sample: the same engine, eos not returned.
+  _, params, model_vars = split_model(model)
+  got = sample.generate(nnx.graphdef(model), params, model_vars, ids, max_new_tokens=5,
+                        eos_id=tokenizer.eos_id)
+  assert got == [t for t in want if t != tokenizer.eos_id]
+
+
+def test_cli_refuses_another_preset_before_compiling(workdir):
+  root, _, _ = workdir
+  for source in (["--workdir", str(root)],
+                 ["--checkpoint", str(root / "stage_8k" / "checkpoints" / "3")]):
+    with pytest.raises(ValueError, match=r"--preset='small'.*'tiny' model.*--preset=tiny"):
+      cli.main(source + ["--preset", "small", "--prompt", "x"])
+  with pytest.raises(FileNotFoundError, match="no checkpoint"):
+    cli.main(["--workdir", str(root / "nothing"), "--prompt", "x"])
+  with pytest.raises(FileNotFoundError, match="--checkpoint"):
+    cli.main(["--checkpoint", str(root / "stage_8k"), "--prompt", "x"])
+
+
+def test_cli_interactive_continues_the_state(workdir, monkeypatch):
+  """Each stdin line is a turn continuing the previous turn's DecodeState."""
+  root, model, tokenizer = workdir
+  monkeypatch.setattr("sys.stdin", io.StringIO("return\nclass value\n"))
+  out = io.StringIO()
+  assert cli.main(["--workdir", str(root), "--interactive", "--prompt", "def ",
+                   "--max-new-tokens", "4", "--max-length", "64", "--prefill-chunk", "64"],
+                  out=out) == 0
+  engine = Engine(model, max_length=64, max_batch=1, prefill_chunk=64)
+  sp = SamplingParams(temperature=0, stop_tokens=[tokenizer.eos_id])
+  state, want = None, "def "
+  for text in ("def ", "return", "class value"):
+    ids = tokenizer.encode(text) if state else [tokenizer.bos_id] + tokenizer.encode(text)
+    res = engine.generate([ids], max_new_tokens=4, sampling=sp, states=[state])[0]
+    want += tokenizer.decode(res.tokens, skip_special=True) + "\n"
+    state = res.state
+  assert out.getvalue() == want

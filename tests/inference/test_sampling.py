@@ -1,0 +1,53 @@
+"""The sampler against the truncated, tempered softmax written out in NumPy."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from sparse_lm.inference.sampling import SamplingParams, sample
+
+SEED = 3
+
+
+def _expected(logits, temperature, top_k, top_p):
+  """The distribution SamplingParams promises: softmax(l / T) over the top_k most likely ids,
+  then the smallest prefix (by probability) whose mass reaches top_p, renormalised."""
+  order = np.argsort(-logits, kind="stable")
+  keep = np.zeros(len(logits), bool)
+  keep[order[:top_k or len(logits)]] = True
+  p = np.where(keep, np.exp((logits - logits.max()) / temperature), 0.0)
+  p /= p.sum()
+  mass, chosen = 0.0, np.zeros_like(keep)
+  for i in order:
+    if keep[i] and mass < top_p:
+      chosen[i] = True
+      mass += p[i]
+  p = np.where(chosen, p, 0.0)
+  return p / p.sum()
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(1.0, 0, 1.0), (0.7, 3, 1.0),
+                                                     (1.5, 0, 0.8), (1.2, 4, 0.6)])
+def test_sample_frequencies_match_the_truncated_softmax(temperature, top_k, top_p):
+  print(f"seed {SEED}")
+  rng = np.random.default_rng(SEED)
+  logits = rng.normal(0, 1.5, 7).astype(np.float32)
+  n = 40_000
+  sp = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+  keys = jax.random.split(jax.random.PRNGKey(SEED), n)
+  tok, logp = jax.jit(sample)(jnp.broadcast_to(logits, (n, 7)), keys, mode=sp.mode,
+                              temperature=temperature, top_k=top_k, top_p=top_p)
+  freq = np.bincount(np.asarray(tok), minlength=7) / n
+  np.testing.assert_allclose(freq, _expected(logits.astype(np.float64), temperature, top_k,
+                                             top_p), atol=0.012)
+  # The log-prob is the model's, not the sampling distribution's.
+  ref = logits - np.log(np.sum(np.exp(logits)))
+  np.testing.assert_allclose(np.asarray(logp), ref[np.asarray(tok)], atol=1e-5)
+
+
+def test_greedy_mode_is_argmax():
+  logits = jnp.asarray(np.random.default_rng(SEED).normal(size=(5, 11)), jnp.float32)
+  keys = jax.random.split(jax.random.PRNGKey(0), 5)
+  tok, _ = sample(logits, keys, mode=0, temperature=1.0, top_k=0, top_p=1.0)
+  np.testing.assert_array_equal(tok, np.argmax(logits, -1))

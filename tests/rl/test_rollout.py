@@ -1,0 +1,119 @@
+"""Episodes: the turn protocol on a scripted engine, SFT transcripts, and engine vs trainer
+log-probs on real rollouts (fp32, tiny preset, random weights)."""
+
+import dataclasses
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sparse_lm.data.tokenizer import train_bpe
+from sparse_lm.rl import envs, grpo, rollout
+from sparse_lm.rl.format import format_call
+
+SEED = 0
+
+
+@pytest.fixture(scope="module")
+def tok():
+  rng = np.random.default_rng(SEED)
+  texts = []
+  for _ in range(300):
+    t = envs.ArithmeticEnv().sample(rng)
+    texts.append(t.prompt + format_call("calculator", {"expression": t.prompt[:-2]}) + t.answer)
+  return train_bpe(iter(texts), 400)
+
+
+@dataclasses.dataclass
+class _Out:
+  tokens: list
+  logprobs: list
+  state: object
+
+
+class ScriptedEngine:
+  """Plays fixed turns (text) for every row; records what it was fed."""
+
+  def __init__(self, tok, turns):
+    self.tok, self.turns, self.calls = tok, turns, []
+
+  def generate(self, prompts, *, max_new_tokens, sampling, seed, states=None):
+    self.calls.append((prompts, states, sampling))
+    turn = self.turns[len(self.calls) - 1]
+    ids = self.tok.encode(turn, allow_special=True)[:max_new_tokens]
+    return [_Out(ids, [-0.5] * len(ids), ("state", len(self.calls))) for _ in prompts]
+
+
+@dataclasses.dataclass(frozen=True)
+class _Sampling:
+  temperature: float = 1.0
+  top_p: float = 1.0
+  stop_tokens: tuple = ()
+
+
+def test_episode_turns_rewards_and_masks(tok):
+  task = envs.ArithmeticEnv().sample(np.random.default_rng(3))
+  expr = task.prompt[:-2]
+  engine = ScriptedEngine(tok, ['<tool_call>calculator {"expression": 1+}</tool_call>',
+                                format_call("calculator", {"expression": expr}),
+                                f"{task.answer}<eos>"])
+  (ep,) = rollout.run_episodes(engine, tok, [task], max_steps=3, max_turn_tokens=40,
+                               max_length=200, sampling_cls=_Sampling)
+  assert ep.reward == 1.0 and ep.answer == task.answer and ep.steps == 3
+  assert ep.num_calls == 2 and ep.num_errors == 1
+  text = tok.decode(ep.tokens)
+  assert "<tool_result>error: arguments of 'calculator' are not valid JSON" in text
+  assert f"<tool_result>{task.answer}</tool_result>" in text
+  # observations and the prompt are not model-written; every engine token is
+  gen_text = tok.decode([t for t, g in zip(ep.tokens, ep.generated) if g])
+  assert "<tool_result>" not in gen_text and task.prompt not in gen_text
+  assert sum(ep.generated) == sum(1 for lp in ep.logprobs if lp == -0.5)
+  # later turns feed only the new observation and continue the kept state
+  prompts, states, sampling = engine.calls[1]
+  assert tok.decode(prompts[0]).startswith("<tool_result>error:") and states == [("state", 1)]
+  assert sampling.stop_tokens == (tok.tool_call_end_id, tok.eos_id)
+
+
+def test_step_budget_and_wrong_answer(tok):
+  task = envs.ArithmeticEnv().sample(np.random.default_rng(4))
+  engine = ScriptedEngine(tok, ["no format here"] * 2)
+  (ep,) = rollout.run_episodes(engine, tok, [task], max_steps=2, max_turn_tokens=8,
+                               max_length=200, sampling_cls=_Sampling)
+  assert ep.reward == 0.0 and ep.answer is None and ep.steps == 2 and ep.num_errors == 2
+  engine = ScriptedEngine(tok, [f"{task.answer}1<eos>"])
+  (ep,) = rollout.run_episodes(engine, tok, [task], max_steps=2, max_turn_tokens=16,
+                               max_length=200, sampling_cls=_Sampling)
+  assert ep.reward == 0.0 and ep.answer == task.answer + "1"
+
+
+def test_transcript_masks_tool_results(tok):
+  task = envs.ArithmeticEnv().sample(np.random.default_rng(5))
+  ids, gen = rollout.transcript(tok, task)
+  assert tok.decode(ids).endswith(f"<tool_result>{task.answer}</tool_result>{task.answer}<eos>")
+  model_text = tok.decode([i for i, g in zip(ids, gen) if g])
+  assert model_text == format_call("calculator", {"expression": task.prompt[:-2]}) + \
+      task.answer + "<eos>"
+
+
+def test_engine_and_trainer_logprobs_agree(tok):
+  """Issue 14: within 1e-4 on the tiny preset in fp32 (random weights, sampled episodes)."""
+  from sparse_lm.config import get_preset
+  from sparse_lm.inference import Engine, SamplingParams
+  from sparse_lm.model.transformer import Transformer
+  print("seed", SEED)
+  model = Transformer(get_preset("tiny", num_layers=5), rngs=nnx.Rngs(SEED))
+  rng = np.random.default_rng(SEED)
+  tasks = [envs.ArithmeticEnv().sample(rng) for _ in range(2) for _ in range(2)]
+  engine = Engine(model, max_length=64, max_batch=4)
+  eps = rollout.run_episodes(engine, tok, tasks, max_steps=2, max_turn_tokens=10,
+                             max_length=64, temperature=1.0, seed=SEED,
+                             sampling_cls=SamplingParams)
+  batch = grpo.episodes_to_batch(eps, None, seq_len=64)
+  lp = np.asarray(grpo.token_logprobs(model, jnp.asarray(batch["tokens"]),
+                                      jnp.asarray(batch["segment_ids"])))
+  mask = batch["loss_mask"] > 0
+  assert mask.sum() > 20
+  diff = np.abs(lp - batch["old_logprobs"])[mask]
+  print("max |engine - trainer| log-prob:", diff.max())
+  assert diff.max() < 1e-4
