@@ -30,6 +30,18 @@ BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
 IMAGE_BATCH_KEYS = {"image_patches": 3, "image_segment_ids": 2, "image_coords": 3}
 
 
+def batch_shapes(stage: StageConfig, rows: int, seq_len: int) -> dict[str, tuple]:
+  """{batch key: (shape, dtype name)} of a [rows, seq_len] batch of `stage` (its image keys
+  too when `stage.data.images`), e.g. for AOT lowering with ShapeDtypeStructs."""
+  out = {k: ((rows, seq_len), "int32") for k in BATCH_KEYS}
+  if stage.data.images:
+    p = stage.model_config().vision_patch_size
+    L = stage.data.image_patches_per_row or seq_len
+    out.update(image_patches=((rows, L, p * p * 3), "uint8"),
+               image_segment_ids=((rows, L), "int32"), image_coords=((rows, L, 2), "int32"))
+  return out
+
+
 def _model_factory(stage: StageConfig) -> Callable[[int], nnx.Module]:
   model_cfg = stage.model_config()
   return lambda seed: Transformer(model_cfg, rngs=nnx.Rngs(seed))
