@@ -222,15 +222,16 @@ def main(argv=None) -> int:
   print(f"[aot_plan] host memory: {rss.report()}")
   print(f"[aot_plan] peak host RSS {peak / _GB:.2f} GB")
   if args.json:
+    out = {k: v for k, v in r0.items() if k != "step"}  # the train step's numbers on top
+    out.update(args=vars(args), stage=args.stage, topology=topology, num_slices=num_slices,
+               layout=str(stage.mesh), global_batch=stage.global_batch,
+               micro_batches=stage.micro_batches, remat=cfg.remat_policy,
+               kda_backend=cfg.kda_backend, ep_impl=stage.ep_impl,
+               ep_capacity_factor=stage.ep_capacity_factor, gmm_backend=cfg.gmm_backend,
+               attention_backend=cfg.attention_backend, peak_rss=peak, phases=rss.phases,
+               steps=reports)
     with open(args.json, "w") as f:
-      json.dump(dict(args=vars(args), stage=args.stage, topology=topology,
-                     num_slices=num_slices, layout=str(stage.mesh), seq_len=stage.seq_len,
-                     global_batch=stage.global_batch, micro_batches=stage.micro_batches,
-                     remat=cfg.remat_policy, kda_backend=cfg.kda_backend,
-                     ep_impl=stage.ep_impl, ep_capacity_factor=stage.ep_capacity_factor,
-                     gmm_backend=cfg.gmm_backend, attention_backend=cfg.attention_backend,
-                     peak_rss=peak, phases=rss.phases, steps=reports,
-                     **{k: v for k, v in r0.items() if k != "step"}), f, indent=1)
+      json.dump(out, f, indent=1)
   return 0 if all(r["fits"] for r in reports) else 2
 
 

@@ -48,7 +48,7 @@ import grain
 import numpy as np
 from grain import experimental as grain_exp
 
-from sparse_lm.data import image_pipeline, images, sources
+from sparse_lm.data import image_pipeline, images, sources, splits
 from sparse_lm.data.tokenizer import SPECIAL_TOKENS, Tokenizer
 
 _log = logging.getLogger(__name__)
@@ -103,8 +103,8 @@ class DataConfig:
     sources.parse_source(self.source)
     if not 0.0 <= self.eval_fraction < 1.0:
       raise ValueError(f"DataConfig.eval_fraction must be in [0, 1), got {self.eval_fraction}")
-    if self.eval_split not in sources.EVAL_SPLITS:
-      raise ValueError(f"DataConfig.eval_split must be one of {sources.EVAL_SPLITS}, got "
+    if self.eval_split not in splits.EVAL_SPLITS:
+      raise ValueError(f"DataConfig.eval_split must be one of {splits.EVAL_SPLITS}, got "
                        f"{self.eval_split!r}")
     if self.packing not in PACKING:
       raise ValueError(f"DataConfig.packing must be one of {PACKING}, got {self.packing!r}")
@@ -126,7 +126,7 @@ class DataConfig:
 
 
 def _open(data_cfg: DataConfig, split: str) -> sources.Source:
-  source = sources.open_split(data_cfg.source, split=split,
+  source = splits.open_split(data_cfg.source, split=split,
                               eval_fraction=data_cfg.eval_fraction,
                               long_documents=data_cfg.long_documents,
                               eval_split=data_cfg.eval_split)
@@ -448,7 +448,7 @@ def make_eval_batches(data_cfg: DataConfig, tokenizer: Tokenizer, *, seq_len: in
 def describe(data_cfg: DataConfig) -> str:
   """One line for the run log: source, documents and bytes per split, skipped/repaired files."""
   train = _open(data_cfg, "train")
-  held_out = sources.open_split(data_cfg.source, split="eval",
+  held_out = splits.open_split(data_cfg.source, split="eval",
                                 eval_fraction=data_cfg.eval_fraction,
                                 long_documents=data_cfg.long_documents,
                                 eval_split=data_cfg.eval_split)
@@ -458,7 +458,7 @@ def describe(data_cfg: DataConfig) -> str:
 
   if train.split_by == "none":
     sizes = f"{len(train)} docs / {size(train)}, no held-out split"
-  elif isinstance(train, (sources.FileSource, sources.TailSplit)):
+  elif isinstance(train, (sources.FileSource, splits.TailSplit)):
     sizes = f"train {len(train)} docs / {size(train)}, eval {len(held_out)} docs / {size(held_out)}"
   else:
     sizes = f"train {len(train)} docs, eval {len(held_out)} docs, {size(train)} of files"

@@ -15,11 +15,10 @@ import dataclasses
 import json
 import pathlib
 
-from flax import nnx
+from flax import nnx  # the model is imported only where one is built (StageConfig reads this)
 
 from sparse_lm.config import ModelConfig
 from sparse_lm.interop import hf_config
-from sparse_lm.model.transformer import Transformer
 
 IMPORT_DIR = "hf_import"
 META = "sparse_lm_model.json"
@@ -83,8 +82,9 @@ def token_ids(workdir) -> dict:
   return json.loads((_dir(workdir) / META).read_text())["hf_extra"]
 
 
-def load_from_workdir(workdir) -> tuple[Transformer, ModelConfig, dict]:
+def load_from_workdir(workdir) -> tuple[nnx.Module, ModelConfig, dict]:
   """(model on the first device, cfg, HF token ids) of `workdir`'s import."""
+  from sparse_lm.model.transformer import Transformer  # pylint: disable=g-import-not-at-top
   cfg = imported_config(workdir)
   if cfg is None:
     raise FileNotFoundError(f"{_dir(workdir)}: no HF import")

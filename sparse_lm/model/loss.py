@@ -95,9 +95,10 @@ def chunked_cross_entropy(h: jax.Array, head: jax.Array, targets: jax.Array,
   return {"nll_sum": nll, "z_sum": z, "correct_sum": correct}
 
 
-def loss_fn(model: Transformer, batch: dict, *, train: bool = True,
+def loss_fn(model: Transformer, batch: dict, *, train: bool = False,
             z_loss_coef: float = 0.0) -> tuple[jax.Array, dict]:
-  """Training loss of `model` on a packed batch.
+  """Loss of `model` on a packed batch: `loss_fn(model, batch)` evaluates (reads the model,
+  writes nothing); the train step calls `loss_fn(model, batch, train=True, z_loss_coef=...)`.
 
   Args:
     model: the Transformer.
@@ -106,7 +107,8 @@ def loss_fn(model: Transformer, batch: dict, *, train: bool = True,
       PackedImages whose tokens fill the `<image>` spans; those positions are never targets),
       or the data pipeline's "image_patches" / "image_segment_ids" / "image_coords" (packed
       rows). Convention in the module docstring.
-    train: forwarded to the model (MoE balancer statistics accumulate in training mode).
+    train: forwarded to the model; True accumulates the MoE balancer statistics in the
+      model's variables (training only; default False: evaluation mutates nothing).
     z_loss_coef: weight of the z-loss mean(logsumexp²) (PaLM), 0 to disable.
 
   Returns:

@@ -234,8 +234,8 @@ class _StageLoop:
     self.writer = metrics_lib.MetricsWriter(stage_dir / "tb")
     model_cfg = stage.model_config()
     self.flops = _flops_per_token(model_cfg, stage.seq_len)
-    self.can_drop = (stage.ep_capacity_factor is not None
-                     or model_cfg.capacity_factor is not None)
+    self.can_drop = (getattr(stage, "ep_capacity_factor", None) is not None
+                     or getattr(model_cfg, "capacity_factor", None) is not None)
     self.peak = metrics_lib.peak_flops_per_device()
     self.bar = None
     self.progress, self.progress_every = progress, progress_every
@@ -317,7 +317,8 @@ class _StageLoop:
     tps = self.speed.rate(self.stage.tokens_per_batch)
     mfu = metrics_lib.mfu(tps, self.flops or 0.0, jax.device_count(), self.peak)
     routing = metrics_lib.routing_summary(m)
-    if not self.can_drop:  # dropless: every drop rate is 0 by construction
+    if not self.can_drop and not routing.get("moe/drop_rate_total"):
+      # dropless: every drop rate is 0 by construction; not shown
       routing = {k: v for k, v in routing.items() if not k.startswith("moe/drop_rate")}
     if "moe/drop_rate_total" in routing:
       self.drop_rates.append((step + 1, routing["moe/drop_rate_total"]))

@@ -111,3 +111,33 @@ def test_hosts_of_a_v5p_slice_load_their_row_groups():
   assert lines == [
       "fsdp=4,expert=4,context=4 " + str([((i, 8), 2) for i in range(8)]),
       "fsdp=2,expert=4,context=8,expert_shards=context [((0, 2), 8), ((1, 2), 8)]"], proc.stdout
+
+
+MESH_SCRIPT = """
+import numpy as np
+from launch.aot_plan import topology_devices
+from sparse_lm import sharding as shd
+from experiments import stage_1m, stage_64k, stage_256k, stage_8k
+for m in (stage_8k, stage_64k, stage_256k, stage_1m):
+  st = m.FULL
+  devs = topology_devices(st.topology, st.num_slices)
+  mesh = shd.make_mesh(st.mesh, devs)
+  shd.validate_layout(st.model_config(), st.mesh, mesh, global_batch=st.global_batch,
+                      seq_len=st.seq_len, num_microbatches=st.micro_batches)
+  slices = np.vectorize(lambda d: getattr(d, "slice_index", 0))(mesh.devices)
+  print(st.name, len(devs), mesh.devices.shape,
+        [sorted(int(i) for i in set(slices[k].flat)) for k in range(mesh.shape["data"])])
+"""
+
+
+def test_each_stage_mesh_builds_on_its_compile_only_slices():
+  """The four `full` meshes on the libtpu compile-only devices of their topologies; stage_1m's
+  two v5p:16x16x16 slices are exactly its `data` axis (only data parallelism crosses DCN)."""
+  proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT], cwd=ROOT, env=_aot_env(),
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("stage_")]
+  assert lines == ["stage_8k 2048 (1, 2, 128, 1, 8) [[0]]",
+                   "stage_64k 2048 (1, 16, 128, 1, 1) [[0]]",
+                   "stage_256k 2048 (1, 8, 128, 1, 2) [[0]]",
+                   "stage_1m 8192 (2, 4, 128, 1, 8) [[0], [1]]"], proc.stdout
