@@ -22,6 +22,8 @@ import types
 import typing
 from typing import Any, Mapping, Sequence
 
+import jax
+
 from sparse_lm.config import ModelConfig
 from sparse_lm.data import DataConfig
 from sparse_lm.sharding import MeshLayout
@@ -119,8 +121,8 @@ def apply_overrides(stage: StageConfig, sets: Sequence[str]) -> StageConfig:
   """`stage` with each "key=value" of `sets` applied (see the module docstring).
 
   Raises:
-    ValueError: a malformed item, an unknown key (the message lists the valid keys) or a value
-      that does not parse to the field's type.
+    ValueError: a malformed item, an unknown key (the message suggests the nearest ones) or a
+      value that does not parse to the field's type.
   """
   top: dict[str, Any] = {}
   nested: dict[str, dict[str, Any]] = {p: {} for p in _NESTED}
@@ -227,7 +229,6 @@ def build_stage(stages: Mapping[str, StageConfig], argv: Sequence[str] | None = 
 def enable_compilation_cache(directory: str) -> None:
   """Persist compiled XLA programs in `directory`: a rerun (or a resumed run) of the same stage
   skips its compiles. Set SPARSE_LM_XLA_CACHE to share one cache between workdirs."""
-  import jax
   jax.config.update("jax_compilation_cache_dir", os.path.abspath(directory))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0.5)
   jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)

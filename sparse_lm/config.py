@@ -13,12 +13,22 @@ ResidualKind = Literal["attnres_block", "attnres_full", "standard"]
 BalancerKind = Literal["quantile", "bias_sign", "aux_loss", "none"]
 RematPolicy = Literal["none", "full", "save_dots", "save_qkv_proj", "minimal"]
 
+# Every closed set of choices of the model, defined here once and validated in
+# `ModelConfig.validate` (the modules that act on a choice import these tuples).
 RESIDUAL_KINDS = ("attnres_block", "attnres_full", "standard")
 BALANCER_KINDS = ("quantile", "bias_sign", "aux_loss", "none")
+QB_CUTOFFS = ("midpoint", "kplus1")  # moe/router.route: alpha between z_(k), z_(k+1), or z_(k+1)
 REMAT_POLICIES = ("none", "full", "save_dots", "save_qkv_proj", "minimal")
-KDA_BACKENDS = ("auto", "xla", "reference", "pallas_tpu", "pallas_gpu")
+# Backends that run today; "pallas_gpu" (ARCHITECTURE §2.5, "if written") is refused until
+# pallas_kernels/kda has it.
+KDA_BACKENDS = ("auto", "xla", "reference", "pallas_tpu")
 GMM_BACKENDS = ("auto", "ragged_dot", "tokamax", "megablox", "dense")
+FFN_ACTIVATIONS = ("situ", "swiglu")
 ATTENTION_BACKENDS = ("auto", "xla_chunked", "xla", "tokamax", "cudnn", "splash")
+# moe/expert_parallel: the token exchange of expert parallelism ("auto": allgather when the
+# expert axis is smaller than top-k, else ragged on GPU / TPU and dense on CPU).
+EP_EXCHANGES = ("auto", "ragged", "dense", "allgather")
+STACK_DTYPES = ("bfloat16", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -27,6 +37,8 @@ class ModelConfig:
 
   Layer layout: layer i is Gated MLA when (i + 1) % mla_every == 0 or i == num_layers - 1
   (the last layer is MLA), else KDA. Layer 0 uses the dense SiTU-GLU FFN; all others LatentMoE.
+  num_layers = 1 mod mla_every gives whole groups plus the last layer (93, 9); other values
+  add KDA layers before the last one (Kimi-Linear-48B: 27 layers, mla_every 4).
   """
 
   name: str = "custom"
@@ -44,21 +56,24 @@ class ModelConfig:
   kda_gate_lower_bound: float | None = -5.0  # None = unbounded softplus gate
   kda_chunk_size: int = 64
   kda_backend: str = "auto"
+  kda_output_gate_rank: int = 0  # 0 = full-rank w_og [D,H,V]; r > 0 = w_og_down [D,r] w_og_up
 
   # Gated MLA (§3), NoPE: the "rope" part is never rotated.
   mla_num_heads: int = 96
-  q_lora_rank: int = 1536
+  q_lora_rank: int = 1536  # 0 = no query LoRA: one w_q [D, H, nope+rope] (Kimi-Linear)
   kv_lora_rank: int = 512
   qk_nope_head_dim: int = 128
   qk_rope_head_dim: int = 64
   v_head_dim: int = 128
   attention_backend: str = "auto"
   attention_chunk_size: int = 512  # query/key block of the memory-efficient XLA path
+  mla_output_gate: bool = True  # G1 sigmoid gate before W_o (False: Kimi-Linear's plain MLA)
 
   # Dense FFN (layer 0) and SiTU-GLU (§5)
   dense_hidden: int = 33_792
   situ_beta1: float = 4.0
   situ_beta2: float = 25.0
+  ffn_activation: str = "situ"  # "situ" (SiTU-GLU) or "swiglu" (silu(g) * u): every GLU FFN
 
   # Stable LatentMoE (§5)
   num_experts: int = 896
@@ -67,22 +82,34 @@ class ModelConfig:
   expert_hidden: int = 3072
   num_shared_experts: int = 2
   shared_expert_hidden: int = 3072
-  route_scale: float = 1.0
+  route_scale: float = 1.0  # HF routed_scaling_factor
+  moe_latent: bool = True  # False: routed experts on the full width (no W_down/norm/W_up)
+  # Single-program cap: each expert keeps ceil(capacity_factor * N * k / E) assignments.
   capacity_factor: float | None = None  # None = dropless
   gmm_backend: str = "auto"
+  # Expert parallelism (mesh axis `expert` > 1, moe/expert_parallel.py): the exchange and the
+  # per-rank receive buffer in units of the mean rows n * k (n tokens per device), MaxText's
+  # name. None = dropless (worst-case buffers of P * n * k rows). Both caps drop by the causal
+  # rule of docs/architecture.md ("Capacity drops").
+  ep_exchange: str = "auto"
+  ragged_buffer_factor: float | None = None
 
   # Balancing (§6)
   balancer: str = "quantile"
   balancer_bins: int = 1000
   bias_sign_rate: float = 1e-3
   aux_loss_coef: float = 1e-2
+  qb_cutoff: str = "midpoint"  # QB_CUTOFFS
 
   # Residual stream (§4)
   residual: str = "attnres_block"
   attnres_block_layers: int = 12
+  # Storage dtype of the committed AttnRes sources (mixing is fp32 either way); None = the
+  # compute dtype. bf16 halves the stack saved at every group boundary (model/attnres.py).
+  attnres_stack_dtype: str | None = None
 
   # Vision (§7)
-  vision: bool = False
+  vision: bool = False  # True in `small` and `full`; `tiny` is text-only unless asked
   vision_patch_size: int = 14
   vision_width: int = 1152
   vision_layers: int = 27
@@ -90,7 +117,9 @@ class ModelConfig:
   vision_mlp: int = 4304
 
   # Numerics and memory
-  norm_eps: float = 1e-6
+  norm_eps: float = 1e-6  # RMSNorm epsilon (pre-norms, final norm, KDA o_norm, latent norm)
+  mla_norm_eps: float | None = None  # MLA q/kv latent RMSNorms; None = norm_eps
+  l2_norm_eps: float = 1e-6  # KDA q/k L2 norm, inside the square root
   dtype: str = "bfloat16"  # compute dtype
   param_dtype: str = "float32"  # master weights
   remat_policy: str = "full"
@@ -126,6 +155,13 @@ class ModelConfig:
     return self.qk_nope_head_dim + self.qk_rope_head_dim
 
   @property
+  def glu_betas(self) -> tuple[float | None, float | None]:
+    """(beta1, beta2) for `situ_activation`: the SiTU clip levels, or (None, None) = SwiGLU."""
+    if self.ffn_activation == "swiglu":
+      return None, None
+    return self.situ_beta1, self.situ_beta2
+
+  @property
   def num_attnres_blocks(self) -> int:
     return -(-self.num_layers // self.attnres_block_layers)
 
@@ -136,7 +172,7 @@ class ModelConfig:
       raise ValueError(f"ModelConfig({self.name}): {msg}")
 
     for f in ("vocab_size", "d_model", "num_layers", "kda_num_heads", "kda_head_dim",
-              "kda_value_dim", "mla_num_heads", "q_lora_rank", "kv_lora_rank",
+              "kda_value_dim", "mla_num_heads", "kv_lora_rank",
               "qk_nope_head_dim", "v_head_dim", "dense_hidden", "num_experts",
               "experts_per_token", "moe_latent_dim", "expert_hidden", "mla_every",
               "attnres_block_layers", "kda_conv_size", "balancer_bins", "loss_chunk_size"):
@@ -144,6 +180,12 @@ class ModelConfig:
         bad(f"{f}={getattr(self, f)} must be > 0")
     if self.qk_rope_head_dim < 0 or self.num_shared_experts < 0:
       bad("qk_rope_head_dim and num_shared_experts must be >= 0")
+    if self.q_lora_rank < 0:
+      bad(f"q_lora_rank={self.q_lora_rank} must be >= 0 (0 = no query LoRA)")
+    if self.kda_output_gate_rank < 0:
+      bad(f"kda_output_gate_rank={self.kda_output_gate_rank} must be >= 0 (0 = full rank)")
+    if self.ffn_activation not in FFN_ACTIVATIONS:
+      bad(f"ffn_activation={self.ffn_activation!r} must be one of {FFN_ACTIVATIONS}")
     if self.experts_per_token > self.num_experts:
       bad(f"experts_per_token={self.experts_per_token} > num_experts={self.num_experts}; "
           "top-k cannot exceed the number of routed experts")
@@ -163,7 +205,18 @@ class ModelConfig:
     if self.remat_policy not in REMAT_POLICIES:
       bad(f"remat_policy={self.remat_policy!r} must be one of {REMAT_POLICIES}")
     if self.kda_backend not in KDA_BACKENDS:
-      bad(f"kda_backend={self.kda_backend!r} must be one of {KDA_BACKENDS}")
+      why = (" (the Pallas GPU kernel is not written yet)" if self.kda_backend == "pallas_gpu"
+             else "")
+      bad(f"kda_backend={self.kda_backend!r} cannot run{why}; choose one of {KDA_BACKENDS}")
+    if self.qb_cutoff not in QB_CUTOFFS:
+      bad(f"qb_cutoff={self.qb_cutoff!r} must be one of {QB_CUTOFFS}")
+    if self.ep_exchange not in EP_EXCHANGES:
+      bad(f"ep_exchange={self.ep_exchange!r} must be one of {EP_EXCHANGES}")
+    if self.ragged_buffer_factor is not None and self.ragged_buffer_factor <= 0:
+      bad(f"ragged_buffer_factor={self.ragged_buffer_factor} must be > 0 or None (dropless)")
+    if self.attnres_stack_dtype is not None and self.attnres_stack_dtype not in STACK_DTYPES:
+      bad(f"attnres_stack_dtype={self.attnres_stack_dtype!r} must be one of {STACK_DTYPES} "
+          "or None (the compute dtype)")
     if self.gmm_backend not in GMM_BACKENDS:
       bad(f"gmm_backend={self.gmm_backend!r} must be one of {GMM_BACKENDS}")
     if self.attention_backend not in ATTENTION_BACKENDS:
@@ -176,18 +229,32 @@ class ModelConfig:
     if self.layer_types[-1] != "mla" or self.layer_types[0] != "kda":
       bad(f"num_layers={self.num_layers}, mla_every={self.mla_every}: the first layer must be "
           "KDA and the last MLA")
-    if self.num_layers % self.mla_every != 1:
-      bad(f"num_layers={self.num_layers} must be 1 mod mla_every={self.mla_every} (groups of "
-          f"{self.mla_every - 1} KDA + 1 MLA, plus a final MLA layer), e.g. 93 or 9")
+    if self.num_layers < self.mla_every + 1:
+      bad(f"num_layers={self.num_layers} must be > mla_every={self.mla_every} (a first group of "
+          f"{self.mla_every - 1} KDA + 1 MLA, plus a final MLA layer)")
     if self.residual == "attnres_block" and self.attnres_block_layers % self.mla_every:
       bad(f"attnres_block_layers={self.attnres_block_layers} must be a multiple of "
           f"mla_every={self.mla_every} so blocks align with the scanned layer groups")
     if self.vision and self.d_model % 2:
       bad("vision requires an even d_model")
+    if self.num_dense_layers > self.mla_every:
+      bad(f"num_dense_layers={self.num_dense_layers} > mla_every={self.mla_every}: the dense "
+          "FFN layers must all sit in the first (unrolled) layer group")
+
+  def check_segment_ids(self) -> None:
+    """Raise ValueError if a chosen backend cannot take packed segment ids (training always
+    passes them: `model/loss.py`). Called by the training stage's validation."""
+    if self.attention_backend == "cudnn":
+      raise ValueError(
+          f"ModelConfig({self.name}): attention_backend='cudnn' cannot run with segment ids "
+          "(packed documents, which training always has); choose one of "
+          f"{tuple(b for b in ATTENTION_BACKENDS if b != 'cudnn')}")
 
 
 def _full() -> ModelConfig:
-  return ModelConfig(name="full")
+  # Natively multimodal (§7): the 27-layer SigLIP-so400m-shaped ViT (width 1152, 16 heads,
+  # MLP 4304, patch 14; 466M with its projector), trained with the LM from the first stage.
+  return ModelConfig(name="full", vision=True)
 
 
 def _small() -> ModelConfig:
@@ -199,7 +266,9 @@ def _small() -> ModelConfig:
       qk_rope_head_dim=64, v_head_dim=128,
       dense_hidden=4096, num_experts=64, experts_per_token=4, moe_latent_dim=512,
       expert_hidden=1024, num_shared_experts=1, shared_expert_hidden=2048,
-      attnres_block_layers=4, remat_policy="full")
+      attnres_block_layers=4, remat_policy="full",
+      # a ViT-B-sized encoder: width 768, 12 layers, 12 heads, MLP 3072 (98M with projector)
+      vision=True, vision_width=768, vision_layers=12, vision_heads=12, vision_mlp=3072)
 
 
 def _tiny() -> ModelConfig:

@@ -5,8 +5,9 @@
 
 Loads the newest checkpoint of the newest stage in the workdir (the stage whose latest
 checkpoint was written last; `--stage` picks another) through `sparse_lm.train.load`, or one
-step directory `--checkpoint PATH`, with the tokenizer saved in it, and streams the completion. `--interactive` is a multi-turn chat: each turn continues the previous turn's
-decode state (sparse_lm.inference.DecodeState), so the history is never re-read.
+step directory `--checkpoint PATH`, with the tokenizer saved in it, and streams the completion.
+`--interactive` is a multi-turn chat: each turn continues the previous turn's decode state
+(sparse_lm.inference.DecodeState), so the history is never re-read.
 """
 
 from __future__ import annotations

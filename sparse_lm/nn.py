@@ -139,8 +139,8 @@ def l2_norm(x: jax.Array, eps: float = 1e-6) -> jax.Array:
 class RMSNorm(nnx.Module):
   """RMSNorm with a learned per-channel scale (init 1, fp32, axis name `norm`)."""
 
-  def __init__(self, dim: int, *, cfg: ModelConfig, rngs: nnx.Rngs):
-    self.eps = cfg.norm_eps
+  def __init__(self, dim: int, *, cfg: ModelConfig, rngs: nnx.Rngs, eps: float | None = None):
+    self.eps = cfg.norm_eps if eps is None else eps
     self.scale = param(rngs, (dim,), ("norm",), init=ones_init, dtype=jnp.float32)
 
   def __call__(self, x: jax.Array) -> jax.Array:

@@ -22,11 +22,8 @@ A ``Source`` is a random-access sequence of documents: ``len(source)``, ``source
 ``source.load(i) -> str | None`` (``None`` for an empty or unreadable document, which the pipeline
 drops). Text is read lazily, in the pipeline's reader threads.
 
-``open_split`` chooses how the held-out split is made (``DataConfig.eval_split``): by whole
-documents as above, or by the tail of every document (the last ``eval_fraction`` of its
-characters, cut at a line break), which a one-file corpus (nanoGPT's ``input.txt``) needs;
-``auto`` (the default) splits by documents when both sides get one, else by tails.
-``eval_fraction=0`` means no held-out split: every document trains.
+``sparse_lm.data.splits.open_split`` chooses how the held-out split is made: by whole documents
+as above, or by the tail of every document (a one-file corpus).
 """
 
 from __future__ import annotations
@@ -47,7 +44,6 @@ import numpy as np
 _log = logging.getLogger(__name__)
 
 SCHEMES = ("stdlib", "text", "jsonl", "parquet", "arrayrecord")
-EVAL_SPLITS = ("auto", "documents", "tail")
 # A package directory larger than this is split (at file boundaries) into several long documents,
 # so that no single document takes more than a few seconds to tokenize.
 LONG_DOCUMENT_MAX_BYTES = 4 << 20
@@ -416,68 +412,3 @@ def open_source(spec: str, *, split: str, eval_fraction: float,
                            eval_fraction=eval_fraction, split=split, stats=stats)
   cls = {"jsonl": JsonlSource, "parquet": ParquetSource, "arrayrecord": ArrayRecordSource}[scheme]
   return cls(spec, root, files, eval_fraction, split)
-
-
-class TailSplit(Source):
-  """The head (train) or tail (eval) of every document of `whole`: the cut is at the first
-  line break after `1 - eval_fraction` of its characters (at that character if none)."""
-
-  def __init__(self, whole: Source, split: str, eval_fraction: float):
-    self.name = whole.name
-    self._whole, self._split, self._fraction = whole, split, eval_fraction
-    self.doc_ids = [f"{d}#{split}" for d in whole.doc_ids]
-    part = (1 - eval_fraction) if split == "train" else eval_fraction
-    self.num_bytes = None if whole.num_bytes is None else int(whole.num_bytes * part)
-    self.stats = whole.stats
-
-  def load(self, index: int) -> str | None:
-    text = self._whole.load(index)
-    if text is None:
-      return None
-    cut = int(len(text) * (1 - self._fraction))
-    newline = text.find("\n", cut)
-    cut = newline + 1 if newline >= 0 else cut
-    part = text[:cut] if self._split == "train" else text[cut:]
-    return part if part.strip() else None
-
-
-class _NoDocuments(Source):
-  def __init__(self, whole: Source):
-    self.name, self.doc_ids, self.num_bytes, self.stats = whole.name, [], 0, whole.stats
-
-  def load(self, index: int) -> str | None:
-    raise IndexError(index)
-
-
-@functools.lru_cache(maxsize=16)
-def open_split(spec: str, *, split: str, eval_fraction: float, long_documents: bool = False,
-               eval_split: str = "auto") -> Source:
-  """The ``split`` ("train" or "eval") of source ``spec``, held out as ``eval_split`` says
-  (module docstring); the returned source's ``split_by`` is "documents", "tail" or "none".
-
-  Raises:
-    ValueError: an unknown ``eval_split`` (and what ``open_source`` raises).
-  """
-  if eval_split not in EVAL_SPLITS:
-    raise ValueError(f"DataConfig.eval_split={eval_split!r}: choose one of {EVAL_SPLITS}")
-  if eval_fraction <= 0:
-    whole = open_source(spec, split="train", eval_fraction=0.0, long_documents=long_documents)
-    out = whole if split == "train" else _NoDocuments(whole)
-    by = "none"
-  elif eval_split != "tail" and _documents_split_works(spec, eval_fraction, long_documents,
-                                                       eval_split):
-    out = open_source(spec, split=split, eval_fraction=eval_fraction,
-                      long_documents=long_documents)
-    by = "documents"
-  else:
-    whole = open_source(spec, split="train", eval_fraction=0.0, long_documents=long_documents)
-    out, by = TailSplit(whole, split, eval_fraction), "tail"
-  out.split_by = by
-  return out
-
-
-def _documents_split_works(spec, eval_fraction, long_documents, eval_split) -> bool:
-  if eval_split == "documents":
-    return True
-  return all(len(open_source(spec, split=s, eval_fraction=eval_fraction,
-                             long_documents=long_documents)) for s in ("train", "eval"))

@@ -37,9 +37,9 @@ from sparse_lm.inference.sampling import SamplingParams, sample
 
 # Kernels cast to the compute dtype once (the model casts them at every use anyway); norms,
 # the router, gates' A_log / dt_bias, conv kernels and the embedding stay as trained.
-_CAST = {"w_q", "w_k", "w_v", "w_g_down", "w_g_up", "w_beta", "w_og", "w_o", "w_dq", "w_uq",
-         "w_dkv", "w_ukv", "w_gate", "w_up", "w_down", "expert_gate", "expert_up",
-         "expert_down", "lm_head"}
+_CAST = {"w_q", "w_k", "w_v", "w_g_down", "w_g_up", "w_beta", "w_og", "w_og_down", "w_og_up",
+         "w_o", "w_dq", "w_uq", "w_dkv", "w_ukv", "w_gate", "w_up", "w_down", "expert_gate",
+         "expert_up", "expert_down", "lm_head"}
 
 
 @dataclasses.dataclass(frozen=True)

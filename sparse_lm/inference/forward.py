@@ -49,6 +49,7 @@ class DecoderStack(nnx.Module):
       for g in range(model.num_groups - 1):
         group = nnx.merge(graphdef, jax.tree.map(lambda a, g=g: a[g], state))
         layer_list += list(group.layers)
+    layer_list += list(model.tail or ())  # KDA layers after the last whole group (48B)
     layer_list.append(model.last)
     self.layers = nnx.List(layer_list)
     self.final_query = model.final_query
@@ -95,7 +96,7 @@ def kda_cached(mixer, x: jax.Array, cache: dict, n_valid: jax.Array) -> tuple[ja
   dtype = jnp.dtype(cfg.dtype)
   p = mixer.arrays()
   T = x.shape[1]
-  proj, _ = kda_projections(p, x, lower_bound=cfg.kda_gate_lower_bound, eps=cfg.norm_eps,
+  proj, _ = kda_projections(p, x, lower_bound=cfg.kda_gate_lower_bound, eps=cfg.l2_norm_eps,
                             dtype=dtype, conv_state=cache["conv"])
   valid = jnp.arange(T)[None] < n_valid[:, None]
   g = jnp.where(valid[..., None, None], proj.g, 0.0)  # padding: identity step

@@ -6,8 +6,8 @@ seg[i] == seg[j]). Every query sees at least itself, so no row is fully masked.
 
 Backends (`attention_backend`):
   "xla"          full softmax, materialises [B, H, T, T] scores: the reference.
-  "xla_chunked"  memory-efficient online softmax over key blocks (Rabe & Staats,
-                 arXiv 2112.05682), queries in blocks too: runs everywhere, the CPU default.
+  "xla_chunked"  memory-efficient online softmax over query and key blocks with a recomputing
+                 backward (pallas_kernels/attention/xla.py): runs everywhere, the CPU default.
   "tokamax"      tokamax.dot_product_attention (Mosaic GPU kernels; accepts Dk != Dv). GPU.
   "cudnn"        jax.nn.dot_product_attention(implementation="cudnn") with v padded to Dk. GPU.
   "splash"       Pallas splash attention, v padded to Dk. TPU.
@@ -16,10 +16,10 @@ Backends (`attention_backend`):
 
 from __future__ import annotations
 
-import functools
-
 import jax
 import jax.numpy as jnp
+
+from pallas_kernels.attention import flash_attention
 
 _NEG = -1e30  # finite "minus infinity" for masked logits (avoids inf - inf = nan)
 
@@ -47,62 +47,23 @@ def attention_xla(q, k, v, *, segment_ids=None, scale: float):
 
 
 def attention_xla_chunked(q, k, v, *, segment_ids=None, scale: float, chunk_size: int = 512):
-  """Online-softmax attention over [chunk_size] query and key blocks.
+  """Blocked online-softmax attention over [chunk_size] query and key blocks: the project's one
+  blocked softmax, `pallas_kernels.attention.flash_attention` (recomputing backward).
 
-  Memory O(B·H·chunk²) for scores instead of O(B·H·T²), in the forward and (the block loops
-  are `jax.checkpoint`-ed) in the backward pass. T is padded to a multiple of the
-  block; padded keys are masked (they sit after every real query, so causality masks them).
-  Key blocks entirely in a query block's future are still visited (static shapes) but
-  contribute exactly zero, which keeps the result bit-identical under changes of later tokens.
+  Memory O(B·H·chunk²) for scores instead of O(B·H·T²), in the forward and the backward pass.
+  T is padded to a multiple of the block; padded keys are masked. Key blocks entirely in a query
+  block's future are still visited (static shapes) but contribute exactly zero, which keeps the
+  result bit-identical under changes of later tokens. Segment id 0 is an ordinary document here
+  (as in `attention_xla`): the ids are shifted by one before the kernel, whose 0 means padding.
 
   Returns o [B, T, H, Dv] in q's dtype (fp32 accumulation).
   """
-  B, T, H, Dk = q.shape
-  Dv = v.shape[-1]
-  C = min(chunk_size, T)
-  n = -(-T // C)
-  pad = n * C - T
-  if segment_ids is None:
-    segment_ids = jnp.ones((B, T), jnp.int32)
-  if pad:
-    padt = lambda x: jnp.pad(x, [(0, 0), (0, pad)] + [(0, 0)] * (x.ndim - 2))
-    q, k, v, segment_ids = padt(q), padt(k), padt(v), padt(segment_ids)
-  qb = q.reshape(B, n, C, H, Dk).transpose(1, 0, 3, 2, 4)  # [n, B, H, C, Dk]
-  kb = k.reshape(B, n, C, H, Dk).transpose(1, 0, 3, 2, 4)
-  vb = v.reshape(B, n, C, H, Dv).transpose(1, 0, 3, 2, 4)
-  sb = segment_ids.reshape(B, n, C).transpose(1, 0, 2)  # [n, B, C]
-  pos = jnp.arange(n * C).reshape(n, C)
-
-  def one_query_block(args):
-    qi, si, pi = args  # [B,H,C,Dk], [B,C], [C]
-
-    def body(carry, kv):
-      m, l, acc = carry
-      kj, vj, sj, pj = kv
-      s = jnp.einsum("bhqd,bhkd->bhqk", qi, kj, preferred_element_type=jnp.float32) * scale
-      mask = _mask(pi, pj, si, sj)[:, None]  # [B,1,C,C]
-      s = jnp.where(mask, s, _NEG)
-      # The running max cancels mathematically: no gradient through it.
-      m_new = jax.lax.stop_gradient(jnp.maximum(m, jnp.max(s, axis=-1)))
-      p = jnp.where(mask, jnp.exp(s - m_new[..., None]), 0.0)
-      corr = jnp.exp(m - m_new)
-      l = l * corr + jnp.sum(p, axis=-1)
-      acc = acc * corr[..., None] + jnp.einsum(
-          "bhqk,bhkd->bhqd", p.astype(vj.dtype), vj, preferred_element_type=jnp.float32)
-      return (m_new, l, acc), None
-
-    init = (jnp.full((B, H, C), _NEG, jnp.float32), jnp.zeros((B, H, C), jnp.float32),
-            jnp.zeros((B, H, C, Dv), jnp.float32))
-    # Checkpointed body: the backward pass recomputes each block's scores instead of keeping
-    # every [B, H, C, C] score block of the scan (which would make it O(T²) again).
-    (m, l, acc), _ = jax.lax.scan(jax.checkpoint(body), init, (kb, vb, sb, pos))
-    return acc / l[..., None]
-
-  # Checkpointed per query block too, so the map keeps only its inputs for the backward pass,
-  # not the per-step carries of all n query blocks (O(n² · B·H·C·Dv)).
-  o = jax.lax.map(jax.checkpoint(one_query_block), (qb, sb, pos))  # [n, B, H, C, Dv]
-  o = o.transpose(1, 0, 3, 2, 4).reshape(B, n * C, H, Dv)[:, :T]
-  return o.astype(q.dtype)
+  B, T = q.shape[:2]
+  seg = (jnp.ones((B, T), jnp.int32) if segment_ids is None
+         else segment_ids.astype(jnp.int32) + 1)
+  pos = jnp.arange(T, dtype=jnp.int32)
+  return flash_attention(q, k, v, pos, pos, seg, seg, scale=scale, block_q=chunk_size,
+                         block_k=chunk_size)
 
 
 def _segment_starts(segment_ids):

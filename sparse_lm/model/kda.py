@@ -3,7 +3,7 @@
     q, k = L2Norm(SiLU(ShortConv(x W_q / W_k)))      per head, eps 1e-6
     v    = SiLU(ShortConv(x W_v))
     z    = (x W_g_down) W_g_up                        rank K, one value per (head, key channel)
-    g    = kda_gate(z, A_log, dt_bias, lower_bound)   log-decay <= 0
+    g    = kda_gate(z, A_log, dt_bias, gate_lower_bound)   log-decay <= 0
     beta = sigmoid(x W_beta)                          one per head
     o    = chunk_kda(q, k, v, g, beta)                the recurrence of §2.1 (pallas_kernels.kda)
     y    = W_o [ sigmoid(x W_og) * RMSNorm_per_head(o) ]
@@ -22,11 +22,11 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
+from jax.sharding import PartitionSpec as P
 
 from pallas_kernels.kda import chunk_kda, kda_gate, recurrent_step
+from sparse_lm import nn, sharding
 from sparse_lm.config import ModelConfig
-from sparse_lm import sharding
-from sparse_lm import nn
 from sparse_lm.model import context_parallel
 
 
@@ -75,13 +75,70 @@ class KDAProjections(NamedTuple):
   beta: jax.Array
 
 
-def kda_projections(p: dict, x: jax.Array, *, lower_bound: float | None, eps: float,
+def prev_shard_halo(x: jax.Array, size: int, axis: str | tuple[str, ...], *, time_axis: int = 1,
+                    fill=0) -> jax.Array:
+  """Inside a shard_map over `axis`: the last `size` steps of the previous shard along
+  `time_axis` (shard 0 gets `fill`), e.g. the 3-token short-conv halo and its segment ids."""
+  n = jax.lax.axis_size(axis)
+  tail = jax.lax.slice_in_dim(x, x.shape[time_axis] - size, x.shape[time_axis], axis=time_axis)
+  got = jax.lax.ppermute(tail, axis, perm=[(i, i + 1) for i in range(n - 1)])
+  r = jax.lax.axis_index(axis)
+  return jnp.where(r == 0, jnp.full_like(got, fill), got)
+
+
+def cp_short_conv(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None, *,
+                  mesh: jax.sharding.Mesh, axis: str | tuple[str, ...] | None = None
+                  ) -> jax.Array:
+  """Causal depthwise conv y[t] = sum_i w[i] x[t - (W-1) + i] with T sharded over `axis`,
+  masked across documents (only taps of the same segment id contribute), by a halo of W - 1
+  tokens (and their segment ids) from the previous shard.
+
+  Args: x [B, T, C]; w [W, C]; segment_ids [B, T] int32 or None; axis as
+  `context_parallel.cp_chunk_kda`. The model leaves this halo to GSPMD (a shifted slice);
+  this explicit version is what tests/multidevice checks it against.
+  Returns y [B, T, C].
+
+  Raises:
+    ValueError: the sequence is not sharded over `axis`.
+  """
+  axis = context_parallel.seq_axes(mesh, axis)
+  if axis is None:
+    raise ValueError("cp_short_conv: no sequence axis of size > 1 in the mesh; use the plain "
+                     "conv")
+  W = w.shape[0]
+  b, c, _ = context_parallel.shard_specs(mesh, axis, x.shape[0], 1)
+
+  def body(x, w, seg):
+    halo = prev_shard_halo(x, W - 1, axis)
+    xp = jnp.concatenate([halo, x], axis=1)
+    if seg is not None:
+      sp = jnp.concatenate([prev_shard_halo(seg, W - 1, axis, fill=-1), seg], axis=1)
+    T = x.shape[1]
+    y = jnp.zeros(x.shape, jnp.float32)
+    for i in range(W):
+      tap = xp[:, i:i + T].astype(jnp.float32)
+      if seg is not None:
+        tap = jnp.where((sp[:, i:i + T] == seg)[..., None], tap, 0)
+      y = y + tap * w[i].astype(jnp.float32)
+    return y.astype(x.dtype)
+
+  seg_spec = P(b, c)
+  if segment_ids is None:
+    fn = lambda x, w: body(x, w, None)
+    return jax.shard_map(fn, mesh=mesh, in_specs=(P(b, c, None), P()),
+                         out_specs=P(b, c, None), check_vma=False)(x, w)
+  return jax.shard_map(body, mesh=mesh, in_specs=(P(b, c, None), P(), seg_spec),
+                       out_specs=P(b, c, None), check_vma=False)(x, w, segment_ids)
+
+
+def kda_projections(p: dict, x: jax.Array, *, gate_lower_bound: float | None, eps: float,
                     dtype, segment_ids=None, conv_state: dict | None = None
                     ) -> tuple[KDAProjections, dict]:
   """x [B, T, D] -> (KDAProjections, new conv states {"q","k","v": [B, W-1, H*dim]}).
 
   `p` holds the arrays of `KDA` (w_q, w_k, w_v [D,H,K|V]; conv_q, conv_k, conv_v [W,H,K|V];
   w_g_down [D,K]; w_g_up [K,H,K]; A_log [H]; dt_bias [H*K]; w_beta [D,H]). ARCHITECTURE §2.2.
+  eps is the q/k L2-norm epsilon (cfg.l2_norm_eps), inside the square root.
   """
   B, T, _ = x.shape
   conv_state = conv_state or {}
@@ -101,14 +158,22 @@ def kda_projections(p: dict, x: jax.Array, *, lower_bound: float | None, eps: fl
   k = checkpoint_name(k, "key_proj")
   v = checkpoint_name(v, "value_proj")
   z = nn.project(nn.project(x, p["w_g_down"], dtype=dtype), p["w_g_up"], dtype=dtype)
-  g = kda_gate(z, p["A_log"], p["dt_bias"], lower_bound=lower_bound)
+  g = kda_gate(z, p["A_log"], p["dt_bias"], gate_lower_bound=gate_lower_bound)
   beta = jax.nn.sigmoid(nn.project(x, p["w_beta"], dtype=dtype, out_dtype=jnp.float32))
   return KDAProjections(q, k, v, g, beta), new_state
 
 
 def kda_output(p: dict, x: jax.Array, o: jax.Array, *, eps: float, dtype) -> jax.Array:
-  """y = W_o [sigmoid(x W_og) * RMSNorm_per_head(o)]: o [B,T,H,V] -> y [B,T,D] in dtype."""
-  gate = jax.nn.sigmoid(nn.project(x, p["w_og"], dtype=dtype, out_dtype=jnp.float32))
+  """y = W_o [sigmoid(x W_og) * RMSNorm_per_head(o)]: o [B,T,H,V] -> y [B,T,D] in dtype.
+
+  The gate is full rank (p["w_og"] [D,H,V]) or, when p has "w_og_down" [D,r] and "w_og_up"
+  [r,H,V], low rank: sigmoid((x W_og_down) W_og_up) (Kimi-Linear's g_a_proj / g_b_proj).
+  """
+  if "w_og_down" in p:
+    xg = nn.project(x, p["w_og_down"], dtype=dtype)
+    gate = jax.nn.sigmoid(nn.project(xg, p["w_og_up"], dtype=dtype, out_dtype=jnp.float32))
+  else:
+    gate = jax.nn.sigmoid(nn.project(x, p["w_og"], dtype=dtype, out_dtype=jnp.float32))
   o = nn.rms_norm(o, p["o_norm"], eps) * gate
   return checkpoint_name(nn.project(o.astype(dtype), p["w_o"], 2, dtype=dtype), "out_proj")
 
@@ -122,10 +187,10 @@ def init_dt_bias(key: jax.Array, shape, dt_min=1e-3, dt_max=1e-1, dt_floor=1e-4)
   return dt + jnp.log(-jnp.expm1(-dt))  # softplus^{-1}(dt)
 
 
-def init_A_log(lower_bound: float | None):
+def init_A_log(gate_lower_bound: float | None):
   """A_log = zeros for the bounded gate, log U(1, 16) for the unbounded one (§2.3)."""
   def init(key, shape):
-    if lower_bound is not None:
+    if gate_lower_bound is not None:
       return jnp.zeros(shape, jnp.float32)
     return jnp.log(nn.uniform_init(1.0, 16.0)(key, shape))
   return init
@@ -143,8 +208,9 @@ class KDA(nnx.Module):
   Params (cfg.param_dtype unless noted): w_q, w_k [D,H,K], w_v [D,H,V] (embed, heads, kv);
   conv_q/k/v [W,H,K|V] (conv, heads, kv); w_g_down [D,K] (embed, kv); w_g_up [K,H,K]
   (kv, heads, kv); A_log [H] fp32 (heads); dt_bias [H*K] fp32 (heads); w_beta [D,H]
-  (embed, heads); w_og [D,H,V] (embed, heads, kv); o_norm [V] fp32 (norm), shared by the
-  heads; w_o [H,V,D] (heads, kv, embed). A_log and dt_bias take no weight decay.
+  (embed, heads); w_og [D,H,V] (embed, heads, kv), or with cfg.kda_output_gate_rank = r > 0
+  w_og_down [D,r] (embed, kv) and w_og_up [r,H,V] (kv, heads, kv); o_norm [V] fp32 (norm),
+  shared by the heads; w_o [H,V,D] (heads, kv, embed). A_log and dt_bias take no weight decay.
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
@@ -164,7 +230,12 @@ class KDA(nnx.Module):
     self.A_log = nn.param(rngs, (H,), ("heads",), init=init_A_log(cfg.kda_gate_lower_bound))
     self.dt_bias = nn.param(rngs, (H * K,), ("heads",), init=init_dt_bias)
     self.w_beta = dense((D,), (H,), ("embed", "heads"))
-    self.w_og = dense((D,), (H, V), ("embed", "heads", "kv"))
+    r = cfg.kda_output_gate_rank
+    if r:
+      self.w_og_down = dense((D,), (r,), ("embed", "kv"))
+      self.w_og_up = dense((r,), (H, V), ("kv", "heads", "kv"))
+    else:
+      self.w_og = dense((D,), (H, V), ("embed", "heads", "kv"))
     self.o_norm = nn.param(rngs, (V,), ("norm",), init=nn.ones_init)
     self.w_o = dense((H, V), (D,), ("heads", "kv", "embed"))
 
@@ -173,15 +244,16 @@ class KDA(nnx.Module):
     return self._arrays()
 
   def _arrays(self) -> dict:
+    gate = ("w_og_down", "w_og_up") if self.cfg.kda_output_gate_rank else ("w_og",)
     names = ("w_q", "w_k", "w_v", "conv_q", "conv_k", "conv_v", "w_g_down", "w_g_up", "A_log",
-             "dt_bias", "w_beta", "w_og", "o_norm", "w_o")
+             "dt_bias", "w_beta", *gate, "o_norm", "w_o")
     return {n: getattr(self, n)[...] for n in names}
 
   def projections(self, x: jax.Array, segment_ids=None) -> KDAProjections:
     """x [B,T,D] -> the recurrence inputs (for tests against the naive recurrence)."""
     cfg = self.cfg
-    proj, _ = kda_projections(self._arrays(), x, lower_bound=cfg.kda_gate_lower_bound,
-                              eps=cfg.norm_eps, dtype=jnp.dtype(cfg.dtype),
+    proj, _ = kda_projections(self._arrays(), x, gate_lower_bound=cfg.kda_gate_lower_bound,
+                              eps=cfg.l2_norm_eps, dtype=jnp.dtype(cfg.dtype),
                               segment_ids=segment_ids)
     return proj
 
@@ -198,7 +270,7 @@ class KDA(nnx.Module):
     cfg = self.cfg
     p = self._arrays()
     dtype = jnp.dtype(cfg.dtype)
-    proj, _ = kda_projections(p, x, lower_bound=cfg.kda_gate_lower_bound, eps=cfg.norm_eps,
+    proj, _ = kda_projections(p, x, gate_lower_bound=cfg.kda_gate_lower_bound, eps=cfg.l2_norm_eps,
                               dtype=dtype, segment_ids=segment_ids)
     mesh = sharding.current_mesh()
     if context_parallel.kda_under_mesh(mesh, cfg.kda_backend):  # CP and/or a Pallas kernel
@@ -230,7 +302,7 @@ class KDA(nnx.Module):
     cfg = self.cfg
     p = self._arrays()
     dtype = jnp.dtype(cfg.dtype)
-    proj, conv = kda_projections(p, x, lower_bound=cfg.kda_gate_lower_bound, eps=cfg.norm_eps,
+    proj, conv = kda_projections(p, x, gate_lower_bound=cfg.kda_gate_lower_bound, eps=cfg.l2_norm_eps,
                                  dtype=dtype, conv_state=cache.conv)
     scale = cfg.kda_head_dim ** -0.5
 

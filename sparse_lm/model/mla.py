@@ -23,9 +23,8 @@ import jax.numpy as jnp
 from flax import nnx
 from jax.ad_checkpoint import checkpoint_name
 
+from sparse_lm import nn, sharding
 from sparse_lm.config import ModelConfig
-from sparse_lm import sharding
-from sparse_lm import nn
 from sparse_lm.model import context_parallel
 from sparse_lm.model.attention import dot_product_attention
 
@@ -38,6 +37,36 @@ class MLACache(NamedTuple):
   length: jax.Array
 
 
+def mla_latent_attention(q: jax.Array, c_kv: jax.Array, k_rope: jax.Array, w_ukv: jax.Array,
+                         *, nope_dim: int, scale: float, mesh: jax.sharding.Mesh,
+                         axis: str | tuple[str, ...] | None = None,
+                         segment_ids: jax.Array | None = None,
+                         block: int = 512) -> jax.Array:
+  """Gated MLA attention over a context-sharded sequence in the absorbed (latent) form.
+
+  Only the latent [c_kv; k_rope] (kv_lora + rope values per token, 576 at full scale) is
+  all-gathered over `axis`; W_uk is folded into the query and W_uv applied to the latent
+  output, so attention runs as one MQA head of width kv_lora + rope (DeepSeek-V2 §2.1.2).
+
+  Args:
+    q: [B, T, H, nope + rope] queries; c_kv: [B, T, kv_lora] (normalised); k_rope:
+      [B, T, rope]; w_ukv: [kv_lora, H, nope + v] the up-projection (k_nope | v).
+  Returns:
+    o [B, T, H, v] in q's dtype (before the output gate and W_o).
+  """
+  dt = q.dtype
+  w_uk, w_uv = w_ukv[..., :nope_dim], w_ukv[..., nope_dim:]
+  q_lat = jnp.einsum("bthd,chd->bthc", q[..., :nope_dim], w_uk.astype(dt),
+                     preferred_element_type=jnp.float32).astype(dt)
+  q_full = jnp.concatenate([q_lat, q[..., nope_dim:]], axis=-1)  # [B, T, H, kv_lora + rope]
+  k_lat = jnp.concatenate([c_kv, k_rope.astype(c_kv.dtype)], axis=-1)[:, :, None, :]
+  o_lat = context_parallel.cp_attention(q_full, k_lat.astype(dt), c_kv[:, :, None, :].astype(dt),
+                                        mesh=mesh, axis=axis, segment_ids=segment_ids,
+                                        scale=scale, block=block)
+  return jnp.einsum("bthc,chd->bthd", o_lat, w_uv.astype(dt),
+                    preferred_element_type=jnp.float32).astype(dt)
+
+
 class MLA(nnx.Module):
   """Gated MLA token mixer (input already pre-normalised).
 
@@ -45,20 +74,29 @@ class MLA(nnx.Module):
   w_uq [q_lora, H, nope+rope] (q_lora, heads, kv); w_dkv [D, kv_lora+rope] (embed, kv_lora);
   kv_norm [kv_lora]; w_ukv [kv_lora, H, nope+v] (kv_lora, heads, kv); w_gate [D, H, v]
   (embed, heads, kv); w_o [H, v, D] (heads, kv, embed).
+
+  Kimi-Linear variants: cfg.q_lora_rank = 0 replaces w_dq / q_norm / w_uq by one w_q
+  [D, H, nope+rope] (embed, heads, kv); cfg.mla_output_gate = False drops w_gate (y = W_o o).
+  The q / kv latent norms use cfg.mla_norm_eps (None = cfg.norm_eps).
   """
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     D, H = cfg.d_model, cfg.mla_num_heads
     self.cfg = cfg
     dense = lambda i, o, n: nn.dense_param(rngs, i, o, n, cfg)
-    self.w_dq = dense((D,), (cfg.q_lora_rank,), ("embed", "q_lora"))
-    self.q_norm = nn.RMSNorm(cfg.q_lora_rank, cfg=cfg, rngs=rngs)
-    self.w_uq = dense((cfg.q_lora_rank,), (H, cfg.qk_head_dim), ("q_lora", "heads", "kv"))
+    eps = cfg.norm_eps if cfg.mla_norm_eps is None else cfg.mla_norm_eps
+    if cfg.q_lora_rank:
+      self.w_dq = dense((D,), (cfg.q_lora_rank,), ("embed", "q_lora"))
+      self.q_norm = nn.RMSNorm(cfg.q_lora_rank, cfg=cfg, rngs=rngs, eps=eps)
+      self.w_uq = dense((cfg.q_lora_rank,), (H, cfg.qk_head_dim), ("q_lora", "heads", "kv"))
+    else:
+      self.w_q = dense((D,), (H, cfg.qk_head_dim), ("embed", "heads", "kv"))
     self.w_dkv = dense((D,), (cfg.kv_lora_rank + cfg.qk_rope_head_dim,), ("embed", "kv_lora"))
-    self.kv_norm = nn.RMSNorm(cfg.kv_lora_rank, cfg=cfg, rngs=rngs)
+    self.kv_norm = nn.RMSNorm(cfg.kv_lora_rank, cfg=cfg, rngs=rngs, eps=eps)
     self.w_ukv = dense((cfg.kv_lora_rank,), (H, cfg.qk_nope_head_dim + cfg.v_head_dim),
                        ("kv_lora", "heads", "kv"))
-    self.w_gate = dense((D,), (H, cfg.v_head_dim), ("embed", "heads", "kv"))
+    if cfg.mla_output_gate:
+      self.w_gate = dense((D,), (H, cfg.v_head_dim), ("embed", "heads", "kv"))
     self.w_o = dense((H, cfg.v_head_dim), (D,), ("heads", "kv", "embed"))
 
   @property
@@ -76,6 +114,8 @@ class MLA(nnx.Module):
 
   def _query(self, x):
     dtype = jnp.dtype(self.cfg.dtype)
+    if not self.cfg.q_lora_rank:
+      return nn.project(x, self.w_q[...], dtype=dtype)  # [B, T, H, 192]
     c_q = self.q_norm(nn.project(x, self.w_dq[...], dtype=dtype)).astype(dtype)
     return nn.project(c_q, self.w_uq[...], dtype=dtype)  # [B, T, H, 192]
 
@@ -87,8 +127,12 @@ class MLA(nnx.Module):
 
   def _gated_out(self, x, o):
     dtype = jnp.dtype(self.cfg.dtype)
-    gate = jax.nn.sigmoid(nn.project(x, self.w_gate[...], dtype=dtype, out_dtype=jnp.float32))
-    o = (o.astype(jnp.float32) * gate).astype(dtype)
+    if self.cfg.mla_output_gate:
+      gate = jax.nn.sigmoid(nn.project(x, self.w_gate[...], dtype=dtype,
+                                           out_dtype=jnp.float32))
+      o = (o.astype(jnp.float32) * gate).astype(dtype)
+    else:
+      o = o.astype(dtype)
     return checkpoint_name(nn.project(o, self.w_o[...], 2, dtype=dtype), "out_proj")
 
   def qkv(self, x: jax.Array):
@@ -116,7 +160,7 @@ class MLA(nnx.Module):
     how = context_parallel.mla_under_mesh(mesh, backend or self.cfg.attention_backend)
     if how == "latent":  # T sharded over `context`: gather the latent
       c_kv, k_rope = self._latent(x)
-      o = context_parallel.mla_latent_attention(
+      o = mla_latent_attention(
           self._query(x), c_kv, k_rope, self.w_ukv[...], nope_dim=self.cfg.qk_nope_head_dim,
           scale=self.scale, mesh=mesh, segment_ids=segment_ids,
           block=self.cfg.attention_chunk_size)

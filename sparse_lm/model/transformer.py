@@ -14,6 +14,9 @@ How the stack runs:
               groups run as one `jax.lax.scan` (compile time independent of depth), otherwise a
               Python loop over the same stacked parameters (same checkpoint layout, same
               numbers). Each group is wrapped in `jax.checkpoint` per cfg.remat_policy.
+  - `tail`:   when (num_layers - 1) % mla_every != 0 (Kimi-Linear-48B: 27 layers, MLA every
+              4th and last), the KDA layers between the last full group and `last`, unrolled;
+              None otherwise.
   - `last`:   the final MLA layer, outside the scan (rematerialised the same way).
 
 Each decoder layer has two sub-layers (token mixer, FFN), each reading its input from the
@@ -38,8 +41,6 @@ from sparse_lm.model.kda import KDA
 from sparse_lm.model.mla import MLA
 from sparse_lm.moe import LatentMoE, SiTUGLU
 from sparse_lm.vision.encoder import VisionEncoder
-
-AUX_KEYS = ("max_violation", "dead_frac", "drop_rate", "load", "aux_loss")
 
 
 class DecoderLayer(nnx.Module):
@@ -154,7 +155,8 @@ def _remat_call(cfg: ModelConfig, module: nnx.Module, stream: dict, *, opens_blo
 
 
 def _stack_aux(auxes: list[dict]) -> dict:
-  return {k: jnp.stack([a[k] for a in auxes]) for k in AUX_KEYS}
+  """Per-layer MoE aux dicts (the same keys in every layer) -> arrays stacked over layers."""
+  return {k: jnp.stack([a[k] for a in auxes]) for k in auxes[0]}
 
 
 class Transformer(nnx.Module):
@@ -179,6 +181,9 @@ class Transformer(nnx.Module):
     self.num_groups = (cfg.num_layers - 1) // cfg.mla_every  # including the head group
     n = self.num_groups - 1
     self.groups = _stacked_groups(cfg, n, rngs) if n > 0 else None
+    tail = cfg.num_layers - 1 - self.num_groups * cfg.mla_every
+    self.tail = nnx.List([DecoderLayer(cfg, mixer="kda", dense_ffn=False, rngs=rngs)
+                          for _ in range(tail)]) if tail else None
     self.last = DecoderLayer(cfg, mixer="mla", dense_ffn=False, rngs=rngs)
     self.final_query = nn.param(rngs, (cfg.d_model,), ("norm",), init=nn.zeros_init)
     self.final_norm = nn.RMSNorm(cfg.d_model, cfg=cfg, rngs=rngs)
@@ -233,8 +238,10 @@ class Transformer(nnx.Module):
     Returns:
       h: [B, T, D] in cfg.dtype, after the final AttnRes and RMSNorm (the LM head's input).
       aux: dict of fp32 arrays stacked over the MoE layers in layer order
-        (num_layers - num_dense_layers): "max_violation", "dead_frac", "drop_rate" [L],
-        "load" [L, E], "aux_loss" [L].
+        (num_layers - num_dense_layers): the keys of `LatentMoE.__call__`'s aux
+        ("max_violation", "dead_frac", "assigned", "dropped", "drop_rate", "aux_loss" [L],
+        "load" [L, E]; under expert parallelism "recv_rows_max", "recv_rows_mean",
+        "recv_buffer_rows" [L]).
 
     Raises:
       ValueError: images given to a model built without cfg.vision.
@@ -254,11 +261,16 @@ class Transformer(nnx.Module):
     if self.groups is not None:
       stream, group_aux = self._run_groups(stream, **kw)
       aux.append(group_aux)
+    for j, layer in enumerate(self.tail or ()):
+      i = self.num_groups * cfg.mla_every + j
+      stream, tail_aux = _remat_call(
+          cfg, layer, stream, opens_block=i % cfg.attnres_block_layers == 0, **kw)
+      aux.append(_stack_aux([tail_aux]))
     last_first = cfg.num_layers - 1
     stream, last_aux = _remat_call(
         cfg, self.last, stream, opens_block=last_first % cfg.attnres_block_layers == 0, **kw)
     aux.append(_stack_aux([last_aux]))
-    aux = {k: jnp.concatenate([a[k] for a in aux]) for k in AUX_KEYS}
+    aux = {k: jnp.concatenate([a[k] for a in aux]) for k in aux[0]}
     h = attnres.final_output(cfg, stream, self.final_query[...])
     h = self.final_norm(h).astype(jnp.dtype(cfg.dtype))
     h = sharding.constrain(h, ("activation_batch", "activation_length", "activation_embed"))

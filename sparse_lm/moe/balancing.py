@@ -153,7 +153,8 @@ def switch_aux_loss(scores: jax.Array, load: jax.Array, weight: jax.Array, k: in
   num_experts = scores.shape[-1]
   weight = weight.astype(jnp.float32)
   tokens = jnp.maximum(jnp.sum(weight), 1.0)
-  p = scores / jnp.sum(scores, axis=-1, keepdims=True)
+  p = scores / jnp.maximum(jnp.sum(scores, axis=-1, keepdims=True),
+                          jnp.finfo(jnp.float32).tiny)  # all-underflowed scores: p = 0
   p_mean = jnp.sum(p * weight[:, None], axis=0) / tokens
   f = jax.lax.stop_gradient(load) / (k * tokens)
   return num_experts * jnp.sum(f * p_mean)

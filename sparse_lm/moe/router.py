@@ -12,6 +12,9 @@ import jax
 import jax.numpy as jnp
 
 
+ROUTER_LOGIT_BOUND = 40.0
+
+
 class Routing(NamedTuple):
   """Result of `route` for N tokens, E experts, top-k.
 
@@ -35,11 +38,13 @@ def router_scores(x: jax.Array, w_router: jax.Array) -> jax.Array:
     w_router: [D, E] (upcast to fp32).
 
   Returns:
-    s: [..., E] fp32 in (0, 1).
+    s: [..., E] fp32 in [sigmoid(-40), 1] (logits clipped to +-ROUTER_LOGIT_BOUND = 40).
   """
   logits = jnp.dot(x.astype(jnp.float32), w_router.astype(jnp.float32),
                    precision=jax.lax.Precision.HIGHEST)
-  return jax.nn.sigmoid(logits)
+  # Clipped where the sigmoid is saturated (sigmoid(-40) = 4e-18): the gate normalisation
+  # s / sum(s) and its gradient (-s / sum(s)^2) stay finite in fp32 for any logit.
+  return jax.nn.sigmoid(jnp.clip(logits, -ROUTER_LOGIT_BOUND, ROUTER_LOGIT_BOUND))
 
 
 def route(scores: jax.Array, bias: jax.Array, k: int, route_scale: float = 1.0, *,
@@ -81,7 +86,10 @@ def route(scores: jax.Array, bias: jax.Array, k: int, route_scale: float = 1.0, 
   else:
     raise ValueError(f"cutoff={cutoff!r} must be 'midpoint' or 'kplus1'")
   s_sel = jnp.take_along_axis(scores, expert_ids, axis=-1)
-  gates = s_sel / jnp.sum(s_sel, axis=-1, keepdims=True) * route_scale
+  # Guarded: with router logits below about -104 every selected sigmoid underflows to 0 in
+  # fp32; such a token gets zero gates (shared experts only) instead of 0/0 = NaN.
+  total = jnp.maximum(jnp.sum(s_sel, axis=-1, keepdims=True), jnp.finfo(jnp.float32).tiny)
+  gates = s_sel / total * route_scale
   margin = top_vals[:, :k] - alpha[:, None]
   return Routing(expert_ids, gates, alpha, margin)
 

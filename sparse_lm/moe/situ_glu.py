@@ -21,16 +21,18 @@ from sparse_lm import nn
 from sparse_lm.config import ModelConfig
 
 
-def situ_activation(g: jax.Array, u: jax.Array, beta1: float = 4.0,
-                    beta2: float = 25.0) -> jax.Array:
+def situ_activation(g: jax.Array, u: jax.Array, beta1: float | None = 4.0,
+                    beta2: float | None = 25.0) -> jax.Array:
   """Hidden activation h = [b1 tanh(g/b1) sigmoid(g)] * [b2 tanh(u/b2)], computed in fp32.
 
   Args:
     g, u: gate and up pre-activations, same shape, any float dtype.
-    beta1, beta2: soft-clip levels of the gate and the up branch (ARCHITECTURE §5).
+    beta1, beta2: soft-clip levels of the gate and the up branch (ARCHITECTURE §5). Both None
+      gives the unclipped limit, SwiGLU h = silu(g) * u (Kimi-Linear's FFNs;
+      cfg.ffn_activation="swiglu", cfg.glu_betas).
 
   Returns:
-    h, same shape, float32; |h| < beta1 * beta2 elementwise.
+    h, same shape, float32; |h| < beta1 * beta2 elementwise (SiTU).
   """
   return _situ(g, u, beta1, beta2)
 
@@ -43,6 +45,8 @@ def situ_activation(g: jax.Array, u: jax.Array, beta1: float = 4.0,
 def _situ(g: jax.Array, u: jax.Array, beta1: float, beta2: float) -> jax.Array:
   g = g.astype(jnp.float32)
   u = u.astype(jnp.float32)
+  if beta1 is None and beta2 is None:
+    return jax.nn.silu(g) * u
   gate = beta1 * jnp.tanh(g / beta1) * jax.nn.sigmoid(g)
   return gate * (beta2 * jnp.tanh(u / beta2))
 
@@ -75,8 +79,7 @@ class SiTUGLU(nnx.Module):
 
   def __init__(self, d_in: int, hidden: int, *, cfg: ModelConfig, rngs: nnx.Rngs,
                in_axis: str = "embed", hidden_axis: str = "mlp"):
-    self.beta1 = cfg.situ_beta1
-    self.beta2 = cfg.situ_beta2
+    self.beta1, self.beta2 = cfg.glu_betas
     self.dtype = jnp.dtype(cfg.dtype)
     pdt = jnp.dtype(cfg.param_dtype)
     weight = lambda shape, names: nn.param(rngs, shape, names,

@@ -237,14 +237,15 @@ def differences(saved: Any, current: Any, prefix: str = "") -> dict[str, tuple[A
 # StageConfig fields whose change on resume leaves the optimisation as it was (reporting,
 # layout, and what matters only at a stage's start); any other difference changes it.
 RESUMABLE_CHANGES = ("name", "eval_every", "eval_batches", "eval_batch_size",
-                     "checkpoint_every", "keep_checkpoints", "mesh", "ep_impl",
+                     "checkpoint_every", "keep_checkpoints", "mesh", "topology",
+                     "num_slices",
                      "micro_batches", "init_from", "keep_optimizer_state", "sample_tokens",
                      "sample_prompt", "reference_seq_len", "nan_at_step", "data.prefetch")
 
 
 # ModelConfig fields that choose an implementation, not the parameters or the function they
 # compute: a checkpoint resumes under other values (e.g. another remat policy to fit memory).
-MODEL_RUNTIME_FIELDS = ("name", "kda_backend", "kda_chunk_size", "attention_backend",
+MODEL_RUNTIME_FIELDS = ("name", "ep_exchange", "kda_backend", "kda_chunk_size", "attention_backend",
                         "attention_chunk_size", "gmm_backend", "remat_policy",
                         "loss_chunk_size", "init_std")
 
@@ -276,8 +277,9 @@ def check_resume(meta: dict[str, Any], stage: StageConfig, *,
 
   Raises:
     ConfigMismatchError: the model config differs outside MODEL_RUNTIME_FIELDS (whatever
-      `allow_config_change`: the checkpoint is another model); or the stage config differs in a field that changes the
-      optimisation (steps, schedule, batch, data, loss) and `allow_config_change` is False.
+      `allow_config_change`: the checkpoint is another model); or the stage config differs in
+      a field that changes the optimisation (steps, schedule, batch, data, loss) and
+      `allow_config_change` is False.
   """
   model_notes = check_model(meta, stage.model_config(), stage.name)
   if not meta.get("stage"):

@@ -11,7 +11,6 @@ from typing import Any
 
 from sparse_lm.config import ModelConfig, get_preset
 from sparse_lm.data import DataConfig
-from sparse_lm.moe.expert_parallel import EP_IMPLS
 from sparse_lm.sharding import MeshLayout, check_topology
 from sparse_lm.train.optimizer import OptimizerConfig
 
@@ -38,11 +37,11 @@ class StageConfig:
       a shape Google offers, `sharding.check_topology`) and how many such slices over DCN (the
       mesh's `dcn_*` sizes multiply to it); `launch.aot_plan` compiles for it by default.
       None for presets not planned for a TPU slice.
-    ep_impl / ep_capacity_factor: the expert-parallel exchange (`moe.expert_parallel.options`:
-      "auto", "ragged", "dense", "allgather") and its per-rank receive cap in units of the
-      mean n x k rows (None = dropless, worst-case buffers); used when mesh.expert > 1.
     init_from: the stage (by name, in the same workdir) whose final checkpoint initialises
-      this one when it has no checkpoint of its own; None = from scratch.
+      this one when it has no checkpoint of its own; or a directory W holding a Hugging Face
+      import (`python -m sparse_lm.interop.hf import --hf_dir D --workdir W`): then the model
+      is the imported ModelConfig with `model_overrides` applied (`preset` is not used) and
+      training starts from its weights with a fresh optimizer; None = from scratch.
     keep_optimizer_state: carry the AdamW moments over from `init_from` (§8: by default yes).
     reference_seq_len: the length the stage has at full scale (printed when a preset scales
       it down).
@@ -66,8 +65,6 @@ class StageConfig:
   mesh: MeshLayout = MeshLayout()
   topology: str | None = None
   num_slices: int = 1
-  ep_impl: str = "auto"
-  ep_capacity_factor: float | None = None
   data: DataConfig = DataConfig()
   init_from: str | None = None
   keep_optimizer_state: bool = True
@@ -83,6 +80,10 @@ class StageConfig:
     return max(1, self.tokens_per_batch // self.seq_len)
 
   def model_config(self) -> ModelConfig:
+    from sparse_lm.interop import workdir as hf_import  # pylint: disable=g-import-not-at-top
+    imported = hf_import.imported_config(self.init_from)
+    if imported is not None:
+      return dataclasses.replace(imported, **dict(self.model_overrides))
     return get_preset(self.preset, **dict(self.model_overrides))
 
   def validate(self) -> None:
@@ -97,12 +98,6 @@ class StageConfig:
     if self.global_batch % self.micro_batches:
       raise ValueError(f"StageConfig({self.name}): global batch {self.global_batch} sequences "
                        f"does not divide into micro_batches={self.micro_batches}")
-    if self.ep_impl not in EP_IMPLS:
-      raise ValueError(f"StageConfig({self.name}): ep_impl={self.ep_impl!r}; choose one of "
-                       f"{EP_IMPLS}")
-    if self.ep_capacity_factor is not None and self.ep_capacity_factor <= 0:
-      raise ValueError(f"StageConfig({self.name}): ep_capacity_factor="
-                       f"{self.ep_capacity_factor} must be > 0 (or None: dropless)")
     if self.topology is not None:
       try:
         chips = check_topology(self.topology, self.num_slices)
@@ -111,4 +106,8 @@ class StageConfig:
         raise ValueError(f"StageConfig({self.name}): topology={self.topology!r} x num_slices="
                          f"{self.num_slices}, mesh={self.mesh}: {e} (or set topology=None "
                          "to train without a planned TPU slice)") from None
-    self.model_config()  # validates the overrides
+    model = self.model_config()
+    model.check_segment_ids()  # validates the overrides; training packs
+    if self.data.images and not model.vision:
+      raise ValueError(f"StageConfig({self.name}): data.images={self.data.images!r} needs a "
+                       "model with a vision encoder: set model.vision=true")

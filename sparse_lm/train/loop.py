@@ -225,7 +225,7 @@ class _StageLoop:
     self.train_iter = data_lib.make_train_iterator(
         stage.data, tokenizer, seq_len=stage.seq_len,
         batch_size=stage.global_batch // num_shards, process_index=self.shard,
-        process_count=num_shards)
+        process_count=num_shards, patch_size=stage.model_config().vision_patch_size)
     mine = shard_state(data_state, self.shard)
     if mine:
       self.train_iter.set_state(mine)
@@ -234,7 +234,7 @@ class _StageLoop:
     self.writer = metrics_lib.MetricsWriter(stage_dir / "tb")
     model_cfg = stage.model_config()
     self.flops = _flops_per_token(model_cfg, stage.seq_len)
-    self.can_drop = (stage.ep_capacity_factor is not None
+    self.can_drop = (model_cfg.ragged_buffer_factor is not None
                      or model_cfg.capacity_factor is not None)
     self.peak = metrics_lib.peak_flops_per_device()
     self.bar = None
@@ -252,7 +252,8 @@ class _StageLoop:
       return []
     return data_lib.make_eval_batches(self.stage.data, self.tokenizer, seq_len=seq_len,
                                       batch_size=self.eval_rows,
-                                      num_batches=self.stage.eval_batches)
+                                      num_batches=self.stage.eval_batches,
+                                      patch_size=self.stage.model_config().vision_patch_size)
 
   def train(self, state, start) -> tuple[TrainState, bool]:
     """Steps `start`..`stage.steps`; (state, whether a signal stopped it early)."""
@@ -316,7 +317,8 @@ class _StageLoop:
     tps = self.speed.rate(self.stage.tokens_per_batch)
     mfu = metrics_lib.mfu(tps, self.flops or 0.0, jax.device_count(), self.peak)
     routing = metrics_lib.routing_summary(m)
-    if not self.can_drop:  # dropless: every drop rate is 0 by construction
+    if not self.can_drop and not routing.get("moe/drop_rate_total"):
+      # dropless: every drop rate is 0 by construction; not shown
       routing = {k: v for k, v in routing.items() if not k.startswith("moe/drop_rate")}
     if "moe/drop_rate_total" in routing:
       self.drop_rates.append((step + 1, routing["moe/drop_rate_total"]))
@@ -377,8 +379,19 @@ class _StageLoop:
 
 
 def _init_from(stage, workdir, target, fingerprint, parts, say) -> TrainState:
-  """The previous stage's final checkpoint, restarted at step 0 of this stage."""
+  """The previous stage's final checkpoint, restarted at step 0 of this stage (or, when
+  init_from is an HF import directory, its weights with a fresh optimizer)."""
   tx, state_sh = parts.tx, parts.state_shardings
+  from sparse_lm.interop import workdir as hf_import  # pylint: disable=g-import-not-at-top
+  if hf_import.imported_config(stage.init_from) is not None:
+    params, model_vars = hf_import.restore_variables(stage.init_from, target.params,
+                                                     target.model_vars)
+    say(f"[{stage.name}] initialised from the HF import in {stage.init_from} (fresh optimizer; "
+        "the data tokenizer is the stage's own)")
+    opt_state = jax.jit(tx.init, out_shardings=state_sh.opt_state)(params)
+    return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), state_sh.step),
+                      params=params, model_vars=model_vars, opt_state=opt_state,
+                      rng=jax.device_put(jax.random.PRNGKey(stage.seed + 1), state_sh.rng))
   prev_dir = workdir / stage.init_from / "checkpoints"
   prev = Checkpointer(prev_dir, keep=10**6)
   check = lambda meta: check_model(meta, stage.model_config(), stage.name)

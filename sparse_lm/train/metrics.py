@@ -24,6 +24,9 @@ from typing import Any, Mapping
 
 import jax
 import numpy as np
+from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress, TextColumn,
+                           TimeRemainingColumn)
+from tensorboardX import SummaryWriter
 
 # Dense bf16 peak FLOP/s per device (vendor data sheets).
 PEAK_FLOPS = {
@@ -71,7 +74,6 @@ class MetricsWriter:
     self._tb = None
     self._jsonl = None
     if self.enabled:
-      from tensorboardX import SummaryWriter
       self.logdir.mkdir(parents=True, exist_ok=True)
       self._tb = SummaryWriter(str(self.logdir))
       self._jsonl = open(self.logdir / "metrics.jsonl", "a", encoding="utf-8")
@@ -199,8 +201,8 @@ def routing_warnings(summary: Mapping[str, Any], alerts: Alerts) -> list[tuple[s
              f"({100 * summary['moe/drop_rate_worst']:.2f}%)"
              if "moe/drop_rate_layer" in summary else "")
     out.append(("drop", f"expert-parallel drop rate {100 * summary['moe/drop_rate_total']:.2f}%"
-                f" > {100 * alerts.drop_rate:g}%{where}: raise ep_capacity_factor (None = "
-                "dropless)"))
+                f" > {100 * alerts.drop_rate:g}%{where}: raise model.ragged_buffer_factor "
+                "(None = dropless)"))
   return out
 
 
@@ -237,8 +239,6 @@ class Progress:
     self._bar = None
     self._t0: tuple[float, int] | None = None
     if self.enabled:
-      from rich.progress import (BarColumn, MofNCompleteColumn, Progress as RichProgress,
-                                 TextColumn, TimeRemainingColumn)
       self._bar = RichProgress(
           TextColumn("[bold]{task.description}"), BarColumn(), MofNCompleteColumn(),
           TextColumn("{task.fields[stats]}"), TextColumn("ETA"), TimeRemainingColumn(),

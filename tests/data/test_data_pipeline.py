@@ -231,13 +231,13 @@ def test_state_from_another_pipeline_is_refused(corpus, corpus_tokenizer):
 def test_one_file_corpus_is_split_by_its_tail_or_not_at_all(corpus, corpus_tokenizer, tmp_path):
   """Issue 12 (newcomer): `text:input.txt` trains; the held-out split is the file's last
   eval_fraction (cut at a line break), or there is none with eval_fraction=0."""
-  from sparse_lm.data import sources
+  from sparse_lm.data import splits
   book = tmp_path / "input.txt"
   text = "".join(f"line {i}: " + "word " * (i % 7) + "\n" for i in range(2000))
   book.write_text(text)
   cfg = DataConfig(source=f"text:{book}", eval_fraction=0.1, prefetch=0)
-  train = sources.open_split(cfg.source, split="train", eval_fraction=0.1)
-  held = sources.open_split(cfg.source, split="eval", eval_fraction=0.1)
+  train = splits.open_split(cfg.source, split="train", eval_fraction=0.1)
+  held = splits.open_split(cfg.source, split="eval", eval_fraction=0.1)
   assert (train.split_by, held.split_by, len(train), len(held)) == ("tail", "tail", 1, 1)
   head, tail = train.load(0), held.load(0)
   assert head + tail == text and head.endswith("\n")  # disjoint, complete, at a line break
@@ -268,5 +268,5 @@ def test_one_file_corpus_is_split_by_its_tail_or_not_at_all(corpus, corpus_token
   assert next(make_train_iterator(none, corpus_tokenizer, seq_len=64, batch_size=2))[
       "tokens"].shape == (2, 64)
   # A corpus of many documents keeps the document split under "auto".
-  many = sources.open_split(f"text:{corpus[0]}", split="eval", eval_fraction=0.2)
+  many = splits.open_split(f"text:{corpus[0]}", split="eval", eval_fraction=0.2)
   assert many.split_by == "documents" and len(many) > 0

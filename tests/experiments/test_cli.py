@@ -1,6 +1,7 @@
 """The stage command line: --set parsing and its errors, bad data input, stage chaining."""
 
 import json
+import os
 import pathlib
 import shutil
 
@@ -21,14 +22,31 @@ def _jsonl(path: pathlib.Path) -> list[dict]:
   return [json.loads(line) for line in path.read_text().splitlines()]
 
 
-def test_unknown_set_key_lists_valid_keys(capsys):
+def test_unknown_set_key_suggests_the_nearest_keys(capsys):
+  for wrong, nearest in (("learning_rate", "optim.peak_lr"),
+                         ("model.num_layer", "model.num_layers"),
+                         ("optim.peak_lt", "optim.peak_lr"), ("seqlen", "seq_len"),
+                         ("batch_size", "tokens_per_batch")):
+    with pytest.raises(SystemExit) as e:
+      base.main(stage_8k.STAGES, ["--set", f"{wrong}=1"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert f"unknown --set key {wrong!r}; did you mean {nearest}" in err, err
+    assert "--list-keys" in err
+
+
+def test_help_shows_the_stage_defaults_and_list_keys_prints_every_key(capsys):
   with pytest.raises(SystemExit) as e:
-    base.main(stage_8k.STAGES, ["--set", "learning_rate=1e-3"])
-  assert e.value.code == 2
-  err = capsys.readouterr().err
-  assert "unknown --set key 'learning_rate'" in err
-  for key in ("seq_len", "optim.peak_lr", "model.num_layers", "data.source", "mesh.context"):
-    assert key in err
+    base.main(stage_8k.STAGES, ["--help"])
+  assert e.value.code == 0
+  out = capsys.readouterr().out
+  assert "tiny       500 steps x 8 sequences of 256 tokens (2,048 tokens/step)" in out
+  assert "full   120,000 steps x 4,096 sequences of 8,192 tokens" in out
+  assert "--list-keys" in out and "metrics.jsonl" in out and "--allow-config-change" in out
+  assert base.main(stage_8k.STAGES, ["--list-keys", "--set", "optim.peak_lr=1e-2"]) == 0
+  lines = capsys.readouterr().out.splitlines()
+  assert "optim.peak_lr=0.01" in lines and "seq_len=256" in lines and "model.num_layers=9" in lines
+  assert len(lines) == len(base.valid_keys())
 
 
 def test_set_values_are_parsed_to_the_field_type():
@@ -59,23 +77,28 @@ def test_stage_files_derive_from_each_other():
   assert stage_256k.FULL.mesh.context > 1 and stage_1m.FULL.mesh.context > 1
   # the layouts whose memory plans fit v5p HBM (docs/scaling.md)
   assert (stage_1m.FULL.mesh.expert, stage_1m.FULL.mesh.expert_shards) == (128, "context")
-  assert stage_8k.FULL.ep_capacity_factor == stage_1m.FULL.ep_capacity_factor == 1.25
-  assert stage_8k.TINY.ep_capacity_factor is None  # dropless below full scale
+  cap = lambda s: s.model_config().ragged_buffer_factor
+  assert cap(stage_8k.FULL) == cap(stage_1m.FULL) == 1.25
+  assert cap(stage_8k.TINY) is None  # dropless below full scale
 
 
 def test_mesh_and_expert_parallel_options_from_the_command_line():
   s = base.apply_overrides(stage_8k.TINY, ["mesh=expert=2,context=2,expert_shards=context",
-                                           "ep_capacity_factor=2.0", "ep_impl=dense"])
-  assert (s.mesh.expert, s.mesh.expert_shards, s.ep_capacity_factor, s.ep_impl) == (
+                                           "model.ragged_buffer_factor=2.0",
+                                           "model.ep_exchange=dense"])
+  cfg = s.model_config()
+  assert (s.mesh.expert, s.mesh.expert_shards, cfg.ragged_buffer_factor, cfg.ep_exchange) == (
       2, "context", 2.0, "dense")
   s = base.apply_overrides(stage_8k.TINY, ["mesh.expert_shards=context"])
   assert s.mesh.expert_shards == "context"
   with pytest.raises(ValueError, match="expert_shards='seq'"):
     base.apply_overrides(stage_8k.TINY, ["mesh.expert_shards=seq"])
-  with pytest.raises(ValueError, match="ep_impl='fast'"):
-    base.apply_overrides(stage_8k.TINY, ["ep_impl=fast"]).validate()
-  with pytest.raises(ValueError, match="ep_capacity_factor=0.0 must be > 0"):
-    base.apply_overrides(stage_8k.TINY, ["ep_capacity_factor=0"]).validate()
+  with pytest.raises(ValueError, match="ep_exchange='fast'"):
+    base.apply_overrides(stage_8k.TINY, ["model.ep_exchange=fast"]).validate()
+  with pytest.raises(ValueError, match="ragged_buffer_factor=0.0 must be > 0"):
+    base.apply_overrides(stage_8k.TINY, ["model.ragged_buffer_factor=0"]).validate()
+  with pytest.raises(ValueError, match="attention_backend='cudnn' cannot run with segment"):
+    base.apply_overrides(stage_8k.TINY, ["model.attention_backend=cudnn"]).validate()
 
 
 @pytest.mark.parametrize("kind", ["missing", "empty"])
@@ -113,3 +136,32 @@ def test_stage_64k_starts_from_stage_8k_final_weights(workdir):
   assert first_64k["step"] == 0
   # stage_8k evaluated its final weights at twice its length (128) on the same held-out rows.
   assert first_64k["eval/loss"] == pytest.approx(final_8k["final/eval_loss_at_128"], rel=1e-6)
+
+
+def test_one_file_corpus_trains_with_a_tail_split_or_none(tmp_path, capsys):
+  """Issue 12 (newcomer): `data.source=text:input.txt` trains (held out: the file's tail), also
+  with no held-out split at all; the trained tokenizer.json is group-readable."""
+  src = pathlib.Path(base.__file__).parent.parent / "sparse_lm"
+  book = tmp_path / "input.txt"
+  book.write_text("\n".join(f.read_text() for f in sorted(src.rglob("*.py"))[:30]))
+  old = os.umask(0o022)
+  try:
+    code = base.main(stage_8k.STAGES, _argv(tmp_path / "run", f"data.source=text:{book}"))
+  finally:
+    os.umask(old)
+  out = capsys.readouterr().out
+  assert code == 0, out
+  assert "held-out fraction 0.02 by tail" in out and "done at step 5: eval_loss@64" in out
+  assert os.stat(tmp_path / "run" / "tokenizer.json").st_mode & 0o040  # group-readable
+  # The same workdir with another held-out fraction: the saved config says what changed.
+  code = base.main(stage_8k.STAGES, _argv(tmp_path / "run", f"data.source=text:{book}",
+                                          "data.eval_fraction=0"))
+  err = capsys.readouterr().err
+  assert code == 1 and "data.eval_fraction: 0.02 (saved) vs 0.0 (now)" in err, err
+  (tmp_path / "run0").mkdir()
+  shutil.copy(tmp_path / "run" / "tokenizer.json", tmp_path / "run0" / "tokenizer.json")
+  code = base.main(stage_8k.STAGES, _argv(tmp_path / "run0", f"data.source=text:{book}",
+                                          "data.eval_fraction=0"))
+  out = capsys.readouterr().out
+  assert code == 0 and "no held-out split" in out
+  assert "done at step 5: no held-out split" in out

@@ -77,3 +77,22 @@ def test_cli_refuses_another_preset_before_compiling(workdir):
     cli.main(["--workdir", str(root / "nothing"), "--prompt", "x"])
   with pytest.raises(FileNotFoundError, match="--checkpoint"):
     cli.main(["--checkpoint", str(root / "stage_8k"), "--prompt", "x"])
+
+
+def test_cli_interactive_continues_the_state(workdir, monkeypatch):
+  """Each stdin line is a turn continuing the previous turn's DecodeState."""
+  root, model, tokenizer = workdir
+  monkeypatch.setattr("sys.stdin", io.StringIO("return\nclass value\n"))
+  out = io.StringIO()
+  assert cli.main(["--workdir", str(root), "--interactive", "--prompt", "def ",
+                   "--max-new-tokens", "4", "--max-length", "64", "--prefill-chunk", "64"],
+                  out=out) == 0
+  engine = Engine(model, max_length=64, max_batch=1, prefill_chunk=64)
+  sp = SamplingParams(temperature=0, stop_tokens=[tokenizer.eos_id])
+  state, want = None, "def "
+  for text in ("def ", "return", "class value"):
+    ids = tokenizer.encode(text) if state else [tokenizer.bos_id] + tokenizer.encode(text)
+    res = engine.generate([ids], max_new_tokens=4, sampling=sp, states=[state])[0]
+    want += tokenizer.decode(res.tokens, skip_special=True) + "\n"
+    state = res.state
+  assert out.getvalue() == want

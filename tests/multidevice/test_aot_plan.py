@@ -24,7 +24,7 @@ SMALLER = ["num_layers=5", "d_model=32", "vocab_size=128", "dense_hidden=64",
            "moe_latent_dim=16", "expert_hidden=32", "shared_expert_hidden=32",
            "balancer_bins=64", "attention_chunk_size=16", "loss_chunk_size=64"]
 
-# Peak RSS of the mid-size plan: 1.85 GB measured 2026-11-30 (docs/scaling.md), plus 35%.
+# Peak RSS of the mid-size plan: 1.85 and 1.87 GB measured 2026-11-30 (docs/scaling.md), + 1/3.
 MID_SIZE_RSS_BOUND_GB = 2.5
 
 
@@ -50,7 +50,7 @@ def _sets(items):
 
 def test_tiny_train_and_eval_steps_compile_for_v5p_2x2x2_with_fsdp_expert_context(tmp_path):
   sets = ["mesh=fsdp=2,expert=2,context=2", "tokens_per_batch=256", "seq_len=64",
-          "micro_batches=1", "eval_batch_size=4", "ep_capacity_factor=1.25"]
+          "micro_batches=1", "eval_batch_size=4", "model.ragged_buffer_factor=1.25"]
   plan, stdout = _plan(tmp_path, ["--preset", "tiny", "--stage", "stage_8k", "--topology",
                                   "v5p:2x2x2", "--eval"]
                        + _sets(sets + [f"model.{s}" for s in SMALLER]))
@@ -71,7 +71,7 @@ def test_mid_size_plan_stays_within_its_host_memory_bound(tmp_path):
   the long stages' mode), 16 experts over EP 16."""
   sets = ["mesh=fsdp=2,expert=16,context=8,expert_shards=context", "topology=v5p:4x8x8",
           "seq_len=2048", "tokens_per_batch=4096", "micro_batches=1",
-          "ep_capacity_factor=1.25", "model.num_experts=16"]
+          "model.ragged_buffer_factor=1.25", "model.num_experts=16"]
   plan, stdout = _plan(tmp_path, ["--preset", "tiny", "--stage", "stage_8k"]
                        + _sets(sets + [f"model.{s}" for s in SMALLER]))
   assert plan["mesh"] == {"data": 1, "fsdp": 2, "expert": 16, "tensor": 1, "context": 8}
@@ -111,3 +111,33 @@ def test_hosts_of_a_v5p_slice_load_their_row_groups():
   assert lines == [
       "fsdp=4,expert=4,context=4 " + str([((i, 8), 2) for i in range(8)]),
       "fsdp=2,expert=4,context=8,expert_shards=context [((0, 2), 8), ((1, 2), 8)]"], proc.stdout
+
+
+MESH_SCRIPT = """
+import numpy as np
+from launch.aot_plan import topology_devices
+from sparse_lm import sharding as shd
+from experiments import stage_1m, stage_64k, stage_256k, stage_8k
+for m in (stage_8k, stage_64k, stage_256k, stage_1m):
+  st = m.FULL
+  devs = topology_devices(st.topology, st.num_slices)
+  mesh = shd.make_mesh(st.mesh, devs)
+  shd.validate_layout(st.model_config(), st.mesh, mesh, global_batch=st.global_batch,
+                      seq_len=st.seq_len, num_microbatches=st.micro_batches)
+  slices = np.vectorize(lambda d: getattr(d, "slice_index", 0))(mesh.devices)
+  print(st.name, len(devs), mesh.devices.shape,
+        [sorted(int(i) for i in set(slices[k].flat)) for k in range(mesh.shape["data"])])
+"""
+
+
+def test_each_stage_mesh_builds_on_its_compile_only_slices():
+  """The four `full` meshes on the libtpu compile-only devices of their topologies; stage_1m's
+  two v5p:16x16x16 slices are exactly its `data` axis (only data parallelism crosses DCN)."""
+  proc = subprocess.run([sys.executable, "-c", MESH_SCRIPT], cwd=ROOT, env=_aot_env(),
+                        capture_output=True, text=True, timeout=600)
+  assert proc.returncode == 0, proc.stderr[-4000:]
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("stage_")]
+  assert lines == ["stage_8k 2048 (1, 2, 128, 1, 8) [[0]]",
+                   "stage_64k 2048 (1, 16, 128, 1, 1) [[0]]",
+                   "stage_256k 2048 (1, 8, 128, 1, 2) [[0]]",
+                   "stage_1m 8192 (2, 4, 128, 1, 8) [[0], [1]]"], proc.stdout

@@ -17,6 +17,7 @@ import pytest
 from flax import nnx
 
 import sparse_lm.train
+from sparse_lm.model.loss import loss_fn
 from sparse_lm.train import loop
 from sparse_lm.train.checkpoint import UNREADABLE_DIR, Checkpointer, ConfigMismatchError
 from sparse_lm.train.metrics import Alerts
@@ -100,6 +101,8 @@ def test_sigint_resume_and_truncated_fallback_are_bit_exact(workdir, tmp_path_fa
   tokens = jnp.asarray([tokenizer.encode("def f(x):\n    return x")])
   logits = jax.jit(lambda t: model(t))(tokens)
   assert logits.shape == tokens.shape + (512,) and bool(jnp.all(jnp.isfinite(logits)))
+  loss, metrics = loss_fn(model, {"tokens": tokens})  # the documented call evaluates
+  assert np.isfinite(float(loss)) and float(metrics["num_tokens"]) == tokens.shape[1] - 1
   after = jax.tree.map(np.asarray, nnx.state(model))
   assert all(jax.tree.leaves(jax.tree.map(np.array_equal, before, after)))
 

@@ -111,3 +111,98 @@ def test_data_positions_are_kept_per_row_group():
   assert ckpt_lib.shard_state(None, 0) is None
   with pytest.raises(ValueError, match="row groups \\['0'\\], not 1"):
     ckpt_lib.shard_state(saved, 1)
+
+
+def test_routing_health_is_summarised_and_warned_about():
+  """Issue 12.7: a collapsed router (max/mean load 3.74, 37.5% dead experts, as measured with
+  balancer=none) shows in the summary and passes the default thresholds; the drop rate is the
+  total over layers and the warning names the worst layer."""
+  from sparse_lm.train import metrics as metrics_lib
+  healthy = [10.0, 11.0, 9.0, 10.0, 10.0, 10.0, 10.0, 10.0]
+  collapsed = [0.0, 0.0, 0.0, 37.4, 20.0, 20.0, 12.6, 10.0]  # mean 12.5, max 37.4
+  m = {"moe/load": np.asarray([healthy, collapsed]), "moe/drop_rate": np.asarray([0.0, 0.03]),
+       "loss": np.float32(3.0)}
+  summary = metrics_lib.routing_summary(m)
+  assert summary["moe/max_mean_load"] == pytest.approx(37.4 / 12.5)
+  assert summary["moe/max_mean_load_layer"] == "MoE layer 1"
+  assert summary["moe/dead_frac_max"] == 0.375 and summary["moe/dead_frac_layer"] == "MoE layer 1"
+  assert summary["moe/drop_rate_total"] == pytest.approx(0.015)
+  assert summary["moe/drop_rate_layer"] == "MoE layer 1"
+  kinds = dict(metrics_lib.routing_warnings(summary, metrics_lib.Alerts()))
+  assert sorted(kinds) == ["dead", "drop", "load"]
+  assert "2.99 > 2 in MoE layer 1" in kinds["load"] and "37.5% of the experts" in kinds["dead"]
+  assert "drop rate 1.50% > 1%; most in MoE layer 1 (3.00%)" in kinds["drop"]
+  assert metrics_lib.routing_warnings(summary, metrics_lib.Alerts(
+      max_mean_load=3.0, dead_frac=0.5, drop_rate=0.02)) == []
+  # A scalar total (the expert-parallel layer's `moe/drop_rate`) with per-layer entries.
+  s = metrics_lib.routing_summary({"moe/drop_rate": np.float32(0.02),
+                                   "moe/drop_rate/layer_3": 0.05, "moe/drop_rate/layer_1": 0.0})
+  assert s["moe/drop_rate_total"] == pytest.approx(0.02) and s["moe/drop_rate_layer"] == "layer_3"
+  assert metrics_lib.stats_text(3.0, 1234.0, None, summary) == (
+      "loss 3.0000  1,234 tok/s  MFU n/a  drop 1.50%  max/mean load 2.99  dead 37.5%")
+
+
+def test_progress_prints_plain_lines_off_a_terminal():
+  import io
+  from sparse_lm.train import metrics as metrics_lib
+  out = io.StringIO()  # not a TTY: no bar even when enabled
+  bar = metrics_lib.Progress(10, 0, "stage_x", enabled=True, every=4, stream=out)
+  for step in range(1, 11):
+    bar.update(step, 2.0, 100.0, 0.25, {"moe/max_mean_load": 1.5})
+  lines = out.getvalue().splitlines()
+  assert [l.split()[2] for l in lines] == ["4/10", "8/10", "10/10"]
+  assert lines[0].startswith("[stage_x] step 4/10  loss 2.0000  100 tok/s  MFU 25.0%  "
+                             "max/mean load 1.50  ETA 0:00:0")
+  assert lines[-1].endswith("ETA 0:00:00")
+
+
+def test_preemption_handles_sigint_like_sigterm():
+  import os
+  import signal
+  from sparse_lm.train import loop
+  for sig in (signal.SIGINT, signal.SIGTERM):
+    with loop._Preemption() as p:
+      os.kill(os.getpid(), sig)
+      assert p.requested == signal.Signals(sig).name
+  with loop._Preemption() as p:
+    os.kill(os.getpid(), signal.SIGINT)
+    with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C interrupts at once
+      os.kill(os.getpid(), signal.SIGINT)
+
+
+def test_end_of_stage_sample_hides_special_tokens(monkeypatch):
+  from sparse_lm.train import loop
+  from experiments import stage_8k
+
+  class Tok:
+    eos_id, pad_id = 2, 0
+    encode = staticmethod(lambda text: [5])
+    decode = staticmethod(lambda ids, skip_special=False: " ".join(
+        str(i) for i in ids if not (skip_special and i < 8)))
+
+  monkeypatch.setattr(loop, "generate", lambda *a, **k: [1, 40, 3, 41])
+  state = type("S", (), {"params": None, "model_vars": None})()
+  assert loop._sample(None, state, Tok(), stage_8k.TINY) == "40 41"
+
+
+def test_workdir_lock_names_the_holder(tmp_path):
+  import os
+  from sparse_lm.train.workdir import WorkdirLock, WorkdirLockedError
+  with WorkdirLock(tmp_path / "stage"):
+    text = (tmp_path / "stage" / "run.lock").read_text()
+    assert text.startswith(f"pid {os.getpid()} on host ")
+    with pytest.raises(WorkdirLockedError, match=f"in use by another run: pid {os.getpid()} "):
+      with WorkdirLock(tmp_path / "stage"):
+        pass
+  with WorkdirLock(tmp_path / "stage"):  # released on exit
+    pass
+
+
+def test_end_of_run_summary_reports_the_drop_rate():
+  import types
+  from sparse_lm.train import loop
+  none = types.SimpleNamespace(drop_rates=[])
+  assert loop._StageLoop.summary(none) == ""
+  seen = types.SimpleNamespace(drop_rates=[(1, 0.01), (2, 0.03), (3, 0.02)])
+  assert loop._StageLoop.summary(seen) == (
+      "; expert-parallel drop rate 2.00% mean over 3 steps, 3.00% max (step 2)")

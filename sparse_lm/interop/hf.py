@@ -1,0 +1,256 @@
+"""Import and export Hugging Face Kimi-Linear / Kimi-K3 checkpoints (HF_FORMATS.md).
+
+    model, cfg = load_pretrained("Kimi-Linear-48B-A3B-Instruct/")       # or a K3 directory
+    save_pretrained(model, cfg, "out/", layout="kimi_k3", quantize_experts=True)
+
+`load_pretrained` maps config.json to a ModelConfig (hf_config.py), checks every expected
+tensor's presence and shape against the safetensors headers (and that no unexpected tensor
+is left over) before reading any value, then builds each variable with
+`jax.make_array_from_callback`: each device shard is assembled from the HF tensors it needs,
+read one at a time, so host memory holds one HF tensor plus one shard of its target.
+
+CLI:
+    python -m sparse_lm.interop.hf import --hf_dir D --workdir W     # Orbax, see workdir.py
+    python -m sparse_lm.interop.hf export --workdir W --out D [--layout kimi_k3] [--quantize]
+        # the newest stage checkpoint in W (or --stage NAME; the import if W has none)
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import itertools
+import json
+import math
+import os
+import pathlib
+import re
+
+import jax
+import numpy as np
+from flax import nnx
+
+from sparse_lm import sharding as shd
+from sparse_lm.config import ModelConfig
+from sparse_lm.interop import hf_config, hf_names, mxfp4, workdir
+from sparse_lm.interop.safetensors_io import CheckpointReader, ShardWriter
+from sparse_lm.model.transformer import Transformer
+
+# HF tensors a text-model import leaves out on purpose (the K3 vision tower and projector).
+_SKIPPED = re.compile(r"^(vision_tower|multi_modal_projector|mm_projector|model\.vision_tower)\.")
+_EXPERT = re.compile(r"block_sparse_moe\.experts\.\d+\.w[123]\.weight$")
+
+
+def _abstract(cfg: ModelConfig):
+  model = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
+  graphdef, state = nnx.split(model)
+  return graphdef, state
+
+
+def _expected(srcs, flat) -> dict[str, tuple[int, ...]]:
+  """HF name -> shape for every tensor the sources read."""
+  out = {}
+  for s in srcs:
+    var = flat[s.path]
+    block = tuple(var.shape[len(s.lead):])
+    shapes = s.hf_shapes(block)
+    for idx in itertools.product(*[range(n) for n in s.lead]):
+      for name, shape in zip(s.names(idx), shapes):
+        out[name] = shape
+  return out
+
+
+def check_tensors(reader: CheckpointReader, expected: dict[str, tuple[int, ...]]) -> None:
+  """Raise ValueError naming the first missing, unexpected or wrongly shaped tensors."""
+  have = {n for n in reader.names() if not _SKIPPED.match(n)}
+  missing = sorted(set(expected) - have)
+  if missing:
+    raise ValueError(f"{reader.path}: missing tensor(s) {missing[:5]} (of {len(missing)}); e.g. "
+                     f"{missing[0]} should have shape {list(expected[missing[0]])}")
+  extra = sorted(have - set(expected))
+  if extra:
+    raise ValueError(f"{reader.path}: unexpected tensor(s) {extra[:5]} (of {len(extra)}): the "
+                     "config.json does not describe them (wrong config, or a layout sparse_lm "
+                     "does not map)")
+  for name, shape in expected.items():
+    got = reader.shape(name)
+    if got != tuple(shape):
+      raise ValueError(f"{reader.path}: tensor {name} has shape {list(got)}, expected "
+                       f"{list(shape)} from config.json")
+
+
+def _shardings(cfg: ModelConfig, state, mesh):
+  if mesh is None:
+    one = jax.sharding.SingleDeviceSharding(jax.devices()[0])
+    return {p: one for p, _ in nnx.to_flat_state(state)}
+  sh = shd.state_shardings(state, mesh)
+  return {p: v.get_value() if hasattr(v, "get_value") else v[...]
+          for p, v in nnx.to_flat_state(sh)}
+
+
+def load_pretrained(path: str | os.PathLike, *, dtype: str | None = None, mesh=None,
+                    ignore_keys: tuple[str, ...] = (), **overrides
+                    ) -> tuple[Transformer, ModelConfig]:
+  """A HF Kimi-Linear or Kimi-K3 checkpoint directory -> (Transformer, ModelConfig).
+
+  Args:
+    path: directory with config.json and model.safetensors or model.safetensors.index.json
+      plus its shards. MXFP4 routed experts (weight_packed / weight_scale) are dequantized.
+    dtype: "float32" or "bfloat16" (compute and parameter dtype); None reads config.json.
+    mesh: a jax Mesh; each variable is created directly in its sharding (the rules of
+      sparse_lm.sharding; call under `sharding.use_mesh(mesh, rules)` for custom rules).
+      None: the first device.
+    ignore_keys: config.json keys to accept unmapped (see hf_config.config_from_hf).
+    **overrides: ModelConfig fields that config.json does not set (remat_policy, kda_backend,
+      kda_chunk_size, scan_layers, balancer, ...), applied to the mapped config.
+
+  Returns:
+    (model, cfg). Variables HF does not store start as the model's own initial values
+    (balancer statistics: zeros; AttnRes queries of a plain-residual model: zeros, unused).
+
+  Raises:
+    ValueError: a config key that cannot map, or a missing / unexpected / mis-shaped tensor
+      (named), all before any tensor value is read.
+    FileNotFoundError: no config.json or no safetensors in `path`.
+  """
+  path = pathlib.Path(path)
+  if not (path / "config.json").exists():
+    raise FileNotFoundError(f"{path}: no config.json")
+  raw = json.loads((path / "config.json").read_text())
+  cfg, layout = hf_config.config_from_hf(raw, dtype=dtype, ignore_keys=ignore_keys)
+  if overrides:
+    mapped = set(overrides) & hf_config.MAPPED_FIELDS
+    if mapped:
+      raise ValueError(f"overrides {sorted(mapped)} are set by config.json; edit it instead")
+    cfg = dataclasses.replace(cfg, **overrides)
+  reader = CheckpointReader(path)
+  graphdef, state = _abstract(cfg)
+  flat = dict(nnx.to_flat_state(state))
+  srcs = hf_names.sources(cfg, layout)
+  check_tensors(reader, _expected(srcs, flat))
+  shardings = _shardings(cfg, state, mesh)
+  values = {}
+  for s in srcs:
+    var = flat[s.path]
+    values[s.path] = _make_array(reader, s, var.shape, var.dtype, shardings[s.path])
+  for p, var in flat.items():  # what HF does not store: zeros (the init of those variables)
+    if p not in values:
+      values[p] = jax.device_put(np.zeros(var.shape, var.dtype), shardings[p])
+  new = [(p, var.replace(values[p])) for p, var in flat.items()]
+  return nnx.merge(graphdef, nnx.from_flat_state(new)), cfg
+
+
+def _make_array(reader, src: hf_names.Source, shape, dtype, sharding) -> jax.Array:
+  nl = len(src.lead)
+  block = tuple(shape[nl:])
+
+  def callback(index):
+    # One HF tensor at a time; `to_ours` returns a view where the layout allows (transposes
+    # and head splits do), so the only copies are into `out` and jax's own buffer.
+    lead, rest = index[:nl], index[nl:]
+    ranges = [range(*sl.indices(n)) for sl, n in zip(lead, src.lead)]
+    out = None
+    for k, idx in enumerate(itertools.product(*ranges)):
+      part = src.to_ours([reader.get(n) for n in src.names(idx)], block)[rest]
+      if not nl:
+        return np.asarray(part).astype(dtype, copy=False)
+      if out is None:
+        out = np.empty((math.prod(len(r) for r in ranges),) + part.shape, dtype)
+      out[k] = part
+    return out.reshape(tuple(len(r) for r in ranges) + out.shape[1:])
+
+  return jax.make_array_from_callback(tuple(shape), sharding, callback)
+
+
+def save_pretrained(model: Transformer, cfg: ModelConfig, path: str | os.PathLike, *,
+                    layout: str = "kimi_linear", quantize_experts: bool = False,
+                    max_shard_bytes: int = 2 << 30, extra_config: dict | None = None
+                    ) -> list[str]:
+  """Write `model` as a HF checkpoint: config.json, shards and model.safetensors.index.json.
+
+  Args:
+    layout: "kimi_linear" (transformers' KimiLinearForCausalLM names) or "kimi_k3"
+      (`language_model.` prefix, composite config).
+    quantize_experts: kimi_k3 only: routed experts as MXFP4 (weight_packed / weight_scale),
+      as the K3 release stores them; lossy unless the weights came from MXFP4.
+    max_shard_bytes: shard size budget.
+    extra_config: keys added to the text config (e.g. `hf_config.token_ids(original)`).
+
+  Returns:
+    the shard file names. Tensors are gathered from the devices one at a time.
+
+  Raises:
+    ValueError: a layout that cannot express cfg (hf_config.config_to_hf), or
+      quantize_experts with the kimi_linear layout.
+  """
+  if quantize_experts and layout != "kimi_k3":
+    raise ValueError("quantize_experts=True needs layout='kimi_k3' (Kimi-Linear is bf16)")
+  path = pathlib.Path(path)
+  conf = hf_config.config_to_hf(cfg, layout, quantized=quantize_experts, extra=extra_config)
+  writer = ShardWriter(path, max_shard_bytes)
+  flat = dict(nnx.to_flat_state(nnx.state(model)))
+  for s in hf_names.sources(cfg, layout):
+    arr = flat[s.path][...]
+    for idx in itertools.product(*[range(n) for n in s.lead]):
+      block = np.asarray(jax.device_get(arr[idx] if idx else arr))
+      for name, t in zip(s.names(idx), s.to_hf(block)):
+        if quantize_experts and _EXPERT.search(name):
+          packed, scale = mxfp4.quantize(t.astype(np.float32))
+          writer.add(name + "_packed", packed)
+          writer.add(name + "_scale", scale)
+        else:
+          writer.add(name, t)
+  files = writer.close()
+  (path / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
+  return files
+
+
+# ------------------------------------------------------------------ CLI
+def import_to_workdir(hf_dir, workdir_path, *, dtype: str | None = None) -> pathlib.Path:
+  """HF checkpoint `hf_dir` -> `<workdir>/hf_import/` (Orbax; see interop/workdir.py)."""
+  model, cfg = load_pretrained(hf_dir, dtype=dtype)
+  raw = json.loads((pathlib.Path(hf_dir) / "config.json").read_text())
+  return workdir.save_import(model, cfg, raw, workdir_path)
+
+
+def _export_source(workdir_path: str, stage: str | None):
+  """(model, cfg, token ids) of the stage checkpoint to export, or of the HF import."""
+  extra = workdir.token_ids(workdir_path)
+  try:
+    model, cfg = workdir.load_stage_checkpoint(workdir_path, stage)
+  except FileNotFoundError:
+    if stage is not None or workdir.imported_config(workdir_path) is None:
+      raise
+    model, cfg, _ = workdir.load_from_workdir(workdir_path)
+  return model, cfg, extra
+
+
+def main(argv=None) -> None:
+  ap = argparse.ArgumentParser(prog="python -m sparse_lm.interop.hf", description=__doc__,
+                               formatter_class=argparse.RawDescriptionHelpFormatter)
+  sub = ap.add_subparsers(dest="cmd", required=True)
+  a = sub.add_parser("import", help="HF checkpoint -> <workdir>/hf_import (Orbax)")
+  a.add_argument("--hf_dir", required=True)
+  a.add_argument("--workdir", required=True)
+  a.add_argument("--dtype", choices=("float32", "bfloat16"))
+  b = sub.add_parser("export", help="a workdir's newest trained stage (or its hf_import) -> "
+                     "HF checkpoint")
+  b.add_argument("--workdir", required=True)
+  b.add_argument("--stage", help="the stage to export (default: the newest stage checkpoint "
+                 "in the workdir; the HF import if there is none)")
+  b.add_argument("--out", required=True)
+  b.add_argument("--layout", choices=hf_config.LAYOUTS, default="kimi_linear")
+  b.add_argument("--quantize", action="store_true", help="MXFP4 routed experts (kimi_k3)")
+  args = ap.parse_args(argv)
+  if args.cmd == "import":
+    out = import_to_workdir(args.hf_dir, args.workdir, dtype=args.dtype)
+    print(f"imported {args.hf_dir} -> {out}")
+  else:
+    model, cfg, extra = _export_source(args.workdir, args.stage)
+    files = save_pretrained(model, cfg, args.out, layout=args.layout,
+                            quantize_experts=args.quantize, extra_config=extra)
+    print(f"exported {len(files)} shard(s) to {args.out} ({args.layout})")
+
+
+if __name__ == "__main__":
+  main()

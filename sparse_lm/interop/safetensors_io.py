@@ -1,0 +1,158 @@
+"""Reading and writing (sharded) safetensors checkpoints one tensor at a time.
+
+`CheckpointReader` reads `model.safetensors` or the shards listed by
+`model.safetensors.index.json`; each `get` reads one tensor with `readinto` straight into its
+NumPy array (the file format: an 8-byte little-endian header length, a JSON header of
+{name: {dtype, shape, data_offsets}}, then the data), so reading a tensor costs that tensor's
+bytes and no more (the `safetensors` package's `get_tensor` peaks at twice that: it reads into
+a bytes object first). `ShardWriter` fills shards up to a byte budget with the package's
+`save_file` and writes the index.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import pathlib
+import re
+import struct
+
+import ml_dtypes
+import numpy as np
+from safetensors.numpy import save_file
+
+from sparse_lm.interop import mxfp4
+
+INDEX = "model.safetensors.index.json"
+SINGLE = "model.safetensors"
+DTYPES = {"F64": np.float64, "F32": np.float32, "F16": np.float16, "BF16": ml_dtypes.bfloat16,
+          "I64": np.int64, "I32": np.int32, "I16": np.int16, "I8": np.int8, "U64": np.uint64,
+          "U32": np.uint32, "U16": np.uint16, "U8": np.uint8, "BOOL": np.bool_,
+          "F8_E4M3": ml_dtypes.float8_e4m3fn, "F8_E5M2": ml_dtypes.float8_e5m2}
+_DENSE_ALIAS = re.compile(r"^(.*model\.layers\.\d+\.)block_sparse_moe\.((gate|up|down)_proj\.weight)$")
+
+
+class CheckpointReader:
+  """Tensor names, shapes and values of a HF safetensors checkpoint directory.
+
+  Names are canonicalised: a dense layer's FFN saved by transformers as
+  `layers.{i}.block_sparse_moe.{gate,up,down}_proj.weight` reads as `layers.{i}.mlp.*`, and an
+  MXFP4 pair `X.weight_packed` + `X.weight_scale` reads as `X.weight` (dequantized to fp32).
+
+  Raises:
+    FileNotFoundError: neither model.safetensors nor the index exists in `path`.
+  """
+
+  def __init__(self, path: str | os.PathLike):
+    self.path = pathlib.Path(path)
+    if (self.path / INDEX).exists():
+      files = json.loads((self.path / INDEX).read_text())["weight_map"]
+    elif (self.path / SINGLE).exists():
+      files = {k: SINGLE for k in read_header(self.path / SINGLE)[0]}
+    else:
+      raise FileNotFoundError(f"{self.path}: no {SINGLE} or {INDEX}")
+    self._files = files  # raw name -> file
+    self._raw: dict[str, str] = {}  # canonical name -> raw name (for MXFP4: the packed one)
+    self._mx: dict[str, str] = {}  # canonical name -> its weight_scale name
+    self._headers: dict[str, tuple[dict, int]] = {}  # file -> (header, data offset)
+    for name in files:
+      if name.endswith(".weight_packed"):
+        base = name[:-len("_packed")]
+        if base + "_scale" not in files:
+          raise ValueError(f"{self.path}: {name} has no {base}_scale")
+        self._raw[base], self._mx[base] = name, base + "_scale"
+      elif name.endswith(".weight_scale") and name[:-len("_scale")] + "_packed" in files:
+        continue
+      else:
+        m = _DENSE_ALIAS.match(name)
+        self._raw[f"{m.group(1)}mlp.{m.group(2)}" if m else name] = name
+
+  def names(self) -> set[str]:
+    return set(self._raw)
+
+  def _entry(self, raw: str) -> tuple[str, int, dict]:
+    fn = self._files[raw]
+    if fn not in self._headers:  # one header read per file
+      self._headers[fn] = read_header(self.path / fn)
+    header, base = self._headers[fn]
+    if raw not in header:
+      raise ValueError(f"{self.path / fn}: the index lists {raw} but the file lacks it")
+    return fn, base, header[raw]
+
+  def shape(self, name: str) -> tuple[int, ...]:
+    """Shape of a (canonical) tensor, from the file header; MXFP4 gives the unpacked shape."""
+    s = tuple(self._entry(self._raw[name])[2]["shape"])
+    return s[:-1] + (s[-1] * 2,) if name in self._mx else s
+
+  def _read(self, raw: str) -> np.ndarray:
+    fn, base, e = self._entry(raw)
+    if e["dtype"] not in DTYPES:
+      raise ValueError(f"{raw}: safetensors dtype {e['dtype']} is not supported")
+    out = np.empty(e["shape"], DTYPES[e["dtype"]])
+    start, end = e["data_offsets"]
+    if end - start != out.nbytes:
+      raise ValueError(f"{raw}: {end - start} bytes on disk for shape {e['shape']} "
+                       f"{e['dtype']}")
+    with open(self.path / fn, "rb") as f:
+      f.seek(base + start)
+      if f.readinto(memoryview(out.reshape(-1).view(np.uint8))) != out.nbytes:
+        raise ValueError(f"{self.path / fn}: truncated data for {raw}")
+    return out
+
+  def get(self, name: str) -> np.ndarray:
+    """The tensor as a NumPy array in its stored dtype (MXFP4: dequantized fp32)."""
+    value = self._read(self._raw[name])
+    if name not in self._mx:
+      return value
+    return mxfp4.dequantize(value, self._read(self._mx[name]))
+
+
+def read_header(path: str | os.PathLike) -> tuple[dict[str, dict], int]:
+  """({name: {"dtype", "shape", "data_offsets"}}, offset of the data) of a safetensors file."""
+  with open(path, "rb") as f:
+    (n,) = struct.unpack("<Q", f.read(8))
+    header = json.loads(f.read(n))
+  header.pop("__metadata__", None)
+  return header, 8 + n
+
+
+class ShardWriter:
+  """Writes tensors into `model-0000k-of-0000n.safetensors` shards of at most `max_bytes`
+  (a larger tensor gets a shard of its own) and `model.safetensors.index.json`."""
+
+  def __init__(self, path: str | os.PathLike, max_bytes: int = 2 << 30):
+    self.path = pathlib.Path(path)
+    self.path.mkdir(parents=True, exist_ok=True)
+    self.max_bytes = max_bytes
+    self._cur: dict[str, np.ndarray] = {}
+    self._cur_bytes = 0
+    self._shards: list[list[str]] = []
+    self._total = 0
+
+  def add(self, name: str, value: np.ndarray) -> None:
+    if self._cur and self._cur_bytes + value.nbytes > self.max_bytes:
+      self._flush()
+    self._cur[name] = np.ascontiguousarray(value)
+    self._cur_bytes += value.nbytes
+    self._total += value.nbytes
+
+  def _flush(self) -> None:
+    k = len(self._shards)
+    save_file(self._cur, self.path / f"shard-{k:05d}.tmp", metadata={"format": "pt"})
+    self._shards.append(list(self._cur))
+    self._cur, self._cur_bytes = {}, 0
+
+  def close(self) -> list[str]:
+    """Flush, rename the shards to their final names, write the index; returns the files."""
+    if self._cur:
+      self._flush()
+    n = len(self._shards)
+    weight_map, files = {}, []
+    for k, names in enumerate(self._shards):
+      fn = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+      os.replace(self.path / f"shard-{k:05d}.tmp", self.path / fn)
+      files.append(fn)
+      weight_map.update({nm: fn for nm in names})
+    index = {"metadata": {"total_size": self._total}, "weight_map": dict(sorted(weight_map.items()))}
+    (self.path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    return files

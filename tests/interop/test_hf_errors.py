@@ -1,0 +1,77 @@
+"""Bad checkpoints fail before any tensor value is read, naming the tensor or config key."""
+
+import numpy as np
+import pytest
+
+from sparse_lm.interop import hf_config
+from sparse_lm.interop.hf import load_pretrained
+from sparse_lm.interop.safetensors_io import CheckpointReader
+from tests.interop.hf_testlib import KIMI_LINEAR, rewrite
+
+Q = "model.layers.2.self_attn.q_proj.weight"
+
+
+@pytest.fixture(autouse=True)
+def no_value_reads(monkeypatch):
+  """Every error must come from the headers and config.json alone."""
+  def refuse(self, name):
+    raise AssertionError(f"read tensor {name} before the checks failed")
+  monkeypatch.setattr(CheckpointReader, "get", refuse)
+
+
+def _drop(t):
+  del t[Q]
+  return t
+
+
+def test_missing_tensor(tmp_path):
+  d = rewrite(KIMI_LINEAR, tmp_path / "c", edit_tensors=_drop)
+  with pytest.raises(ValueError, match=f"missing tensor.*{Q}.*shape \\[32, 64\\]"):
+    load_pretrained(d)
+
+
+def test_extra_tensor(tmp_path):
+  extra = "model.layers.1.self_attn.rotary_emb.inv_freq"
+  d = rewrite(KIMI_LINEAR, tmp_path / "c",
+              edit_tensors=lambda t: {**t, extra: np.zeros(4, np.float32)})
+  with pytest.raises(ValueError, match=f"unexpected tensor.*{extra}"):
+    load_pretrained(d)
+
+
+def test_wrong_shape(tmp_path):
+  d = rewrite(KIMI_LINEAR, tmp_path / "c",
+              edit_tensors=lambda t: {**t, Q: np.zeros((32, 63), np.float32)})
+  with pytest.raises(ValueError, match=f"{Q} has shape \\[32, 63\\], expected \\[32, 64\\]"):
+    load_pretrained(d)
+
+
+@pytest.mark.parametrize("key,value", [("num_expert_group", 2), ("topk_group", 4),
+                                       ("tie_word_embeddings", True),
+                                       ("moe_router_activation_func", "softmax"),
+                                       ("hidden_act", "gelu"), ("num_key_value_heads", 1),
+                                       ("moe_renormalize", False)])
+def test_unsupported_config_value(tmp_path, key, value):
+  d = rewrite(KIMI_LINEAR, tmp_path / "c", edit_config=lambda c: {**c, key: value})
+  with pytest.raises(ValueError, match=f"config.json: {key}="):
+    load_pretrained(d)
+
+
+def test_unknown_config_key_is_named_and_can_be_ignored(tmp_path):
+  d = rewrite(KIMI_LINEAR, tmp_path / "c", edit_config=lambda c: {**c, "yarn_factor": 4})
+  with pytest.raises(ValueError, match="unknown key.*yarn_factor"):
+    load_pretrained(d)
+  cfg, _ = hf_config.config_from_hf({**_conf(), "yarn_factor": 4}, ignore_keys=("yarn_factor",))
+  assert cfg.num_layers == 5
+
+
+def test_layer_layout_that_does_not_map(tmp_path):
+  lt = ["linear_attention", "full_attention", "full_attention", "linear_attention",
+        "full_attention"]
+  d = rewrite(KIMI_LINEAR, tmp_path / "c", edit_config=lambda c: {**c, "layer_types": lt})
+  with pytest.raises(ValueError, match="full_attn_layers=\\[2, 3, 5\\]"):
+    load_pretrained(d)
+
+
+def _conf():
+  import json
+  return json.loads((KIMI_LINEAR / "config.json").read_text())

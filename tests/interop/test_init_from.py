@@ -1,0 +1,84 @@
+"""A training stage starts from an imported HF checkpoint (`--set init_from=W`)."""
+
+import dataclasses
+import json
+import subprocess
+import sys
+
+import numpy as np
+from flax import nnx
+
+from sparse_lm import sharding as shd
+
+from sparse_lm.interop.hf import import_to_workdir, load_pretrained
+from sparse_lm.train import loop
+from tests.interop.hf_testlib import KIMI_LINEAR
+from tests.train.conftest import small_stage
+
+ROOT = KIMI_LINEAR.parents[3]
+
+
+def test_cli_import_export_round_trip(tmp_path):
+  w, out = tmp_path / "w", tmp_path / "out"
+  env = {"PYTHONPATH": str(ROOT), "JAX_PLATFORMS": "cpu", "PATH": "/usr/bin:/bin"}
+  for args in (["import", "--hf_dir", str(KIMI_LINEAR), "--workdir", str(w)],
+               ["export", "--workdir", str(w), "--out", str(out)]):
+    p = subprocess.run([sys.executable, "-m", "sparse_lm.interop.hf", *args], cwd=ROOT,
+                       env=env, capture_output=True, text=True, timeout=600)
+    assert p.returncode == 0, p.stderr[-3000:]
+  conf = json.loads((out / "config.json").read_text())
+  assert (conf["pad_token_id"], conf["bos_token_id"], conf["eos_token_id"]) == (0, 1, 2)
+  a, _ = load_pretrained(KIMI_LINEAR)
+  b, _ = load_pretrained(out)
+  for (p, x), (_, y) in zip(nnx.to_flat_state(nnx.state(a)), nnx.to_flat_state(nnx.state(b))):
+    assert np.array_equal(np.asarray(x[...]), np.asarray(y[...])), p
+
+
+def test_stage_starts_from_the_import(tmp_path):
+  """StageConfig(init_from=W): the model is the import's (plus the stage's non-architecture
+  overrides) and the loop's initial state holds its weights bit-exact, in the stage's
+  shardings, with a fresh optimizer. (The training step itself is the loop's, tested in
+  tests/train; a 2-step run from this import is recorded in docs/interop.md.)"""
+  w = tmp_path / "w"
+  import_to_workdir(KIMI_LINEAR, w)
+  stage = small_stage(name="ft", init_from=str(w),
+                      model_overrides=(("remat_policy", "none"), ("kda_chunk_size", 16)))
+  cfg = stage.model_config()
+  assert cfg.name == "kimi_linear" and cfg.ffn_activation == "swiglu" and cfg.kda_chunk_size == 16
+  mesh = shd.make_mesh(stage.mesh)
+  parts = loop.build(stage, mesh)
+  with shd.use_mesh(mesh, stage.mesh.rules):
+    target = shd.with_shardings(parts.abstract_state, parts.state_shardings)
+    state = loop._init_from(stage, tmp_path, target, "unused", parts,  # pylint: disable=protected-access
+                            print)
+  assert int(state.step) == 0
+  imported, _ = load_pretrained(KIMI_LINEAR, remat_policy="none", kda_chunk_size=16)
+  want = dict(nnx.to_flat_state(nnx.state(imported)))
+  got = {**dict(nnx.to_flat_state(state.params)), **dict(nnx.to_flat_state(state.model_vars))}
+  assert want.keys() == got.keys()
+  shardings = {p: v.get_value() for part in (parts.state_shardings.params,
+                                             parts.state_shardings.model_vars)
+               for p, v in nnx.to_flat_state(part)}
+  for p in want:
+    assert np.array_equal(np.asarray(want[p][...]), np.asarray(got[p][...])), p
+    assert got[p][...].sharding.is_equivalent_to(shardings[p], got[p][...].ndim), p
+
+
+def test_export_reads_a_stage_checkpoint(tmp_path):
+  """`export --workdir W` takes W's newest stage checkpoint (the loop's Orbax format: a
+  TrainState item and a meta item with the model config) without importing sparse_lm.train."""
+  from sparse_lm.interop import workdir
+  from sparse_lm.train.checkpoint import Checkpointer
+  from sparse_lm.train.state import TrainState
+  model, cfg = load_pretrained(KIMI_LINEAR)
+  _, params, rest = nnx.split(model, nnx.Param, ...)
+  state = TrainState(step=np.int32(3), params=params, model_vars=rest, opt_state={},
+                     rng=np.zeros(2, np.uint32))
+  ckpt = Checkpointer(tmp_path / "w" / "ft" / "checkpoints", async_save=False)
+  ckpt.save(state, data_state={}, meta={"model": dataclasses.asdict(cfg)}, final=True)
+  ckpt.close()
+  back, cfg2 = workdir.load_stage_checkpoint(tmp_path / "w")
+  assert cfg2 == cfg
+  for (p, x), (_, y) in zip(nnx.to_flat_state(nnx.state(model)),
+                            nnx.to_flat_state(nnx.state(back))):
+    assert np.array_equal(np.asarray(x[...]), np.asarray(y[...])), p
