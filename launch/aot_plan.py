@@ -85,9 +85,11 @@ def memory_report(compiled, hbm: int) -> dict[str, Any]:
               total=total, hbm=hbm, fits=total <= hbm)
 
 
-def _batch(shardings, rows: int, seq_len: int):
+def _batch(stage, shardings, rows: int, seq_len: int):
   import jax
-  return {k: jax.ShapeDtypeStruct((rows, seq_len), jax.numpy.int32, sharding=s)
+  from sparse_lm.train.builder import batch_shapes
+  shapes = batch_shapes(stage, rows, seq_len)  # with the image keys of a multimodal stage
+  return {k: jax.ShapeDtypeStruct(shapes[k][0], shapes[k][1], sharding=s)
           for k, s in shardings.items()}
 
 
@@ -120,7 +122,7 @@ def plan_steps(stage, devices, *, hbm: int, rss, eval_steps: bool = False) -> li
   reports = []
   for name, fn, rows, seq_len in todo:
     with rss.phase(f"{name}: lower") as lo:
-      lowered = fn.lower(state, _batch(parts.batch_shardings, rows, seq_len))
+      lowered = fn.lower(state, _batch(stage, parts.batch_shardings, rows, seq_len))
     with rss.phase(f"{name}: compile") as co:
       compiled = lowered.compile()
       del lowered

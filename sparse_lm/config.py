@@ -109,7 +109,7 @@ class ModelConfig:
   attnres_stack_dtype: str | None = None
 
   # Vision (§7)
-  vision: bool = False
+  vision: bool = False  # True in `small` and `full`; `tiny` is text-only unless asked
   vision_patch_size: int = 14
   vision_width: int = 1152
   vision_layers: int = 27
@@ -252,7 +252,9 @@ class ModelConfig:
 
 
 def _full() -> ModelConfig:
-  return ModelConfig(name="full")
+  # Natively multimodal (§7): the 27-layer SigLIP-so400m-shaped ViT (width 1152, 16 heads,
+  # MLP 4304, patch 14; 466M with its projector), trained with the LM from the first stage.
+  return ModelConfig(name="full", vision=True)
 
 
 def _small() -> ModelConfig:
@@ -264,7 +266,9 @@ def _small() -> ModelConfig:
       qk_rope_head_dim=64, v_head_dim=128,
       dense_hidden=4096, num_experts=64, experts_per_token=4, moe_latent_dim=512,
       expert_hidden=1024, num_shared_experts=1, shared_expert_hidden=2048,
-      attnres_block_layers=4, remat_policy="full")
+      attnres_block_layers=4, remat_policy="full",
+      # a ViT-B-sized encoder: width 768, 12 layers, 12 heads, MLP 3072 (98M with projector)
+      vision=True, vision_width=768, vision_layers=12, vision_heads=12, vision_mlp=3072)
 
 
 def _tiny() -> ModelConfig:

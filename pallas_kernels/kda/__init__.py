@@ -3,22 +3,26 @@
 Source: Kimi Linear (arXiv 2510.26692). Layout [B, T, H, K] for q, k, g; [B, T, H, V] for v;
 [B, T, H] for beta; state [B, H, K, V] fp32. g is the log-decay after the gate (`kda_gate`).
 
-Backends (`backend=`):
+Backends (`backend=`), one file each, each declaring `supported_on(device)`; api.py picks:
   "reference"  token-serial scan (reference.py), runs everywhere, the definition.
   "xla"        chunked algorithm in pure jax.numpy (xla.py), runs everywhere, differentiable.
-  "pallas_tpu" Mosaic TPU kernels with custom_vjp (pallas_tpu.py), TPU (interpret mode on CPU
-               when `interpret=True` is passed, for tests).
-  "auto"       pallas_tpu on TPU, the fastest available path elsewhere.
+  "pallas_tpu" Mosaic TPU kernels with custom_vjp (wrapper pallas_tpu.py, kernel bodies
+               pallas_tpu_kernels.py), TPU (interpret mode on CPU when `interpret=True` is
+               passed, for tests).
+  "auto"       pallas_tpu on TPU, xla elsewhere (api.AUTO_ORDER).
+Shared rules (chunk sizes, 16-token sub-tiles, the diagonal-tile method, segment resets) are
+in tiles.py; the context-parallel state passing in context_parallel.py.
 
 Segment semantics (packed documents, segment_ids [B, T] int32, 0 = padding): the state resets
 to zero at every t > 0 whose id is non-zero and differs from the id at t - 1; padding tokens are
-identity steps (g = 0, beta = 0) with zero output. See `reference.segment_resets`.
+identity steps (g = 0, beta = 0) with zero output. See `tiles.segment_resets`.
 """
 
 from __future__ import annotations
 
-from pallas_kernels.kda.reference import recurrent_kda, recurrent_step, segment_resets
-from pallas_kernels.kda.gate import kda_gate
 from pallas_kernels.kda.api import chunk_kda
+from pallas_kernels.kda.gate import kda_gate
+from pallas_kernels.kda.reference import recurrent_kda, recurrent_step
+from pallas_kernels.kda.tiles import segment_resets
 
 __all__ = ["chunk_kda", "recurrent_kda", "recurrent_step", "kda_gate", "segment_resets"]

@@ -1,27 +1,56 @@
 """`chunk_kda`: input validation and backend dispatch (ARCHITECTURE.md §2.5).
 
-Source: Kimi Linear (arXiv 2510.26692). Backends live in their own files and declare where they
-run: reference.py (everywhere), xla.py (everywhere), pallas_tpu.py (TPU; interpret mode on CPU).
+Source: Kimi Linear (arXiv 2510.26692). Each backend is its own file and declares where it runs
+with `supported_on(device)`: reference.py and xla.py everywhere, pallas_tpu.py on TPU
+(interpret mode on CPU for tests), pallas_gpu.py where it is added. "auto" takes the first
+backend of AUTO_ORDER that supports the default device. Adding a backend is one file and one
+entry in BACKENDS.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 
 import jax
 import jax.numpy as jnp
+from jax.experimental import checkify
 
-from pallas_kernels.kda import reference
+from pallas_kernels.kda.tiles import CHUNK_SIZES
 
-BACKENDS = ("auto", "xla", "reference", "pallas_tpu", "pallas_gpu")
+# backend name -> (module, entry point)
+BACKENDS = {
+    "reference": ("pallas_kernels.kda.reference", "recurrent_kda"),
+    "xla": ("pallas_kernels.kda.xla", "chunk_kda_xla"),
+    "pallas_tpu": ("pallas_kernels.kda.pallas_tpu", "chunk_kda_pallas_tpu"),
+    "pallas_gpu": ("pallas_kernels.kda.pallas_gpu", "chunk_kda_pallas_gpu"),
+}
+AUTO_ORDER = ("pallas_tpu", "xla")  # "auto": the first that supports the default device
+
+
+def backend_module(name: str):
+  """The module of backend `name` (imported on first use)."""
+  return importlib.import_module(BACKENDS[name][0])
+
+
+def resolve_backend(backend: str, device=None) -> str:
+  """"auto" -> the first backend of AUTO_ORDER whose `supported_on(device)` holds (default
+  device: jax.devices()[0]); any other name is returned as given."""
+  if backend != "auto":
+    return backend
+  device = jax.devices()[0] if device is None else device
+  for name in AUTO_ORDER:
+    if backend_module(name).supported_on(device):
+      return name
+  raise AssertionError("the xla backend runs everywhere")
 
 
 def _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size, backend,
            gate_lower_bound=None):
   B, T, H, K = q.shape
   V = v.shape[-1]
-  if backend not in BACKENDS:
-    raise ValueError(f"backend={backend!r}: expected one of {BACKENDS}")
+  if backend != "auto" and backend not in BACKENDS:
+    raise ValueError(f"backend={backend!r}: expected 'auto' or one of {tuple(BACKENDS)}")
   if k.shape != q.shape or g.shape != q.shape:
     raise ValueError(f"q {q.shape}, k {k.shape}, g {g.shape} must all be [B, T, H, K]")
   if v.shape[:3] != (B, T, H):
@@ -37,7 +66,7 @@ def _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size, backend,
     raise ValueError(f"initial_state {initial_state.shape} must be [B, H, K, V] = {(B, H, K, V)}")
   if segment_ids is not None and segment_ids.shape != (B, T):
     raise ValueError(f"segment_ids {segment_ids.shape} must be [B, T] = {(B, T)}")
-  if chunk_size not in (16, 32, 64):
+  if chunk_size not in CHUNK_SIZES:
     raise ValueError(f"chunk_size={chunk_size}: expected 64 (default), 32 or 16")
   if gate_lower_bound is not None and not (-5.0 <= gate_lower_bound < 0.0):
     raise ValueError(f"gate_lower_bound={gate_lower_bound} must be in [-5, 0) (the g_min of "
@@ -46,9 +75,22 @@ def _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size, backend,
     raise ValueError(f"segment_ids dtype {segment_ids.dtype}: expected an integer dtype")
 
 
+def check_gate_bound(g: jax.Array, gate_lower_bound: float,
+                     segment_ids: jax.Array | None = None) -> None:
+  """`checkify.check` that every non-padding g is >= gate_lower_bound (the promise the dense
+  diagonal tiles rely on). Must run under `jax.experimental.checkify.checkify`; the error names
+  the smallest g found."""
+  valid = g if segment_ids is None else jnp.where((segment_ids != 0)[..., None, None], g, 0)
+  g_min = jnp.min(valid.astype(jnp.float32))
+  checkify.check(g_min >= gate_lower_bound,
+                 f"chunk_kda: a log-decay g is below gate_lower_bound={gate_lower_bound} "
+                 "(min g = {g_min}); the dense diagonal tiles would overflow to inf/NaN. Pass "
+                 "the bound of the gate that made g, or gate_lower_bound=None.", g_min=g_min)
+
+
 def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_state=False,
               segment_ids=None, chunk_size=64, backend="auto", interpret=False,
-              gate_lower_bound: float | None = None):
+              gate_lower_bound: float | None = None, checked: bool = False):
   """Chunkwise-parallel KDA (Kimi Linear, arXiv 2510.26692; ARCHITECTURE.md §2.4).
 
   Args:
@@ -58,7 +100,7 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     initial_state: [B, H, K, V] fp32 or None.
     output_final_state: return the final state [B, H, K, V] fp32 (else None).
     segment_ids: [B, T] int32 packed-document ids, 0 = padding.
-    chunk_size: 64 (default) or 32.
+    chunk_size: 64 (default), 32 or 16.
     backend: "auto" | "xla" | "reference" | "pallas_tpu" | "pallas_gpu".
     interpret: run Pallas kernels in interpret mode (CPU tests).
     gate_lower_bound: g_min of the gate that produced g, when known (the model passes
@@ -66,8 +108,15 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
       unbounded softplus gate). A float promises g >= g_min and lets the chunked backends use
       dense matmuls on the 16-token diagonal tiles (ARCHITECTURE §2.4: exponents <= 15 |g_min|
       = 75 nats, inside fp32). None (default) is always safe: the diagonal tiles use the
-      element-wise path, correct for any g <= 0 (down to -1000s). Passing a bound that the
-      inputs violate by more than ~0.9 nats per token gives inf/NaN.
+      element-wise path, correct for any g <= 0 (down to -1000s).
+      Without `checked` the promise is not verified: a g below the bound by more than ~0.9
+      nats per token silently gives inf/NaN outputs (e.g. g in [-8, -5) with bound -5 gives
+      all-NaN), by less it gives finite but unchecked values.
+    checked: verify the promise (one min-reduction over g) with `jax.experimental.checkify`:
+      call under `checkify.checkify(f)` (jitted or not), then `err.throw()` raises
+      JaxRuntimeError naming the smallest g. Without the checkify wrapper, tracing a checked
+      call fails ("Cannot abstractly evaluate a checkify.check which was not functionalized").
+      For tests and debug runs; no effect when gate_lower_bound is None.
 
   Returns:
     (o [B, T, H, V] in q's dtype, final_state or None).
@@ -77,26 +126,17 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
       segment_ids not integer), unknown backend or chunk size, gate_lower_bound outside [-5, 0).
   """
   _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size, backend, gate_lower_bound)
-  if backend == "auto":
-    platform = jax.default_backend()
-    backend = "pallas_tpu" if platform == "tpu" else "xla"
+  if checked and gate_lower_bound is not None:
+    check_gate_bound(g, gate_lower_bound, segment_ids)
+  backend = resolve_backend(backend)
   kwargs = dict(scale=scale, initial_state=initial_state, output_final_state=output_final_state,
                 segment_ids=segment_ids, chunk_size=chunk_size)
-  if backend == "reference":
-    return reference.recurrent_kda(q, k, v, g, beta, **kwargs)
-  if backend == "xla":
-    from pallas_kernels.kda import xla
-    return xla.chunk_kda_xla(q, k, v, g, beta, gate_lower_bound=gate_lower_bound, **kwargs)
-  if backend == "pallas_tpu":
-    from pallas_kernels.kda import pallas_tpu
-    fn = pallas_tpu.chunk_kda_pallas_tpu
-    if _accepts(fn, "gate_lower_bound"):
-      kwargs["gate_lower_bound"] = gate_lower_bound
-    return fn(q, k, v, g, beta, interpret=interpret, **kwargs)
-  if backend == "pallas_gpu":
-    from pallas_kernels.kda import pallas_gpu
-    return pallas_gpu.chunk_kda_pallas_gpu(q, k, v, g, beta, interpret=interpret, **kwargs)
-  raise AssertionError(backend)
+  fn = getattr(backend_module(backend), BACKENDS[backend][1])
+  if backend != "reference" and _accepts(fn, "gate_lower_bound"):
+    kwargs["gate_lower_bound"] = gate_lower_bound
+  if backend.startswith("pallas"):
+    kwargs["interpret"] = interpret
+  return fn(q, k, v, g, beta, **kwargs)
 
 
 def _accepts(fn, name: str) -> bool:

@@ -9,17 +9,13 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.kda.tiles import segment_resets
 
-def segment_resets(segment_ids: jax.Array) -> jax.Array:
-  """Where the state resets: [B, T] bool.
 
-  A reset happens at position t > 0 whose segment id is non-zero and differs from the id at
-  t - 1. Position 0 never resets: the initial state flows into the first token. Padding
-  (id 0) never resets; it is made an identity step (g = 0, beta = 0) and its output is zero.
-  """
-  prev = jnp.concatenate([segment_ids[:, :1], segment_ids[:, :-1]], axis=1)
-  t = jnp.arange(segment_ids.shape[1])[None, :]
-  return (segment_ids != prev) & (segment_ids != 0) & (t > 0)
+def supported_on(device) -> bool:
+  """Where this backend runs: every platform (plain jax.numpy)."""
+  del device
+  return True
 
 
 def recurrent_step(

@@ -44,37 +44,12 @@ import math
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda.reference import segment_resets
+from pallas_kernels.kda.tiles import SUB, resolve_diag, segment_resets
 
-SUB = 16  # diagonal sub-tile size (tokens)
-DIAG_MODES = ("auto", "dense", "safe")
-# Largest |g_min| for which a dense diagonal tile of SUB tokens keeps every exponent below
-# log(float32 max) ≈ 88.7 nats with r at the tile's first row: (SUB − 1) · |g_min| < 88.
-DENSE_MAX_ABS_BOUND = 88.0 / (SUB - 1)
-
-
-def resolve_diag(diag: str, gate_lower_bound: float | None) -> str:
-  """Pick the diagonal-tile method: "auto" is dense only for a known lower-bounded gate.
-
-  Args:
-    diag: "auto" | "dense" | "safe".
-    gate_lower_bound: g_min of the gate that produced g (e.g. `cfg.kda_gate_lower_bound`, −5.0),
-      or None when g is not known to be bounded (unbounded softplus gate, foreign inputs).
-
-  Returns:
-    "dense" or "safe". "auto" gives "dense" iff gate_lower_bound is not None and
-    |gate_lower_bound| ≤ 88 / 15 ≈ 5.87 (every dense exponent stays inside fp32), else "safe".
-
-  Raises:
-    ValueError: unknown diag.
-  """
-  if diag not in DIAG_MODES:
-    raise ValueError(f"diag={diag!r}: expected one of {DIAG_MODES}")
-  if diag != "auto":
-    return diag
-  if gate_lower_bound is not None and -DENSE_MAX_ABS_BOUND <= gate_lower_bound < 0:
-    return "dense"
-  return "safe"
+def supported_on(device) -> bool:
+  """Where this backend runs: every platform (plain jax.numpy)."""
+  del device
+  return True
 
 
 def _mm(a, b, precision):
@@ -226,7 +201,7 @@ def _unit_lower_inverse_jvp(primals, tangents):
 
 
 def _chunk_masks(segment_ids, B, T, Tp, C):
-  """Document masks per chunk from segment ids (same semantics as `reference.segment_resets`).
+  """Document masks per chunk from segment ids (same semantics as `tiles.segment_resets`).
 
   Returns (valid [B, Tp], same [B, N, C, C], m0 [B, N, C], mlast [B, N, C]) as bool, or
   (valid, None, None, None) when there are no segments.
@@ -298,7 +273,7 @@ def chunk_kda_xla(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: 
     scale: query scale, default K ** −0.5.
     initial_state: [B, H, K, V] (cast to fp32) or None (zeros).
     output_final_state: also return the final state [B, H, K, V] fp32.
-    segment_ids: [B, T] int32 packed-document ids, 0 = padding (`reference.segment_resets`).
+    segment_ids: [B, T] int32 packed-document ids, 0 = padding (`tiles.segment_resets`).
     chunk_size: 16, 32 or 64 tokens. T need not be a multiple (identity tokens are appended).
     diag: diagonal-tile method, "auto" | "dense" | "safe" (module docstring, `resolve_diag`).
       "auto" is safe unless `gate_lower_bound` says g ≥ g_min with |g_min| ≤ 5.87.
@@ -369,27 +344,3 @@ def chunk_kda_xla(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: 
   o = jnp.transpose(o.reshape(N, B, H, C, V), (1, 0, 3, 2, 4)).reshape(B, Tp, H, V)[:, :T]
   o = jnp.where(valid[:, :T, None, None], o, 0).astype(q.dtype)
   return o, (S.reshape(B, H, K, V) if output_final_state else None)
-
-
-def dense_diag_max_exponent(g: jax.Array, *, chunk_size: int = 64,
-                            segment_ids: jax.Array | None = None) -> jax.Array:
-  """Largest exponent r − G_j the dense diagonal-tile path would feed to exp (nats, fp32 scalar).
-
-  Debug helper for the seed's claim (ARCHITECTURE §2.4): ≤ 15·|g_min| = 75 for the gate bounded
-  at −5; thousands for an unbounded gate (fp32 overflows above ≈ 88.7).
-
-  Args:
-    g: [B, T, H, K] log-decay; chunk_size: 16 | 32 | 64; segment_ids: as in `chunk_kda_xla`
-      (padding tokens count as g = 0).
-  """
-  B, T, H, K = g.shape
-  C = chunk_size
-  sub = min(SUB, C)
-  N = max(1, math.ceil(T / C))
-  g = g.astype(jnp.float32)
-  if segment_ids is not None:
-    g = jnp.where((segment_ids != 0)[..., None, None], g, 0)
-  g = jnp.pad(g, [(0, 0), (0, N * C - T), (0, 0), (0, 0)])
-  g = g.reshape(B, N, C // sub, sub, H, K)
-  Pf = jnp.cumsum(g[:, :, :, 1:], axis=3)  # G_j − r for j after the tile's first row
-  return jnp.maximum(jnp.max(-Pf), 0.0) if sub > 1 else jnp.zeros((), jnp.float32)

@@ -106,4 +106,8 @@ class StageConfig:
         raise ValueError(f"StageConfig({self.name}): topology={self.topology!r} x num_slices="
                          f"{self.num_slices}, mesh={self.mesh}: {e} (or set topology=None "
                          "to train without a planned TPU slice)") from None
-    self.model_config().check_segment_ids()  # validates the overrides; training packs
+    model = self.model_config()
+    model.check_segment_ids()  # validates the overrides; training packs
+    if self.data.images and not model.vision:
+      raise ValueError(f"StageConfig({self.name}): data.images={self.data.images!r} needs a "
+                       "model with a vision encoder: set model.vision=true")

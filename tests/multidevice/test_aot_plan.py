@@ -24,7 +24,7 @@ SMALLER = ["num_layers=5", "d_model=32", "vocab_size=128", "dense_hidden=64",
            "moe_latent_dim=16", "expert_hidden=32", "shared_expert_hidden=32",
            "balancer_bins=64", "attention_chunk_size=16", "loss_chunk_size=64"]
 
-# Peak RSS of the mid-size plan: 1.85 GB measured 2026-11-30 (docs/scaling.md), plus 35%.
+# Peak RSS of the mid-size plan: 1.85 and 1.87 GB measured 2026-11-30 (docs/scaling.md), + 1/3.
 MID_SIZE_RSS_BOUND_GB = 2.5
 
 

@@ -23,7 +23,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import chunk_kda
-from pallas_kernels.kda import pallas_tpu
+from pallas_kernels.kda import pallas_tpu, tiles
 import kda_testing as kt  # tests/pallas_kernels/kda_testing.py (pytest puts its dir on sys.path)
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -112,14 +112,14 @@ def test_seed_claim_dense_diagonal_tiles(dtype):
   tol = kt.TOL_BF16 if dtype == BF16 else kt.TOL_FP32
   # Bounded gate saturated at its bound: the worst case for the dense path.
   inp = kt.make_inputs(5, 1, 64, 2, 64, 64, dtype=dtype, gate="saturated", initial_state=True)
-  e = pallas_tpu.diag_tile_max_exponent(inp["g"])
+  e = float(tiles.dense_diag_max_exponent(inp["g"]))
   print(f"bounded gate (g = -5): largest dense-tile exponent {e:.1f} nats (fp32 max 88.7)")
   assert 74.0 < e < 88.0
   _check(inp, tol, f"dense/bounded/{jnp.dtype(dtype).name}", diag="dense")
 
   # Unbounded gate forced onto the dense path (same compiled function): overflow or wrong values.
   inp = kt.make_inputs(6, 1, 64, 2, 64, 64, dtype=dtype, gate="unbounded", initial_state=True)
-  e = pallas_tpu.diag_tile_max_exponent(inp["g"])
+  e = float(tiles.dense_diag_max_exponent(inp["g"]))
   print(f"unbounded gate: largest dense-tile exponent {e:.1f} nats")
   assert e > 88.7
   o_ref, _, _ = kt.reference_fp64(inp, grads=False)
@@ -172,9 +172,9 @@ def test_rejects_bad_arguments():
     pallas_tpu.chunk_kda_pallas_tpu(*args, chunk_size=48, interpret=True)
   with pytest.raises(ValueError, match="diag"):
     pallas_tpu.chunk_kda_pallas_tpu(*args, diag="fast", interpret=True)
-  assert pallas_tpu.resolve_diag("auto", -5.0) == "dense"
-  assert pallas_tpu.resolve_diag("auto", None) == "safe"
-  assert pallas_tpu.resolve_diag("auto", -10.0) == "safe"
+  assert tiles.resolve_diag("auto", -5.0) == "dense"
+  assert tiles.resolve_diag("auto", None) == "safe"
+  assert tiles.resolve_diag("auto", -10.0) == "safe"
 
 
 def test_poisoning_catches_an_unwritten_block():

@@ -18,7 +18,7 @@ import jax.numpy as jnp
 
 import kda_testing as kt
 from pallas_kernels.kda import chunk_kda, recurrent_kda
-from pallas_kernels.kda import xla
+from pallas_kernels.kda import tiles, xla
 
 BF16, FP32 = jnp.bfloat16, jnp.float32
 
@@ -129,7 +129,7 @@ def test_seed_claim_dense_diagonal_tiles(dtype):
   # Bounded, saturated somewhere: the worst case of the claim.
   x = kt.make_inputs(31, 1, T, H, K, V, dtype=dtype, gate="bounded", initial_state=True)
   x["g"] = x["g"].at[:, :20].set(-5.0)
-  e_b = float(xla.dense_diag_max_exponent(x["g"]))
+  e_b = float(tiles.dense_diag_max_exponent(x["g"]))
   o_ref, S_ref, _ = kt.reference_fp64(x, grads=False)
   o, S = xla.chunk_kda_xla(x["q"], x["k"], x["v"], x["g"], x["beta"], diag="dense",
                            initial_state=x["initial_state"], output_final_state=True)
@@ -137,7 +137,7 @@ def test_seed_claim_dense_diagonal_tiles(dtype):
   err_b = kt.rel_rmse(o_ref, o)
   # Unbounded: the same path overflows.
   u = kt.make_inputs(32, 1, T, H, K, V, dtype=dtype, gate="unbounded", initial_state=True)
-  e_u = float(xla.dense_diag_max_exponent(u["g"]))
+  e_u = float(tiles.dense_diag_max_exponent(u["g"]))
   o_ref_u, _, _ = kt.reference_fp64(u, grads=False)
   o_u, _ = xla.chunk_kda_xla(u["q"], u["k"], u["v"], u["g"], u["beta"], diag="dense",
                              initial_state=u["initial_state"])
@@ -158,12 +158,12 @@ def test_seed_claim_dense_diagonal_tiles(dtype):
 
 
 def test_auto_diag_choice():
-  assert xla.resolve_diag("auto", -5.0) == "dense"
-  assert xla.resolve_diag("auto", None) == "safe"
-  assert xla.resolve_diag("safe", -5.0) == "safe"
-  assert xla.resolve_diag("dense", None) == "dense"
+  assert tiles.resolve_diag("auto", -5.0) == "dense"
+  assert tiles.resolve_diag("auto", None) == "safe"
+  assert tiles.resolve_diag("safe", -5.0) == "safe"
+  assert tiles.resolve_diag("dense", None) == "dense"
   with pytest.raises(ValueError):
-    xla.resolve_diag("fast", None)
+    tiles.resolve_diag("fast", None)
 
 
 def test_outputs_finite_and_written_with_padding():

@@ -1,0 +1,85 @@
+"""`chunk_kda`'s dispatch and its checked mode for the gate lower bound (issue 12, item 6).
+
+A float `gate_lower_bound` promises g >= g_min and sends the chunked backends down the dense
+diagonal tiles; decays below the promise overflow there. `checked=True` verifies the promise
+under `jax.experimental.checkify`.
+"""
+
+from __future__ import annotations
+
+import re
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.experimental import checkify
+
+from pallas_kernels.kda import api, chunk_kda, pallas_tpu, reference, xla
+
+import kda_testing as kt
+
+SEED = 11
+
+
+def _inputs(seed, g_lo, g_hi, *, segments=False):
+  print(f"seed={seed}")
+  inp = kt.make_inputs(seed, 1, 64, 2, 16, 16, dtype=jnp.float32, segments=segments)
+  rng = np.random.default_rng(seed)
+  inp["g"] = jnp.asarray(rng.uniform(g_lo, g_hi, inp["g"].shape), jnp.float32)
+  return inp
+
+
+def _run(inp, **kw):
+  args = [inp[n] for n in ("q", "k", "v", "g", "beta")]
+  f = lambda *a: chunk_kda(*a, backend="xla", chunk_size=16, gate_lower_bound=-5.0,
+                           segment_ids=inp["segment_ids"], **kw)[0]
+  return args, f
+
+
+def test_checked_mode_reports_decays_below_the_bound():
+  inp = _inputs(SEED, -8.0, -5.0)  # every decay violates the promised g >= -5
+  args, f = _run(inp, checked=True)
+  err, o = checkify.checkify(jax.jit(f))(*args)
+  msg = err.get()
+  assert msg is not None and "gate_lower_bound=-5.0" in msg, msg
+  reported = float(re.search(r"min g = (-?[0-9.e+-]+)", msg).group(1))  # the offending value
+  np.testing.assert_allclose(reported, float(jnp.min(inp["g"])), rtol=1e-5)
+  with pytest.raises(Exception, match="below gate_lower_bound"):
+    err.throw()
+  # What the check guards against: unchecked, the same call returns non-finite outputs.
+  _, unchecked = _run(inp)
+  assert not np.all(np.isfinite(np.asarray(jax.jit(unchecked)(*args))))
+
+
+def test_checked_mode_passes_decays_inside_the_bound_and_changes_nothing():
+  inp = _inputs(SEED + 1, -5.0, -0.01)
+  args, f = _run(inp, checked=True)
+  err, o = checkify.checkify(jax.jit(f))(*args)
+  assert err.get() is None
+  _, unchecked = _run(inp)
+  np.testing.assert_array_equal(np.asarray(o), np.asarray(jax.jit(unchecked)(*args)))
+  assert np.all(np.isfinite(np.asarray(o)))
+
+
+def test_checked_mode_ignores_padding_tokens():
+  inp = _inputs(SEED + 2, -5.0, -0.01, segments=True)
+  seg = np.asarray(inp["segment_ids"])
+  assert (seg == 0).any()
+  g = np.asarray(inp["g"]).copy()
+  g[seg == 0] = -50.0  # padding is an identity step: its g is never used
+  inp["g"] = jnp.asarray(g)
+  args, f = _run(inp, checked=True)
+  err, _ = checkify.checkify(f)(*args)  # eager too
+  assert err.get() is None
+
+
+def test_backends_declare_where_they_run():
+  cpu = jax.devices("cpu")[0]
+  assert reference.supported_on(cpu) and xla.supported_on(cpu)
+  assert not pallas_tpu.supported_on(cpu)
+  assert api.resolve_backend("auto", cpu) == "xla"
+  assert api.resolve_backend("reference", cpu) == "reference"
+  with pytest.raises(ValueError, match="backend='fast'"):
+    inp = _inputs(SEED, -1.0, -0.1)
+    chunk_kda(*[inp[n] for n in ("q", "k", "v", "g", "beta")], backend="fast")
