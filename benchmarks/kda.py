@@ -165,8 +165,8 @@ def _time_torch(backend, shape, warmup, repeats):
     kw = {}
     if "safe_gate" in params:  # fla's lower-bounded ("safe") gate path
       kw["safe_gate"] = True
-    if "lower_bound" in params:
-      kw["lower_bound"] = -5.0
+    if "gate_lower_bound" in params:
+      kw["gate_lower_bound"] = -5.0
 
     def f(q, k, v, g, beta):
       return fla_chunk_kda(q, k, v, g, beta, **kw)[0]

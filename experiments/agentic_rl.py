@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
 import json
 import sys
 
@@ -83,7 +84,8 @@ def main(argv=None) -> int:
   workdir = args.workdir or f"runs/rl_{args.preset}"
   enable_compilation_cache(os.environ.get("SPARSE_LM_XLA_CACHE") or
                            os.path.join(workdir, "xla_cache"))
-  out = run(cfg, workdir, progress=not args.no_progress and sys.stdout.isatty())
+  log = functools.partial(print, flush=True)  # lines reach a redirected log at once
+  out = run(cfg, workdir, log=log, progress=not args.no_progress and sys.stdout.isatty())
   print(json.dumps({"sft": out["sft"], "grpo": out["grpo"]}))
   return 0
 

@@ -18,24 +18,34 @@ import dataclasses
 
 from experiments.base import DataConfig, MeshLayout, OptimizerConfig, StageConfig, main
 
+# Natively multimodal from the first stage (ARCHITECTURE §7): image-caption examples from the
+# installed packages (sparse_lm/data/image_sources.py; use imagefolder:/imagetar: for a real
+# corpus) are half of the packed elements (text chunks are up to 8K tokens, an example tens to
+# hundreds, so images are a small share of tokens); 8,192 encoder patch slots per row at every
+# stage (the later stages inherit the mix). `tiny` is text-only by default so the README job
+# stays fast: --set model.vision=true --set data.images=digits --set data.image_ratio=0.5.
+IMAGES = "digits+words+lines:8+samples"
+
 FULL = StageConfig(
     name="stage_8k", preset="full", seq_len=8192, tokens_per_batch=4096 * 8192, steps=120_000,
     optim=OptimizerConfig(peak_lr=2e-4, warmup_steps=2000, decay_fraction=0.1),
     eval_every=1000, eval_batches=8, eval_batch_size=512, checkpoint_every=1000,
     micro_batches=16, mesh=MeshLayout(fsdp=-1, expert=128, context=8), topology="v5p:8x16x16",
-    ep_capacity_factor=1.25,
-    data=DataConfig(), reference_seq_len=8192)
+    model_overrides=(("ragged_buffer_factor", 1.25),),
+    data=DataConfig(images=IMAGES, image_ratio=0.5, image_patches_per_row=8192),
+    reference_seq_len=8192)
 
 SMALL = dataclasses.replace(
     FULL, preset="small", tokens_per_batch=32 * 8192, micro_batches=4, steps=20_000,
     optim=OptimizerConfig(peak_lr=3e-4, warmup_steps=1000, decay_fraction=0.1),
     eval_every=500, eval_batch_size=None, checkpoint_every=1000, mesh=MeshLayout(fsdp=-1),
-    topology=None, ep_capacity_factor=None)
+    topology=None, model_overrides=())
 
 TINY = dataclasses.replace(
     SMALL, preset="tiny", seq_len=256, tokens_per_batch=8 * 256, micro_batches=1, steps=500,
     optim=OptimizerConfig(peak_lr=3e-3, warmup_steps=50, decay_fraction=0.2, weight_decay=0.01),
-    eval_every=100, eval_batches=4, eval_batch_size=8, checkpoint_every=100)
+    eval_every=100, eval_batches=4, eval_batch_size=8, checkpoint_every=100,
+    data=DataConfig())
 
 STAGES = {"full": FULL, "small": SMALL, "tiny": TINY}
 

@@ -85,9 +85,11 @@ def memory_report(compiled, hbm: int) -> dict[str, Any]:
               total=total, hbm=hbm, fits=total <= hbm)
 
 
-def _batch(shardings, rows: int, seq_len: int):
+def _batch(stage, shardings, rows: int, seq_len: int):
   import jax
-  return {k: jax.ShapeDtypeStruct((rows, seq_len), jax.numpy.int32, sharding=s)
+  from sparse_lm.train.builder import batch_shapes
+  shapes = batch_shapes(stage, rows, seq_len)  # with the image keys of a multimodal stage
+  return {k: jax.ShapeDtypeStruct(shapes[k][0], shapes[k][1], sharding=s)
           for k, s in shardings.items()}
 
 
@@ -120,7 +122,7 @@ def plan_steps(stage, devices, *, hbm: int, rss, eval_steps: bool = False) -> li
   reports = []
   for name, fn, rows, seq_len in todo:
     with rss.phase(f"{name}: lower") as lo:
-      lowered = fn.lower(state, _batch(parts.batch_shardings, rows, seq_len))
+      lowered = fn.lower(state, _batch(stage, parts.batch_shardings, rows, seq_len))
     with rss.phase(f"{name}: compile") as co:
       compiled = lowered.compile()
       del lowered
@@ -158,7 +160,7 @@ def main(argv=None) -> int:
                  help="default: the stage's StageConfig.num_slices")
   p.add_argument("--set", dest="sets", action="append", default=[], metavar="KEY=VALUE",
                  help="a StageConfig field, as in training: micro_batches=32, mesh=..., "
-                 "model.num_layers=9, ep_capacity_factor=None")
+                 "model.num_layers=9, model.ragged_buffer_factor=None")
   p.add_argument("--eval", action="store_true", help="also the eval step at the eval batch, "
                  "at the stage's length and at twice it")
   p.add_argument("--json", default=None, help="also write the report here")
@@ -205,8 +207,8 @@ def main(argv=None) -> int:
           f"seq_len={stage.seq_len:,} global_batch={stage.global_batch} "
           f"micro_batches={stage.micro_batches} remat={cfg.remat_policy} "
           f"kda_backend={cfg.kda_backend} gmm_backend={cfg.gmm_backend} "
-          f"attention_backend={cfg.attention_backend} ep_impl={stage.ep_impl} "
-          f"ep_capacity_factor={stage.ep_capacity_factor}", flush=True)
+          f"attention_backend={cfg.attention_backend} ep_exchange={cfg.ep_exchange} "
+          f"ragged_buffer_factor={cfg.ragged_buffer_factor}", flush=True)
     try:
       reports = plan_steps(stage, devices, hbm=hbm, rss=rss, eval_steps=args.eval)
     except ValueError as e:
@@ -224,8 +226,8 @@ def main(argv=None) -> int:
     out.update(args=vars(args), stage=args.stage, topology=topology, num_slices=num_slices,
                layout=str(stage.mesh), global_batch=stage.global_batch,
                micro_batches=stage.micro_batches, remat=cfg.remat_policy,
-               kda_backend=cfg.kda_backend, ep_impl=stage.ep_impl,
-               ep_capacity_factor=stage.ep_capacity_factor, gmm_backend=cfg.gmm_backend,
+               kda_backend=cfg.kda_backend, ep_exchange=cfg.ep_exchange,
+               ragged_buffer_factor=cfg.ragged_buffer_factor, gmm_backend=cfg.gmm_backend,
                attention_backend=cfg.attention_backend, peak_rss=peak, phases=rss.phases,
                steps=reports)
     with open(args.json, "w") as f:

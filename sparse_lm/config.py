@@ -13,13 +13,22 @@ ResidualKind = Literal["attnres_block", "attnres_full", "standard"]
 BalancerKind = Literal["quantile", "bias_sign", "aux_loss", "none"]
 RematPolicy = Literal["none", "full", "save_dots", "save_qkv_proj", "minimal"]
 
+# Every closed set of choices of the model, defined here once and validated in
+# `ModelConfig.validate` (the modules that act on a choice import these tuples).
 RESIDUAL_KINDS = ("attnres_block", "attnres_full", "standard")
 BALANCER_KINDS = ("quantile", "bias_sign", "aux_loss", "none")
+QB_CUTOFFS = ("midpoint", "kplus1")  # moe/router.route: alpha between z_(k), z_(k+1), or z_(k+1)
 REMAT_POLICIES = ("none", "full", "save_dots", "save_qkv_proj", "minimal")
-KDA_BACKENDS = ("auto", "xla", "reference", "pallas_tpu", "pallas_gpu")
+# Backends that run today; "pallas_gpu" (ARCHITECTURE §2.5, "if written") is refused until
+# pallas_kernels/kda has it.
+KDA_BACKENDS = ("auto", "xla", "reference", "pallas_tpu")
 GMM_BACKENDS = ("auto", "ragged_dot", "tokamax", "megablox", "dense")
 FFN_ACTIVATIONS = ("situ", "swiglu")
 ATTENTION_BACKENDS = ("auto", "xla_chunked", "xla", "tokamax", "cudnn", "splash")
+# moe/expert_parallel: the token exchange of expert parallelism ("auto": allgather when the
+# expert axis is smaller than top-k, else ragged on GPU / TPU and dense on CPU).
+EP_EXCHANGES = ("auto", "ragged", "dense", "allgather")
+STACK_DTYPES = ("bfloat16", "float32")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -75,21 +84,32 @@ class ModelConfig:
   shared_expert_hidden: int = 3072
   route_scale: float = 1.0  # HF routed_scaling_factor
   moe_latent: bool = True  # False: routed experts on the full width (no W_down/norm/W_up)
+  # Single-program cap: each expert keeps ceil(capacity_factor * N * k / E) assignments.
   capacity_factor: float | None = None  # None = dropless
   gmm_backend: str = "auto"
+  # Expert parallelism (mesh axis `expert` > 1, moe/expert_parallel.py): the exchange and the
+  # per-rank receive buffer in units of the mean rows n * k (n tokens per device), MaxText's
+  # name. None = dropless (worst-case buffers of P * n * k rows). Both caps drop by the causal
+  # rule of docs/architecture.md ("Capacity drops").
+  ep_exchange: str = "auto"
+  ragged_buffer_factor: float | None = None
 
   # Balancing (§6)
   balancer: str = "quantile"
   balancer_bins: int = 1000
   bias_sign_rate: float = 1e-3
   aux_loss_coef: float = 1e-2
+  qb_cutoff: str = "midpoint"  # QB_CUTOFFS
 
   # Residual stream (§4)
   residual: str = "attnres_block"
   attnres_block_layers: int = 12
+  # Storage dtype of the committed AttnRes sources (mixing is fp32 either way); None = the
+  # compute dtype. bf16 halves the stack saved at every group boundary (model/attnres.py).
+  attnres_stack_dtype: str | None = None
 
   # Vision (§7)
-  vision: bool = False
+  vision: bool = False  # True in `small` and `full`; `tiny` is text-only unless asked
   vision_patch_size: int = 14
   vision_width: int = 1152
   vision_layers: int = 27
@@ -185,7 +205,18 @@ class ModelConfig:
     if self.remat_policy not in REMAT_POLICIES:
       bad(f"remat_policy={self.remat_policy!r} must be one of {REMAT_POLICIES}")
     if self.kda_backend not in KDA_BACKENDS:
-      bad(f"kda_backend={self.kda_backend!r} must be one of {KDA_BACKENDS}")
+      why = (" (the Pallas GPU kernel is not written yet)" if self.kda_backend == "pallas_gpu"
+             else "")
+      bad(f"kda_backend={self.kda_backend!r} cannot run{why}; choose one of {KDA_BACKENDS}")
+    if self.qb_cutoff not in QB_CUTOFFS:
+      bad(f"qb_cutoff={self.qb_cutoff!r} must be one of {QB_CUTOFFS}")
+    if self.ep_exchange not in EP_EXCHANGES:
+      bad(f"ep_exchange={self.ep_exchange!r} must be one of {EP_EXCHANGES}")
+    if self.ragged_buffer_factor is not None and self.ragged_buffer_factor <= 0:
+      bad(f"ragged_buffer_factor={self.ragged_buffer_factor} must be > 0 or None (dropless)")
+    if self.attnres_stack_dtype is not None and self.attnres_stack_dtype not in STACK_DTYPES:
+      bad(f"attnres_stack_dtype={self.attnres_stack_dtype!r} must be one of {STACK_DTYPES} "
+          "or None (the compute dtype)")
     if self.gmm_backend not in GMM_BACKENDS:
       bad(f"gmm_backend={self.gmm_backend!r} must be one of {GMM_BACKENDS}")
     if self.attention_backend not in ATTENTION_BACKENDS:
@@ -206,10 +237,24 @@ class ModelConfig:
           f"mla_every={self.mla_every} so blocks align with the scanned layer groups")
     if self.vision and self.d_model % 2:
       bad("vision requires an even d_model")
+    if self.num_dense_layers > self.mla_every:
+      bad(f"num_dense_layers={self.num_dense_layers} > mla_every={self.mla_every}: the dense "
+          "FFN layers must all sit in the first (unrolled) layer group")
+
+  def check_segment_ids(self) -> None:
+    """Raise ValueError if a chosen backend cannot take packed segment ids (training always
+    passes them: `model/loss.py`). Called by the training stage's validation."""
+    if self.attention_backend == "cudnn":
+      raise ValueError(
+          f"ModelConfig({self.name}): attention_backend='cudnn' cannot run with segment ids "
+          "(packed documents, which training always has); choose one of "
+          f"{tuple(b for b in ATTENTION_BACKENDS if b != 'cudnn')}")
 
 
 def _full() -> ModelConfig:
-  return ModelConfig(name="full")
+  # Natively multimodal (§7): the 27-layer SigLIP-so400m-shaped ViT (width 1152, 16 heads,
+  # MLP 4304, patch 14; 466M with its projector), trained with the LM from the first stage.
+  return ModelConfig(name="full", vision=True)
 
 
 def _small() -> ModelConfig:
@@ -221,7 +266,9 @@ def _small() -> ModelConfig:
       qk_rope_head_dim=64, v_head_dim=128,
       dense_hidden=4096, num_experts=64, experts_per_token=4, moe_latent_dim=512,
       expert_hidden=1024, num_shared_experts=1, shared_expert_hidden=2048,
-      attnres_block_layers=4, remat_policy="full")
+      attnres_block_layers=4, remat_policy="full",
+      # a ViT-B-sized encoder: width 768, 12 layers, 12 heads, MLP 3072 (98M with projector)
+      vision=True, vision_width=768, vision_layers=12, vision_heads=12, vision_mlp=3072)
 
 
 def _tiny() -> ModelConfig:

@@ -14,18 +14,18 @@ import jax.numpy as jnp
 
 
 def kda_gate(z: jax.Array, A_log: jax.Array, dt_bias: jax.Array, *,
-             lower_bound: float | None = -5.0) -> jax.Array:
+             gate_lower_bound: float | None = -5.0) -> jax.Array:
   """Log-decay g from the gate pre-activation.
 
   Args:
     z: [..., H, K] gate pre-activation (any float dtype).
     A_log: [H] fp32.
     dt_bias: [H * K] or [H, K] fp32.
-    lower_bound: g_min in [-5, 0) for g = g_min * sigmoid(exp(A_log) * (z + dt_bias));
+    gate_lower_bound: g_min in [-5, 0) for g = g_min * sigmoid(exp(A_log) * (z + dt_bias));
       None for the unbounded g = -exp(A_log) * softplus(z + dt_bias).
 
   Returns:
-    g: [..., H, K] fp32, in (lower_bound, 0) or (-inf, 0). All math in fp32; gradients flow to
+    g: [..., H, K] fp32, in (gate_lower_bound, 0) or (-inf, 0). All math in fp32; gradients flow to
     z (in z's dtype), A_log and dt_bias (their dtypes and shapes) by the analytic rule of §2.3:
       x = z + dt_bias, a = exp(A_log), ĝ = dL/dg,
       bounded:   dL/dx = ĝ g_min σ(ax)(1 − σ(ax)) a,   dL/dA_log = Σ dL/dx · x
@@ -33,49 +33,49 @@ def kda_gate(z: jax.Array, A_log: jax.Array, dt_bias: jax.Array, *,
     and dL/dz = dL/dx, dL/ddt_bias = Σ over the leading axes of dL/dx.
 
   Raises:
-    ValueError: lower_bound outside [-5, 0); z's trailing dims not matching A_log / dt_bias.
+    ValueError: gate_lower_bound outside [-5, 0); z's trailing dims not matching A_log / dt_bias.
   """
-  if lower_bound is not None and not (-5.0 <= lower_bound < 0.0):
-    raise ValueError(f"lower_bound={lower_bound} must be in [-5, 0) (or None for the "
+  if gate_lower_bound is not None and not (-5.0 <= gate_lower_bound < 0.0):
+    raise ValueError(f"gate_lower_bound={gate_lower_bound} must be in [-5, 0) (or None for the "
                      "unbounded softplus gate)")
   H, K = z.shape[-2:]
   if A_log.shape != (H,):
     raise ValueError(f"A_log {A_log.shape} must be [H] = {(H,)}")
   if dt_bias.size != H * K:
     raise ValueError(f"dt_bias {dt_bias.shape} must be [H * K] or [H, K] with H, K = {(H, K)}")
-  return _gate(None if lower_bound is None else float(lower_bound), z, A_log, dt_bias)
+  return _gate(None if gate_lower_bound is None else float(gate_lower_bound), z, A_log, dt_bias)
 
 
-def _forward(lower_bound, z, A_log, dt_bias):
+def _forward(gate_lower_bound, z, A_log, dt_bias):
   H, K = z.shape[-2:]
   x = z.astype(jnp.float32) + dt_bias.astype(jnp.float32).reshape(H, K)
   a = jnp.exp(A_log.astype(jnp.float32))[:, None]
-  if lower_bound is None:
+  if gate_lower_bound is None:
     return -a * jax.nn.softplus(x), (x, a)
-  return lower_bound * jax.nn.sigmoid(a * x), (x, a)
+  return gate_lower_bound * jax.nn.sigmoid(a * x), (x, a)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0,))
-def _gate(lower_bound, z, A_log, dt_bias):
-  return _forward(lower_bound, z, A_log, dt_bias)[0]
+def _gate(gate_lower_bound, z, A_log, dt_bias):
+  return _forward(gate_lower_bound, z, A_log, dt_bias)[0]
 
 
-def _gate_fwd(lower_bound, z, A_log, dt_bias):
-  g = _forward(lower_bound, z, A_log, dt_bias)[0]
+def _gate_fwd(gate_lower_bound, z, A_log, dt_bias):
+  g = _forward(gate_lower_bound, z, A_log, dt_bias)[0]
   # Residuals: just the inputs; x, a and the sigmoid are cheap to recompute in the backward.
   return g, (z, A_log, dt_bias)
 
 
-def _gate_bwd(lower_bound, res, g_bar):
+def _gate_bwd(gate_lower_bound, res, g_bar):
   z, A_log, dt_bias = res
-  g, (x, a) = _forward(lower_bound, z, A_log, dt_bias)
+  g, (x, a) = _forward(gate_lower_bound, z, A_log, dt_bias)
   g_bar = g_bar.astype(jnp.float32)
-  if lower_bound is None:
+  if gate_lower_bound is None:
     dx = -a * jax.nn.sigmoid(x) * g_bar
     dA_elem = g_bar * g
   else:
     s = jax.nn.sigmoid(a * x)
-    dx = g_bar * lower_bound * s * (1.0 - s) * a
+    dx = g_bar * gate_lower_bound * s * (1.0 - s) * a
     dA_elem = dx * x
   lead = tuple(range(dx.ndim - 2))
   dz = dx.astype(z.dtype)
@@ -88,8 +88,8 @@ _gate.defvjp(_gate_fwd, _gate_bwd)
 
 
 def kda_gate_autodiff(z: jax.Array, A_log: jax.Array, dt_bias: jax.Array, *,
-                      lower_bound: float | None = -5.0) -> jax.Array:
+                      gate_lower_bound: float | None = -5.0) -> jax.Array:
   """`kda_gate` without the custom_vjp (plain autodiff): the test oracle for the analytic rule."""
-  if lower_bound is not None and not (-5.0 <= lower_bound < 0.0):
-    raise ValueError(f"lower_bound={lower_bound} must be in [-5, 0)")
-  return _forward(lower_bound, z, A_log, dt_bias)[0]
+  if gate_lower_bound is not None and not (-5.0 <= gate_lower_bound < 0.0):
+    raise ValueError(f"gate_lower_bound={gate_lower_bound} must be in [-5, 0)")
+  return _forward(gate_lower_bound, z, A_log, dt_bias)[0]

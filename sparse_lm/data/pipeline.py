@@ -48,12 +48,13 @@ import grain
 import numpy as np
 from grain import experimental as grain_exp
 
-from sparse_lm.data import sources, splits
-from sparse_lm.data.tokenizer import Tokenizer
+from sparse_lm.data import image_pipeline, images, sources, splits
+from sparse_lm.data.tokenizer import SPECIAL_TOKENS, Tokenizer
 
 _log = logging.getLogger(__name__)
 
 PACKING = ("first_fit", "best_fit")
+IMAGE_TOKEN_ID = SPECIAL_TOKENS.index("<image>")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -74,6 +75,14 @@ class DataConfig:
     tokenizer: path to a ``tokenizer.json`` or SentencePiece ``.model``; None trains a
       byte-level BPE on the source and caches it in the run directory.
     prefetch: batches prepared ahead in a background thread (0 = none).
+    images: image-caption sources mixed into the stream (``sparse_lm.data.image_sources``,
+      e.g. ``digits+words`` or ``imagefolder:PATH``); "" = text only.
+    image_ratio: fraction of the packed elements that are image-caption examples (the others
+      are text chunks of up to seq_len tokens, so the token share of images is smaller).
+    image_max_side: images with a longer side (pixels) are downscaled, with a warning.
+    image_patches_per_row: encoder patch slots per packed row, L (0 = seq_len); batches then
+      carry ``image_patches`` uint8 [b, L, p*p*3], ``image_segment_ids`` int32 [b, L] and
+      ``image_coords`` int32 [b, L, 2] (``sparse_lm.data.images``).
   """
   source: str = "stdlib"
   long_documents: bool = False
@@ -83,6 +92,10 @@ class DataConfig:
   seed: int = 0
   tokenizer: str | None = None
   prefetch: int = 2
+  images: str = ""
+  image_ratio: float = 0.0
+  image_max_side: int = 1024
+  image_patches_per_row: int = 0
 
   def __post_init__(self):
     if not isinstance(self.source, str) or not self.source:
@@ -99,6 +112,15 @@ class DataConfig:
       raise ValueError(f"DataConfig.seed must be an int in [0, 2**32), got {self.seed!r}")
     if not isinstance(self.prefetch, int) or self.prefetch < 0:
       raise ValueError(f"DataConfig.prefetch must be an int >= 0, got {self.prefetch!r}")
+    if self.images:
+      from sparse_lm.data import image_sources
+      image_sources.check_spec(self.images)
+    if not 0.0 <= self.image_ratio <= 1.0 or (self.images and self.image_ratio == 0.0):
+      raise ValueError(f"DataConfig.image_ratio={self.image_ratio} must be in [0, 1] (and > 0 "
+                       "when DataConfig.images is set)")
+    if self.image_max_side < 28 or self.image_patches_per_row < 0:
+      raise ValueError("DataConfig.image_max_side must be >= 28 px and image_patches_per_row "
+                       ">= 0 (0 = seq_len)")
     if self.tokenizer is not None and not isinstance(self.tokenizer, str):
       raise ValueError(f"DataConfig.tokenizer must be a path or None, got {self.tokenizer!r}")
 
@@ -211,6 +233,10 @@ def _finalize(rows: dict[str, np.ndarray], batch_size: int | None = None) -> dic
       "positions": rows["doc_positions"].astype(np.int32),
       "loss_mask": (segment_ids > 0).astype(np.float32),
   }
+  if "patches" in rows:  # image-text rows: no loss on <image> positions
+    batch["loss_mask"] = images.image_loss_mask(batch["tokens"], batch["loss_mask"],
+                                                IMAGE_TOKEN_ID)
+    batch.update(images.finalize_rows(rows, IMAGE_TOKEN_ID))
   if batch_size is not None and segment_ids.shape[0] < batch_size:
     pad = batch_size - segment_ids.shape[0]
     batch = {k: np.concatenate([v, np.zeros((pad,) + v.shape[1:], v.dtype)])
@@ -287,11 +313,15 @@ def _num_bins(seq_len: int, batch_size: int) -> int:
 
 
 def _packed_rows(ds: grain.IterDataset, data_cfg: DataConfig, seq_len: int, num_bins: int,
-                 shuffle_bins: bool) -> grain.IterDataset:
+                 shuffle_bins: bool, mix=None) -> grain.IterDataset:
   ds = grain_exp.FlatMapIterDataset(ds, _Chunk(seq_len))
+  lengths = {"tokens": seq_len, "doc_positions": seq_len}
+  if data_cfg.images:  # image-caption examples mixed in (data/image_pipeline.py)
+    ds = mix(ds)
+    lengths = image_pipeline.length_struct(data_cfg, seq_len)
   pack_cls = {"first_fit": grain_exp.FirstFitPackIterDataset,
               "best_fit": grain_exp.BestFitPackIterDataset}[data_cfg.packing]
-  return pack_cls(ds, length_struct={"tokens": seq_len, "doc_positions": seq_len},
+  return pack_cls(ds, length_struct=lengths,
                   num_packing_bins=num_bins, seed=data_cfg.seed, shuffle_bins=shuffle_bins)
 
 
@@ -317,7 +347,8 @@ def _check_shape_args(seq_len: int, batch_size: int) -> None:
 
 def make_train_iterator(data_cfg: DataConfig, tokenizer: Tokenizer, *, seq_len: int,
                         batch_size: int, process_index: int = 0, process_count: int = 1,
-                        num_epochs: int | None = None) -> grain.DatasetIterator:
+                        num_epochs: int | None = None, patch_size: int = 14
+                        ) -> grain.DatasetIterator:
   """This host's stream of packed training batches (see the module docstring for the fields).
 
   Args:
@@ -327,6 +358,8 @@ def make_train_iterator(data_cfg: DataConfig, tokenizer: Tokenizer, *, seq_len: 
     batch_size: rows per batch on this host, b.
     process_index, process_count: this host's shard; hosts read disjoint documents.
     num_epochs: passes over this host's documents; None repeats forever (reshuffled each epoch).
+    patch_size: the vision encoder's patch (``ModelConfig.vision_patch_size``), used when
+      ``data_cfg.images`` mixes in image-caption examples.
 
   Returns:
     A ``grain.DatasetIterator`` with ``get_state()`` / ``set_state(state)``, yielding dicts of
@@ -351,8 +384,13 @@ def make_train_iterator(data_cfg: DataConfig, tokenizer: Tokenizer, *, seq_len: 
     raise ValueError(f"data source {data_cfg.source!r} has {len(source)} training documents, "
                      f"fewer than process_count={process_count}; every host needs one")
   ds = grain.MapDataset.source(shard).shuffle(seed=data_cfg.seed).repeat(num_epochs)
-  ds = ds.map(_Tokenize(source, tokenizer)).to_iter_dataset(_read_options(data_cfg.long_documents))
-  ds = _packed_rows(ds, data_cfg, seq_len, _num_bins(seq_len, batch_size), shuffle_bins=True)
+  read = _read_options(data_cfg.long_documents)
+  ds = ds.map(_Tokenize(source, tokenizer)).to_iter_dataset(read)
+  mix = lambda chunks: image_pipeline.mix_images(
+      chunks, data_cfg, tokenizer, split="train", seq_len=seq_len, patch_size=patch_size,
+      read_options=read, shard=(process_index, process_count), num_epochs=num_epochs)
+  ds = _packed_rows(ds, data_cfg, seq_len, _num_bins(seq_len, batch_size), shuffle_bins=True,
+                    mix=mix)
   ds = ds.batch(batch_size, drop_remainder=True).map(_finalize)
   if data_cfg.prefetch:
     ds = _Prefetch(ds, data_cfg.prefetch)
@@ -362,11 +400,16 @@ def make_train_iterator(data_cfg: DataConfig, tokenizer: Tokenizer, *, seq_len: 
                "seed": data_cfg.seed, "tokenizer": tokenizer.fingerprint, "seq_len": seq_len,
                "batch_size": batch_size, "process_index": process_index,
                "process_count": process_count, "num_epochs": num_epochs}
+  if data_cfg.images:
+    signature.update(images=data_cfg.images, image_ratio=data_cfg.image_ratio,
+                     image_max_side=data_cfg.image_max_side, patch_size=patch_size,
+                     image_patches_per_row=data_cfg.image_patches_per_row)
   return _TrainIterator(iter(ds), signature)
 
 
 def make_eval_batches(data_cfg: DataConfig, tokenizer: Tokenizer, *, seq_len: int,
-                      batch_size: int, num_batches: int) -> list[dict[str, np.ndarray]]:
+                      batch_size: int, num_batches: int, patch_size: int = 14
+                      ) -> list[dict[str, np.ndarray]]:
   """The first ``num_batches`` batches of the held-out split, in a fixed order.
 
   Same fields and shapes as ``make_train_iterator``. Documents are read in id order and packed
@@ -384,8 +427,13 @@ def make_eval_batches(data_cfg: DataConfig, tokenizer: Tokenizer, *, seq_len: in
     return []  # no held-out split
   source = _open(data_cfg, "eval")
   ds = grain.MapDataset.source(np.arange(len(source), dtype=np.int64))
-  ds = ds.map(_Tokenize(source, tokenizer)).to_iter_dataset(_read_options(data_cfg.long_documents))
-  ds = _packed_rows(ds, data_cfg, seq_len, _num_bins(seq_len, batch_size), shuffle_bins=False)
+  read = _read_options(data_cfg.long_documents)
+  ds = ds.map(_Tokenize(source, tokenizer)).to_iter_dataset(read)
+  mix = lambda chunks: image_pipeline.mix_images(
+      chunks, data_cfg, tokenizer, split="eval", seq_len=seq_len, patch_size=patch_size,
+      read_options=read, shuffle=False)
+  ds = _packed_rows(ds, data_cfg, seq_len, _num_bins(seq_len, batch_size), shuffle_bins=False,
+                    mix=mix)
   batches = []
   for rows in ds.batch(batch_size):
     batches.append(_finalize(rows, batch_size))

@@ -32,7 +32,7 @@ from flax import nnx
 
 from sparse_lm import sharding as shd
 from sparse_lm.config import ModelConfig
-from sparse_lm.interop import hf_config, hf_names, mxfp4
+from sparse_lm.interop import hf_config, hf_names, mxfp4, workdir
 from sparse_lm.interop.safetensors_io import CheckpointReader, ShardWriter
 from sparse_lm.model.transformer import Transformer
 
@@ -206,16 +206,22 @@ def save_pretrained(model: Transformer, cfg: ModelConfig, path: str | os.PathLik
 
 
 # ------------------------------------------------------------------ CLI
+def import_to_workdir(hf_dir, workdir_path, *, dtype: str | None = None) -> pathlib.Path:
+  """HF checkpoint `hf_dir` -> `<workdir>/hf_import/` (Orbax; see interop/workdir.py)."""
+  model, cfg = load_pretrained(hf_dir, dtype=dtype)
+  raw = json.loads((pathlib.Path(hf_dir) / "config.json").read_text())
+  return workdir.save_import(model, cfg, raw, workdir_path)
+
+
 def _export_source(workdir_path: str, stage: str | None):
   """(model, cfg, token ids) of the stage checkpoint to export, or of the HF import."""
-  # pylint: disable=g-import-not-at-top  (entry point: the training stack only when asked)
-  from sparse_lm.interop import workdir
-  from sparse_lm.train.trained import _stage_dirs, load
   extra = workdir.token_ids(workdir_path)
-  if stage or _stage_dirs(pathlib.Path(workdir_path).absolute()):
-    model, _, stage_cfg = load(workdir_path, stage)
-    return model, stage_cfg.model_config(), extra
-  model, cfg, _ = workdir.load_from_workdir(workdir_path)
+  try:
+    model, cfg = workdir.load_stage_checkpoint(workdir_path, stage)
+  except FileNotFoundError:
+    if stage is not None or workdir.imported_config(workdir_path) is None:
+      raise
+    model, cfg, _ = workdir.load_from_workdir(workdir_path)
   return model, cfg, extra
 
 
@@ -237,8 +243,7 @@ def main(argv=None) -> None:
   b.add_argument("--quantize", action="store_true", help="MXFP4 routed experts (kimi_k3)")
   args = ap.parse_args(argv)
   if args.cmd == "import":
-    from sparse_lm.interop import workdir  # pylint: disable=g-import-not-at-top
-    out = workdir.import_to_workdir(args.hf_dir, args.workdir, dtype=args.dtype)
+    out = import_to_workdir(args.hf_dir, args.workdir, dtype=args.dtype)
     print(f"imported {args.hf_dir} -> {out}")
   else:
     model, cfg, extra = _export_source(args.workdir, args.stage)

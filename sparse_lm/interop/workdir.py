@@ -7,6 +7,10 @@
 A training stage starts from it with `--set init_from=W` (StageConfig.init_from): the stage's
 model is the imported ModelConfig with the stage's `model_overrides` applied, its parameters
 and balancer state are restored into the stage's shardings, and the optimizer starts fresh.
+
+`load_stage_checkpoint` reads a training stage's checkpoint back for export without importing
+sparse_lm.train (same floor: train imports this module): the ModelConfig from the checkpoint's
+`meta` item, the parameters and model variables from its `state` item.
 """
 
 from __future__ import annotations
@@ -35,19 +39,18 @@ def imported_config(workdir) -> ModelConfig | None:
   return ModelConfig(**json.loads((_dir(workdir) / META).read_text())["model_config"])
 
 
-def import_to_workdir(hf_dir, workdir, *, dtype: str | None = None) -> pathlib.Path:
-  """HF checkpoint `hf_dir` -> `<workdir>/hf_import/`; returns that directory."""
+def save_import(model: nnx.Module, cfg: ModelConfig, raw_config: dict, workdir
+                ) -> pathlib.Path:
+  """Write an imported model (`hf.load_pretrained`) and its config.json dict `raw_config` as
+  `<workdir>/hf_import/`; returns that directory."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  from sparse_lm.interop.hf import load_pretrained  # pylint: disable=g-import-not-at-top
-  model, cfg = load_pretrained(hf_dir, dtype=dtype)
   out = _dir(workdir)
   out.mkdir(parents=True, exist_ok=True)
   _, params, rest = nnx.split(model, nnx.Param, ...)
   with ocp.StandardCheckpointer() as ckpt:
     ckpt.save(out / "params", nnx.to_pure_dict(params), force=True)
     ckpt.save(out / "model_vars", nnx.to_pure_dict(rest), force=True)
-  raw = json.loads((pathlib.Path(hf_dir) / "config.json").read_text())
-  meta = {"model_config": dataclasses.asdict(cfg), "hf_extra": hf_config.token_ids(raw)}
+  meta = {"model_config": dataclasses.asdict(cfg), "hf_extra": hf_config.token_ids(raw_config)}
   (out / META).write_text(json.dumps(meta, indent=2) + "\n")
   return out
 
@@ -93,3 +96,46 @@ def load_from_workdir(workdir) -> tuple[nnx.Module, ModelConfig, dict]:
   params, rest = restore_variables(workdir, params, rest)
   extra = json.loads((_dir(workdir) / META).read_text())["hf_extra"]
   return nnx.merge(graphdef, params, rest), cfg, extra
+
+
+def _unwrap(tree):
+  """An Orbax-restored nnx state dict -> nnx pure dict (drop the `value` wrappers)."""
+  if isinstance(tree, dict):
+    if set(tree) == {"value"} and not isinstance(tree["value"], dict):
+      return tree["value"]
+    return {(int(k) if isinstance(k, str) and k.isdigit() else k): _unwrap(v)
+            for k, v in tree.items()}
+  return tree
+
+
+def load_stage_checkpoint(workdir, stage: str | None = None) -> tuple[nnx.Module, ModelConfig]:
+  """(model on the first device, cfg) of the newest step of `stage` (default: the stage whose
+  newest checkpoint is the most recent) under `workdir/<stage>/checkpoints/`.
+
+  Raises:
+    FileNotFoundError: no such checkpoint (the message lists the stages found).
+  """
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from sparse_lm.model.transformer import Transformer  # pylint: disable=g-import-not-at-top
+  root = pathlib.Path(workdir).absolute()
+  steps = [d for d in root.glob("*/checkpoints/*")
+           if d.name.isdigit() and (d / "state").is_dir() and (d / "meta").is_dir()]
+  names = sorted({d.parents[1].name for d in steps})
+  if stage is not None:
+    steps = [d for d in steps if d.parents[1].name == stage]
+  if not steps:
+    raise FileNotFoundError(f"no checkpoint of {stage or 'any stage'} in {root} (stages with "
+                            f"checkpoints: {names or 'none'})")
+  if stage is None:
+    stage = max(steps, key=lambda d: d.stat().st_mtime).parents[1].name
+  step_dir = max((d for d in steps if d.parents[1].name == stage), key=lambda d: int(d.name))
+  meta = json.loads((step_dir / "meta" / "metadata").read_text())
+  fields = {f.name for f in dataclasses.fields(ModelConfig)}
+  cfg = ModelConfig(**{k: v for k, v in meta["model"].items() if k in fields})
+  graphdef, params, rest = nnx.split(
+      nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
+  with ocp.StandardCheckpointer() as ckpt:
+    saved = ckpt.restore(step_dir / "state")
+  nnx.replace_by_pure_dict(params, _unwrap(saved["params"]))
+  nnx.replace_by_pure_dict(rest, _unwrap(saved["model_vars"]))
+  return nnx.merge(graphdef, params, rest), cfg

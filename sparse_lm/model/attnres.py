@@ -15,8 +15,9 @@ Source: Attention Residuals (arXiv 2603.15031). Three kinds (cfg.residual):
 The stream is a pytree of arrays with static shapes so it can be a `lax.scan` carry: a fixed
 stack [N_max, B, T, D] of sources, a `count` of filled slots (unused slots get -inf logits), the
 partial block sum and a flag saying whether it is non-empty. All mixing is fp32, and the
-running partial sum is fp32; the committed sources in the stack are stored in the compute
-dtype (cfg.dtype: bf16 for the small and full presets, fp32 for tiny). The stack is carried
+running partial sum is fp32; the committed sources in the stack are stored in
+cfg.attnres_stack_dtype, by default the compute dtype (cfg.dtype: bf16 for the small and full
+presets, fp32 for tiny). The stack is carried
 through the scan over layer groups and saved at every group boundary for the backward pass,
 so its storage dtype sets that memory (full preset, 2,048 tokens per chip: 470 MB per boundary
 in fp32, 235 MB in bf16, x 22 boundaries).
@@ -83,8 +84,9 @@ def num_sources(cfg: ModelConfig) -> int:
 
 
 def stack_dtype(cfg: ModelConfig):
-  """Storage dtype of the committed sources: the compute dtype (see the module docstring)."""
-  return jnp.dtype(cfg.dtype)
+  """Storage dtype of the committed sources: cfg.attnres_stack_dtype, by default (None) the
+  compute dtype (see the module docstring)."""
+  return jnp.dtype(cfg.attnres_stack_dtype or cfg.dtype)
 
 
 def init_stream(cfg: ModelConfig, emb: jax.Array) -> dict:

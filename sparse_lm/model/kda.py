@@ -3,7 +3,7 @@
     q, k = L2Norm(SiLU(ShortConv(x W_q / W_k)))      per head, eps 1e-6
     v    = SiLU(ShortConv(x W_v))
     z    = (x W_g_down) W_g_up                        rank K, one value per (head, key channel)
-    g    = kda_gate(z, A_log, dt_bias, lower_bound)   log-decay <= 0
+    g    = kda_gate(z, A_log, dt_bias, gate_lower_bound)   log-decay <= 0
     beta = sigmoid(x W_beta)                          one per head
     o    = chunk_kda(q, k, v, g, beta)                the recurrence of §2.1 (pallas_kernels.kda)
     y    = W_o [ sigmoid(x W_og) * RMSNorm_per_head(o) ]
@@ -131,7 +131,7 @@ def cp_short_conv(x: jax.Array, w: jax.Array, segment_ids: jax.Array | None, *,
                        out_specs=P(b, c, None), check_vma=False)(x, w, segment_ids)
 
 
-def kda_projections(p: dict, x: jax.Array, *, lower_bound: float | None, eps: float,
+def kda_projections(p: dict, x: jax.Array, *, gate_lower_bound: float | None, eps: float,
                     dtype, segment_ids=None, conv_state: dict | None = None
                     ) -> tuple[KDAProjections, dict]:
   """x [B, T, D] -> (KDAProjections, new conv states {"q","k","v": [B, W-1, H*dim]}).
@@ -158,7 +158,7 @@ def kda_projections(p: dict, x: jax.Array, *, lower_bound: float | None, eps: fl
   k = checkpoint_name(k, "key_proj")
   v = checkpoint_name(v, "value_proj")
   z = nn.project(nn.project(x, p["w_g_down"], dtype=dtype), p["w_g_up"], dtype=dtype)
-  g = kda_gate(z, p["A_log"], p["dt_bias"], lower_bound=lower_bound)
+  g = kda_gate(z, p["A_log"], p["dt_bias"], gate_lower_bound=gate_lower_bound)
   beta = jax.nn.sigmoid(nn.project(x, p["w_beta"], dtype=dtype, out_dtype=jnp.float32))
   return KDAProjections(q, k, v, g, beta), new_state
 
@@ -187,10 +187,10 @@ def init_dt_bias(key: jax.Array, shape, dt_min=1e-3, dt_max=1e-1, dt_floor=1e-4)
   return dt + jnp.log(-jnp.expm1(-dt))  # softplus^{-1}(dt)
 
 
-def init_A_log(lower_bound: float | None):
+def init_A_log(gate_lower_bound: float | None):
   """A_log = zeros for the bounded gate, log U(1, 16) for the unbounded one (§2.3)."""
   def init(key, shape):
-    if lower_bound is not None:
+    if gate_lower_bound is not None:
       return jnp.zeros(shape, jnp.float32)
     return jnp.log(nn.uniform_init(1.0, 16.0)(key, shape))
   return init
@@ -252,7 +252,7 @@ class KDA(nnx.Module):
   def projections(self, x: jax.Array, segment_ids=None) -> KDAProjections:
     """x [B,T,D] -> the recurrence inputs (for tests against the naive recurrence)."""
     cfg = self.cfg
-    proj, _ = kda_projections(self._arrays(), x, lower_bound=cfg.kda_gate_lower_bound,
+    proj, _ = kda_projections(self._arrays(), x, gate_lower_bound=cfg.kda_gate_lower_bound,
                               eps=cfg.l2_norm_eps, dtype=jnp.dtype(cfg.dtype),
                               segment_ids=segment_ids)
     return proj
@@ -270,7 +270,7 @@ class KDA(nnx.Module):
     cfg = self.cfg
     p = self._arrays()
     dtype = jnp.dtype(cfg.dtype)
-    proj, _ = kda_projections(p, x, lower_bound=cfg.kda_gate_lower_bound, eps=cfg.l2_norm_eps,
+    proj, _ = kda_projections(p, x, gate_lower_bound=cfg.kda_gate_lower_bound, eps=cfg.l2_norm_eps,
                               dtype=dtype, segment_ids=segment_ids)
     mesh = sharding.current_mesh()
     if context_parallel.kda_under_mesh(mesh, cfg.kda_backend):  # CP and/or a Pallas kernel
@@ -302,7 +302,7 @@ class KDA(nnx.Module):
     cfg = self.cfg
     p = self._arrays()
     dtype = jnp.dtype(cfg.dtype)
-    proj, conv = kda_projections(p, x, lower_bound=cfg.kda_gate_lower_bound, eps=cfg.l2_norm_eps,
+    proj, conv = kda_projections(p, x, gate_lower_bound=cfg.kda_gate_lower_bound, eps=cfg.l2_norm_eps,
                                  dtype=dtype, conv_state=cache.conv)
     scale = cfg.kda_head_dim ** -0.5
 

@@ -14,6 +14,7 @@ import jax.numpy as jnp
 
 from sparse_lm.model.transformer import Transformer
 from sparse_lm.vision.merge import image_placeholder_mask
+from sparse_lm.vision.patches import PackedImages
 
 
 def next_token_targets(tokens: jax.Array, segment_ids: jax.Array | None = None,
@@ -102,9 +103,10 @@ def loss_fn(model: Transformer, batch: dict, *, train: bool = False,
   Args:
     model: the Transformer.
     batch: "tokens" [B, T] int32; optional "segment_ids" [B, T] int32 (0 = padding; default
-      all ones), "loss_mask" [B, T] (default ones) and "images" (a vision.ImageBatch whose
-      tokens fill the `<image>` spans; those positions are never targets). Convention in the
-      module docstring.
+      all ones), "loss_mask" [B, T] (default ones) and "images" (a vision.ImageBatch or
+      PackedImages whose tokens fill the `<image>` spans; those positions are never targets),
+      or the data pipeline's "image_patches" / "image_segment_ids" / "image_coords" (packed
+      rows). Convention in the module docstring.
     train: forwarded to the model; True accumulates the MoE balancer statistics in the
       model's variables (training only; default False: evaluation mutates nothing).
     z_loss_coef: weight of the z-loss mean(logsumexp²) (PaLM), 0 to disable.
@@ -113,8 +115,9 @@ def loss_fn(model: Transformer, batch: dict, *, train: bool = False,
     loss: fp32 scalar = mean NLL (nats / counted token) + z-loss + sum over MoE layers of
       aux_loss (non-zero only for balancer="aux_loss").
     metrics: "loss" (mean NLL), "z_loss", "aux_loss", "total_loss", "num_tokens", "accuracy"
-      (fp32 scalars); "moe/max_violation", "moe/dead_frac", "moe/drop_rate" ([num MoE layers]
-      arrays, layer order) and "moe/load" [layers, E].
+      (fp32 scalars); "moe/<key>" for every key of the MoE layers' aux ([num MoE layers]
+      arrays, layer order, "moe/load" [layers, E]): balance, drops ("moe/assigned",
+      "moe/dropped", "moe/drop_rate") and, under expert parallelism, receive rows.
   """
   tokens = batch["tokens"]
   seg = batch.get("segment_ids")
@@ -122,6 +125,9 @@ def loss_fn(model: Transformer, batch: dict, *, train: bool = False,
     seg = jnp.ones_like(tokens, jnp.int32)
   targets, weights = next_token_targets(tokens, seg, batch.get("loss_mask"))
   images = batch.get("images")
+  if images is None and "image_patches" in batch:  # packed rows from the data pipeline
+    images = PackedImages(batch["image_patches"], batch["image_segment_ids"],
+                          batch["image_coords"])
   if images is not None:  # no loss on image positions (ARCHITECTURE §7)
     weights = jnp.where(image_placeholder_mask(targets), 0.0, weights)
   h, aux = model.forward_hidden(tokens, segment_ids=seg, images=images, train=train)
@@ -137,7 +143,6 @@ def loss_fn(model: Transformer, batch: dict, *, train: bool = False,
   metrics = {
       "loss": nll, "z_loss": z_loss, "aux_loss": aux_loss, "total_loss": total,
       "num_tokens": num, "accuracy": sums["correct_sum"] / denom,
-      "moe/max_violation": aux["max_violation"], "moe/dead_frac": aux["dead_frac"],
-      "moe/drop_rate": aux["drop_rate"], "moe/load": aux["load"],
+      **{f"moe/{k}": v for k, v in aux.items() if k != "aux_loss"},
   }
   return total, metrics

@@ -42,8 +42,6 @@ from sparse_lm.model.mla import MLA
 from sparse_lm.moe import LatentMoE, SiTUGLU
 from sparse_lm.vision.encoder import VisionEncoder
 
-AUX_KEYS = ("max_violation", "dead_frac", "drop_rate", "load", "aux_loss")
-
 
 class DecoderLayer(nnx.Module):
   """One decoder layer: token mixer (KDA or MLA) and FFN (dense SiTU-GLU or LatentMoE).
@@ -157,7 +155,8 @@ def _remat_call(cfg: ModelConfig, module: nnx.Module, stream: dict, *, opens_blo
 
 
 def _stack_aux(auxes: list[dict]) -> dict:
-  return {k: jnp.stack([a[k] for a in auxes]) for k in AUX_KEYS}
+  """Per-layer MoE aux dicts (the same keys in every layer) -> arrays stacked over layers."""
+  return {k: jnp.stack([a[k] for a in auxes]) for k in auxes[0]}
 
 
 class Transformer(nnx.Module):
@@ -239,8 +238,10 @@ class Transformer(nnx.Module):
     Returns:
       h: [B, T, D] in cfg.dtype, after the final AttnRes and RMSNorm (the LM head's input).
       aux: dict of fp32 arrays stacked over the MoE layers in layer order
-        (num_layers - num_dense_layers): "max_violation", "dead_frac", "drop_rate" [L],
-        "load" [L, E], "aux_loss" [L].
+        (num_layers - num_dense_layers): the keys of `LatentMoE.__call__`'s aux
+        ("max_violation", "dead_frac", "assigned", "dropped", "drop_rate", "aux_loss" [L],
+        "load" [L, E]; under expert parallelism "recv_rows_max", "recv_rows_mean",
+        "recv_buffer_rows" [L]).
 
     Raises:
       ValueError: images given to a model built without cfg.vision.
@@ -269,7 +270,7 @@ class Transformer(nnx.Module):
     stream, last_aux = _remat_call(
         cfg, self.last, stream, opens_block=last_first % cfg.attnres_block_layers == 0, **kw)
     aux.append(_stack_aux([last_aux]))
-    aux = {k: jnp.concatenate([a[k] for a in aux]) for k in AUX_KEYS}
+    aux = {k: jnp.concatenate([a[k] for a in aux]) for k in aux[0]}
     h = attnres.final_output(cfg, stream, self.final_query[...])
     h = self.final_norm(h).astype(jnp.dtype(cfg.dtype))
     h = sharding.constrain(h, ("activation_batch", "activation_length", "activation_embed"))

@@ -10,12 +10,16 @@ network. Inside one `jax.shard_map` over the whole mesh, each device holds N / (
 expert * context) tokens and E / expert experts; the exchange runs along `expert` only:
 
   1. The device sorts its (token, expert) pairs by destination rank (= expert // E_local), then
-     by descending gate, and all-gathers its per-destination counts -> a [P, P] count matrix C
-     (P = expert axis size), identical on every rank of the group.
-  2. Optional receive cap R (rows per rank): where a rank would receive sum_i C[i, j] > R rows,
-     every sender keeps floor(C[i, j] * R / sum_i C[i, j]) of its rows to j, the highest gates
-     (lowest-margin assignments are dropped); the drop rate is returned as a metric. Default:
-     dropless (the receive buffer has the worst-case size P * n * k).
+     by position in the sequence, then by descending margin, and all-gathers its
+     per-destination counts -> a [P, P] count matrix C (P = expert axis size), identical on
+     every rank of the group.
+  2. Optional receive cap R (rows per rank, cfg.ragged_buffer_factor x the mean n k): the
+     causal rule of docs/architecture.md ("Capacity drops"): a receiver keeps the group's
+     pairs in order of position, up to R; at the position where R runs out, the room left is
+     shared among the senders in proportion to their pairs there, highest margins first.
+     No pair is ever dropped because of a later token of its sequence. The drop rate and the
+     receive rows are returned as metrics. Default: dropless (the receive buffer has the
+     worst-case size P * n * k).
   3. Exchange, one of
        "ragged":    jax.lax.ragged_all_to_all (GPU, TPU): exactly the kept rows move.
        "dense":     jax.lax.all_to_all of fixed-size [P, cap, L] blocks, padded (runs
@@ -34,9 +38,6 @@ A rank (or expert) that receives no rows works: its grouped matmuls see zero-siz
 
 from __future__ import annotations
 
-import contextlib
-import contextvars
-import dataclasses
 import functools
 import math
 from typing import Any, Callable, Mapping
@@ -46,48 +47,21 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sparse_lm import sharding as shd
+from sparse_lm.config import EP_EXCHANGES
 from sparse_lm.moe.gmm import gmm
 from sparse_lm.moe.situ_glu import situ_activation
 
-EP_IMPLS = ("auto", "ragged", "dense", "allgather")
 # Mesh axes the flattened [B, T] tokens span, in order. The same tuple for both values of
 # MeshLayout.expert_shards: B over (data, fsdp, expert) and T over context, or B over
 # (data, fsdp) and T over (expert, context), both flatten to data, fsdp, expert, context.
 TOKEN_AXES = ("data", "fsdp", "expert", "context")
 
 
-@dataclasses.dataclass(frozen=True)
-class EPOptions:
-  """Settings of the expert-parallel dispatch taken through the LatentMoE seam.
-
-  impl: "auto" | "ragged" | "dense" | "allgather".
-  recv_capacity_factor: per-rank receive cap = ceil(factor * n * k) rows (n tokens per
-    device); None = dropless (worst-case buffers of P * n * k rows per rank).
-  """
-
-  impl: str = "auto"
-  recv_capacity_factor: float | None = None
-
-
-_OPTIONS: contextvars.ContextVar[EPOptions] = contextvars.ContextVar(
-    "sparse_lm_ep_options", default=EPOptions())
-
-
-@contextlib.contextmanager
-def options(**kwargs):
-  """Set EPOptions fields while tracing, e.g. `with options(recv_capacity_factor=2.0): ...`."""
-  tok = _OPTIONS.set(dataclasses.replace(_OPTIONS.get(), **kwargs))
-  try:
-    yield _OPTIONS.get()
-  finally:
-    _OPTIONS.reset(tok)
-
-
 def resolve_impl(impl: str, ep_size: int, top_k: int, platform: str | None = None) -> str:
   """Concrete exchange for `impl` ("auto": allgather when ep_size < top_k, else ragged on
   GPU/TPU and dense on CPU). `platform` is the mesh's (AOT compiles for TPU from a CPU host)."""
-  if impl not in EP_IMPLS:
-    raise ValueError(f"unknown expert-parallel impl {impl!r}; choose one of {EP_IMPLS}")
+  if impl not in EP_EXCHANGES:
+    raise ValueError(f"unknown expert-parallel impl {impl!r}; choose one of {EP_EXCHANGES}")
   if impl != "auto":
     return impl
   if ep_size < top_k:
@@ -120,25 +94,62 @@ def _exclusive_cumsum(x, axis=-1):
   return jnp.cumsum(x, axis=axis) - x
 
 
-def _keep_plan(dest, gates, num_ranks, me, axis, recv_cap):
-  """Sort pairs by (dest, -gate); counts, kept counts and the kept mask (see module doc)."""
-  order = jnp.lexsort((-gates.astype(jnp.float32), dest))
-  dest_s = dest[order]  # == num_ranks for the sentinel (dropped / padding) assignments: last
-  counts = jax.ops.segment_sum(jnp.ones_like(dest_s), dest_s,
-                               num_segments=num_ranks + 1)[:num_ranks]
+def _count_by_dest(mask, dest, num_ranks):
+  """Per-destination count of the pairs where `mask` holds ([num_ranks] int32)."""
+  return jax.ops.segment_sum(mask.astype(jnp.int32), dest, num_segments=num_ranks + 1
+                             )[:num_ranks]
+
+
+def _keep_plan(dest, positions, margin, num_ranks, me, axis, recv_cap, num_positions):
+  """The causal receive-cap rule (docs/architecture.md, "Capacity drops").
+
+  Pairs are sorted by (destination, position, -margin). Receiver j keeps every pair at a
+  position < p*_j, where p*_j is the largest p with (pairs of the whole group to j at
+  positions < p) <= recv_cap; the room left at p*_j is shared among the senders in proportion
+  to their pairs there (rounded down), each keeping its highest-margin ones; later positions
+  are dropped. p*_j is found by a binary search over positions (one psum of [P] counts per
+  halving). A pair's fate depends only on pairs at its own or earlier positions.
+
+  Returns the sort order, sorted destinations, in-block index, kept mask (sorted order),
+  C [P, P] pairs wanted (sender, receiver) and S [P, P] pairs kept.
+  """
+  order = jnp.lexsort((-margin.astype(jnp.float32), positions, dest))
+  dest_s, pos_s = dest[order], positions[order]
+  real = dest_s < num_ranks  # the sentinel (dropped / padding) sorts last
+  counts = _count_by_dest(real, dest_s, num_ranks)
   C = jax.lax.all_gather(counts, axis)  # [P_src, P_dst]
   if recv_cap is None:
-    S = C
+    kept = counts
   else:
-    tot = jnp.sum(C, axis=0, keepdims=True)
-    frac = jnp.float32(recv_cap) / jnp.maximum(tot, 1).astype(jnp.float32)
-    quota = jnp.floor(C.astype(jnp.float32) * frac * (1 - 1e-6)).astype(C.dtype)
-    S = jnp.where(tot > recv_cap, quota, C)
+    d = jnp.minimum(dest_s, num_ranks - 1)
+
+    def below(p):  # pairs of the whole group to each receiver at positions < p[j]
+      return jax.lax.psum(_count_by_dest(real & (pos_s < p[d]), dest_s, num_ranks), axis)
+
+    def halve(_, lo_hi):  # invariant: below(lo) <= cap; the answer is in [lo, hi]
+      lo, hi = lo_hi
+      mid = (lo + hi + 1) // 2
+      fits = below(mid) <= recv_cap
+      return jnp.where(fits, mid, lo), jnp.where(fits, hi, mid - 1)
+
+    lo = jnp.zeros((num_ranks,), jnp.int32)
+    hi = jnp.full((num_ranks,), num_positions, jnp.int32)
+    steps = max(1, int(num_positions).bit_length())
+    p_star, _ = jax.lax.fori_loop(0, steps, halve, (lo, hi))
+    base_local = _count_by_dest(real & (pos_s < p_star[d]), dest_s, num_ranks)
+    at_local = _count_by_dest(real & (pos_s == p_star[d]), dest_s, num_ranks)
+    base = jax.lax.psum(base_local, axis)
+    at = jax.lax.psum(at_local, axis)
+    room = recv_cap - base
+    safe = jnp.maximum(at, 1)
+    # floor(at_local * room / at) in int32 without overflow: room = q * at + r, r < at.
+    quota = at_local * (room // safe) + (at_local * (room % safe)) // safe
+    kept = base_local + jnp.where(at > 0, quota, 0)
+  S = jax.lax.all_gather(kept, axis)
   starts = _exclusive_cumsum(counts)  # my block starts in the sorted order
-  real = dest_s < num_ranks
   d = jnp.minimum(dest_s, num_ranks - 1)
   pos = jnp.arange(dest.shape[0]) - starts[d]
-  keep_s = real & (pos < S[me][d])
+  keep_s = real & (pos < kept[d])
   return order, dest_s, pos, keep_s, C, S
 
 
@@ -147,8 +158,8 @@ def _local_ids(ids_s, me, num_local, keep_s):
   return jnp.where(keep_s, lid, num_local).astype(jnp.int32)
 
 
-def _ep_body(z, ids, gates, w_gate, w_up, w_down, *, axis, impl, recv_cap, beta1, beta2,
-             gmm_backend, tensor_axis, platform):
+def _ep_body(z, ids, gates, positions, margin, w_gate, w_up, w_down, *, axis, impl, recv_cap,
+             num_positions, beta1, beta2, gmm_backend, tensor_axis, platform):
   n, L = z.shape
   k = ids.shape[-1]
   num_ranks = jax.lax.axis_size(axis)
@@ -157,7 +168,9 @@ def _ep_body(z, ids, gates, w_gate, w_up, w_down, *, axis, impl, recv_cap, beta1
   ids_f = ids.reshape(-1).astype(jnp.int32)
   gates_f = gates.reshape(-1)
   dest = jnp.minimum(ids_f // num_local, num_ranks)  # ids >= E: sentinel, never sent
-  order, dest_s, pos, keep_s, C, S = _keep_plan(dest, gates_f, num_ranks, me, axis, recv_cap)
+  pos_f = jnp.repeat(positions.astype(jnp.int32), k)
+  order, dest_s, pos, keep_s, C, S = _keep_plan(dest, pos_f, margin.reshape(-1), num_ranks, me,
+                                                axis, recv_cap, num_positions)
   ids_s = ids_f[order]
   tok_s = order // k
   ffn = functools.partial(expert_ffn_local, w_gate=w_gate, w_up=w_up, w_down=w_down,
@@ -225,8 +238,9 @@ def _ep_body(z, ids, gates, w_gate, w_up, w_down, *, axis, impl, recv_cap, beta1
 
   total = jnp.sum(C[me]).astype(jnp.float32)  # my pairs
   dropped = total - jnp.sum(S[me]).astype(jnp.float32)
-  max_recv = jnp.max(jnp.sum(C, axis=0)).astype(jnp.float32)  # rows wanted, before the cap
-  return u, dropped[None], total[None], max_recv[None]
+  wanted = jnp.sum(C, axis=0).astype(jnp.float32)  # rows each rank would receive, uncapped
+  stats = jnp.stack([dropped, total, jnp.max(wanted), jnp.mean(wanted)])
+  return u, stats[None]
 
 
 def _present(mesh, axes):
@@ -237,6 +251,8 @@ def ep_dispatch_and_compute(z: jax.Array, expert_ids: jax.Array, gates: jax.Arra
                             expert_params: Mapping[str, jax.Array], *, mesh: jax.sharding.Mesh,
                             axis: str = "expert", impl: str = "auto",
                             recv_cap: int | None = None, capacity_factor: float | None = None,
+                            positions: jax.Array | None = None,
+                            num_positions: int | None = None, margin: jax.Array | None = None,
                             beta1: float = 4.0, beta2: float = 25.0,
                             gmm_backend: str = "auto") -> tuple[jax.Array, dict[str, Any]]:
   """Routed-expert output u = sum_j gates[:, j] E_{ids[:, j]}(z) with experts sharded over
@@ -251,14 +267,23 @@ def ep_dispatch_and_compute(z: jax.Array, expert_ids: jax.Array, gates: jax.Arra
     expert_params: {"w_gate": [E, L, F], "w_up": [E, L, F], "w_down": [E, F, L]}; E sharded
       over `axis`, F over `tensor` (other axes are gathered before the shard_map).
     mesh: the device mesh (MESH_AXES); `mesh.shape[axis]` must divide E.
-    impl: "auto" | "ragged" | "dense" | "allgather".
+    impl: one of config.EP_EXCHANGES ("auto" | "ragged" | "dense" | "allgather").
     recv_cap: per-rank receive cap in (token, expert) rows; None = dropless.
-    capacity_factor: alternative to recv_cap: cap = ceil(factor * n * k), n tokens per device.
+    capacity_factor: alternative to recv_cap (cfg.ragged_buffer_factor): cap =
+      ceil(factor * n * k), n tokens per device.
+    positions: [N] int32 position of each token in its sequence, in [0, num_positions): the
+      cap's priority (earlier first). None = all at position 0 (the cap then drops by margin
+      alone, which is not causal).
+    num_positions: the bound of `positions` (the sequence length); default 1.
+    margin: [N, k] fp32 routing margins (z_sel - alpha): priority among pairs at one position
+      (larger first). None = the gates.
     beta1, beta2: SiTU-GLU clip levels. gmm_backend: see `sparse_lm.moe.gmm`.
 
   Returns:
-    (u [N, L] float32, metrics) with metrics: drop_rate (dropped / all pairs, global),
-    max_recv_rows and mean_recv_rows (per rank, before the cap), all fp32 scalars.
+    (u [N, L] float32, metrics) with fp32 scalar metrics: "dropped" and "assigned" (global
+    counts of (token, expert) pairs), "drop_rate" (dropped / assigned), "recv_rows_max" and
+    "recv_rows_mean" (rows a rank would receive without the cap, max and mean over ranks),
+    "recv_buffer_rows" (the receive buffer per rank: the cap, or P * n * k when dropless).
 
   Raises:
     ValueError: E not divisible by the axis size, or token count not divisible by the
@@ -277,6 +302,10 @@ def ep_dispatch_and_compute(z: jax.Array, expert_ids: jax.Array, gates: jax.Arra
   n = N // n_shards
   if capacity_factor is not None and recv_cap is None:
     recv_cap = int(math.ceil(capacity_factor * n * k))
+  if positions is None:
+    positions, num_positions = jnp.zeros((N,), jnp.int32), 1
+  num_positions = int(num_positions or 1)
+  margin = gates if margin is None else margin
   platform = mesh.devices.flat[0].platform
   impl = resolve_impl(impl, ep, k, platform)
   if gmm_backend == "dense":  # the MoE's dense reference is not a grouped matmul
@@ -289,48 +318,47 @@ def ep_dispatch_and_compute(z: jax.Array, expert_ids: jax.Array, gates: jax.Arra
   w_in = P(e_ax, None, tensor_axis)
   w_out = P(e_ax, tensor_axis, None)
   tspec = P(tok, None)
-  scalar = P(_present(mesh, shd.MESH_AXES) or None)
+  stats_spec = P(_present(mesh, shd.MESH_AXES) or None, None)
 
-  body = functools.partial(_ep_body, axis=axis, impl=impl, recv_cap=recv_cap, beta1=beta1,
-                           beta2=beta2, gmm_backend=gmm_backend, tensor_axis=tensor_axis,
-                           platform=platform)
+  body = functools.partial(_ep_body, axis=axis, impl=impl, recv_cap=recv_cap,
+                           num_positions=num_positions, beta1=beta1, beta2=beta2,
+                           gmm_backend=gmm_backend, tensor_axis=tensor_axis, platform=platform)
 
   def wrapped(*args):
     with shd.use_mesh(None):  # manual axes: no sharding constraints inside
       return body(*args)
 
-  args = (z, expert_ids.astype(jnp.int32), gates, expert_params["w_gate"],
-          expert_params["w_up"], expert_params["w_down"])
-  specs = (tspec, tspec, tspec, w_in, w_in, w_out)
+  args = (z, expert_ids.astype(jnp.int32), gates, positions.astype(jnp.int32), margin,
+          expert_params["w_gate"], expert_params["w_up"], expert_params["w_down"])
+  specs = (tspec, tspec, tspec, P(tok), tspec, w_in, w_in, w_out)
   args = tuple(jax.lax.with_sharding_constraint(a, NamedSharding(mesh, s))
                for a, s in zip(args, specs))
-  u, dropped, total, max_recv = jax.shard_map(
-      wrapped, mesh=mesh, in_specs=specs,
-      out_specs=(tspec, scalar, scalar, scalar), check_vma=False)(*args)
-  metrics = dict(drop_rate=jnp.sum(dropped) / jnp.maximum(jnp.sum(total), 1.0),
-                 max_recv_rows=jnp.max(max_recv), mean_recv_rows=jnp.float32(n * k))
+  u, stats = jax.shard_map(wrapped, mesh=mesh, in_specs=specs, out_specs=(tspec, stats_spec),
+                           check_vma=False)(*args)
+  dropped, assigned = jnp.sum(stats[:, 0]), jnp.sum(stats[:, 1])
+  buffer_rows = ep * n * k if recv_cap is None else recv_cap
+  metrics = dict(dropped=dropped, assigned=assigned,
+                 drop_rate=dropped / jnp.maximum(assigned, 1.0),
+                 recv_rows_max=jnp.max(stats[:, 2]), recv_rows_mean=jnp.mean(stats[:, 3]),
+                 recv_buffer_rows=jnp.float32(buffer_rows))
   return u, metrics
 
 
 def dispatch_and_compute(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
-                         params: Mapping[str, jax.Array], *, backend: str = "auto",
-                         beta1: float = 4.0, beta2: float = 25.0) -> jax.Array:
-  """The seam `sparse_lm.moe.latent_moe.dispatch_and_compute` takes when the active mesh
-  (`sharding.use_mesh`) has expert > 1: same contract (u [N, L] fp32), experts sharded over
-  `expert` (see `ep_dispatch_and_compute`; `backend` is the grouped-matmul backend); the
-  exchange and the receive cap come from `options(...)` (default: auto, dropless).
-
-  Raises:
-    ValueError: no active mesh.
+                         params: Mapping[str, jax.Array], *, mesh: jax.sharding.Mesh,
+                         exchange: str = "auto", ragged_buffer_factor: float | None = None,
+                         positions: jax.Array | None = None, num_positions: int | None = None,
+                         margin: jax.Array | None = None, backend: str = "auto",
+                         beta1: float = 4.0, beta2: float = 25.0
+                         ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """The seam `sparse_lm.moe.latent_moe.dispatch_and_compute` takes when the mesh has
+  expert > 1: `ep_dispatch_and_compute` with the layer's settings (cfg.ep_exchange,
+  cfg.ragged_buffer_factor, cfg.gmm_backend as `backend`). Returns (u [N, L] fp32, metrics).
   """
-  mesh = shd.current_mesh()
-  if mesh is None:
-    raise ValueError("expert_parallel.dispatch_and_compute needs an active mesh (use_mesh)")
-  opt = _OPTIONS.get()
-  u, _ = ep_dispatch_and_compute(z, expert_ids, gates, params, mesh=mesh, impl=opt.impl,
-                                 capacity_factor=opt.recv_capacity_factor, beta1=beta1,
+  return ep_dispatch_and_compute(z, expert_ids, gates, params, mesh=mesh, impl=exchange,
+                                 capacity_factor=ragged_buffer_factor, positions=positions,
+                                 num_positions=num_positions, margin=margin, beta1=beta1,
                                  beta2=beta2, gmm_backend=backend)
-  return u
 
 
 def reference_dispatch_and_compute(z, expert_ids, gates, expert_params, *, beta1=4.0,

@@ -7,17 +7,18 @@ space, fp32 aggregation, RMSNorm and up-projection, plus shared experts (ARCHITE
     u = sum_{i in top-k} p_i E_i(z)          [N, L] fp32, E_i a SiTU-GLU L -> F -> L
     y = sum_shared E_s(x) + W_up RMSNorm(u)  [N, D]
 
-Dispatch (`dispatch_and_compute`, the seam an expert-parallel path replaces): sort the (token,
-expert) pairs by expert, run the three expert matmuls as grouped matmuls over contiguous groups
-(gmm.py), unsort and combine with the gates in fp32. Dropless by default; with
-cfg.capacity_factor each expert keeps at most ceil(capacity_factor * N * k / E) assignments,
-dropping those with the lowest routing margin (z_sel - alpha). Dropped assignments and padding
+Dispatch (`dispatch_and_compute`): on one program, sort the (token, expert) pairs by expert,
+run the three expert matmuls as grouped matmuls over contiguous groups (gmm.py), unsort and
+combine with the gates in fp32; under an `expert` mesh axis, expert_parallel.py. Dropless by
+default; with cfg.capacity_factor each expert keeps at most ceil(capacity_factor * N * k / E)
+assignments, and with cfg.ragged_buffer_factor each expert-parallel rank receives at most
+that factor x the mean rows; both drop by the causal rule of docs/architecture.md ("Capacity
+drops": position first, then routing margin z_sel - alpha). Dropped assignments and padding
 tokens carry the sentinel expert id E and contribute nothing.
 """
 
 from __future__ import annotations
 
-import importlib.util
 import math
 from typing import Any
 
@@ -27,7 +28,7 @@ from flax import nnx
 
 from sparse_lm import nn, sharding
 from sparse_lm.config import ModelConfig
-from sparse_lm.moe import balancing, gmm as gmm_lib, router as router_lib
+from sparse_lm.moe import balancing, expert_parallel, gmm as gmm_lib, router as router_lib
 from sparse_lm.moe.situ_glu import SiTUGLU, situ_activation
 
 BATCH_AXES = ("activation_batch", "activation_length", "activation_embed")
@@ -35,13 +36,16 @@ LATENT_AXES = ("activation_batch", "activation_length", None)
 
 
 # ------------------------------------------------------------------------ pure functions
-def capacity_keep(expert_ids: jax.Array, margin: jax.Array, capacity: int,
-                  num_experts: int) -> jax.Array:
-  """Which assignments survive a per-expert cap of `capacity` (the highest-margin ones).
+def capacity_keep(expert_ids: jax.Array, margin: jax.Array, positions: jax.Array,
+                  capacity: int, num_experts: int) -> jax.Array:
+  """Which assignments survive a per-expert cap of `capacity`, by the causal rule of
+  docs/architecture.md ("Capacity drops"): each expert takes its assignments in order of
+  position in the sequence, and among one position by descending margin, until it is full.
 
   Args:
     expert_ids: [N, k] int32; the sentinel id num_experts marks pairs already excluded.
     margin: [N, k] fp32 routing margins (larger = chosen more decisively).
+    positions: [N] int32 position of each token in its sequence (earlier = higher priority).
     capacity: max assignments per expert.
     num_experts: E.
 
@@ -49,7 +53,8 @@ def capacity_keep(expert_ids: jax.Array, margin: jax.Array, capacity: int,
     keep: [N, k] bool, False for dropped pairs (and for sentinel pairs).
   """
   flat_ids = expert_ids.reshape(-1)
-  order = jnp.lexsort((-margin.reshape(-1), flat_ids))  # by expert, then margin descending
+  flat_pos = jnp.repeat(positions, expert_ids.shape[-1])
+  order = jnp.lexsort((-margin.reshape(-1), flat_pos, flat_ids))  # expert, position, margin
   counts = jnp.zeros((num_experts + 1,), jnp.int32).at[flat_ids].add(1)
   starts = jnp.cumsum(counts) - counts
   sorted_ids = flat_ids[order]
@@ -111,36 +116,47 @@ def sorted_dispatch(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
 
 def dispatch_and_compute(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
                          params: dict[str, jax.Array], *, backend: str = "auto",
-                         beta1: float = 4.0, beta2: float = 25.0) -> jax.Array:
+                         beta1: float = 4.0, beta2: float = 25.0, exchange: str = "auto",
+                         ragged_buffer_factor: float | None = None,
+                         positions: jax.Array | None = None, num_positions: int | None = None,
+                         margin: jax.Array | None = None
+                         ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """u = sum_i gates_i E_{id_i}(z): the routed-expert part of LatentMoE (ARCHITECTURE §5).
 
-  This is the seam for expert parallelism: when the active mesh (sparse_lm.sharding.use_mesh)
-  has an `expert` axis of size > 1 and `sparse_lm.moe.expert_parallel` exists, its
-  `dispatch_and_compute` (same contract: all-to-all under shard_map) is used instead.
+  When the active mesh (sparse_lm.sharding.use_mesh) has an `expert` axis of size > 1, the
+  experts are sharded and the tokens exchanged (`expert_parallel.dispatch_and_compute`, with
+  `exchange` and the receive cap `ragged_buffer_factor`); otherwise one program sorts and
+  runs grouped matmuls (`sorted_dispatch`, or `dense_reference` for backend="dense").
 
   Args:
     z: [N, L] latent activations in the compute dtype.
     expert_ids: [N, k] int32 in [0, E]; E is the sentinel for a dropped/padding assignment.
     gates: [N, k] fp32 combine weights.
     params: {"w_gate": [E, L, F], "w_up": [E, L, F], "w_down": [E, F, L]}.
-    backend: cfg.gmm_backend ("auto", "ragged_dot", "tokamax", "megablox", "dense").
+    backend: cfg.gmm_backend (config.GMM_BACKENDS).
     beta1, beta2: SiTU-GLU soft-clip levels.
+    exchange, ragged_buffer_factor: cfg.ep_exchange, cfg.ragged_buffer_factor (expert
+      parallelism only).
+    positions, num_positions, margin: the receive cap's priority (position of each token in
+      its sequence [N] and its bound; routing margins [N, k]), see expert_parallel.
 
   Returns:
     u: [N, L] fp32. Tokens whose assignments are all sentinels get 0; an expert with no
-    tokens costs nothing and is fine.
+      tokens costs nothing and is fine.
+    metrics: the expert-parallel exchange's ("dropped", "assigned", "drop_rate",
+      "recv_rows_max", "recv_rows_mean", "recv_buffer_rows"), or {} on one program.
   """
   mesh = sharding.current_mesh()
-  if (mesh is not None and mesh.shape.get("expert", 1) > 1
-      and importlib.util.find_spec("sparse_lm.moe.expert_parallel") is not None):
-    # Until that module exists, GSPMD partitions the single-program path below.
-    from sparse_lm.moe import expert_parallel  # pylint: disable=g-import-not-at-top
-    return expert_parallel.dispatch_and_compute(z, expert_ids, gates, params, backend=backend,
-                                                beta1=beta1, beta2=beta2)
+  if mesh is not None and mesh.shape.get("expert", 1) > 1:
+    return expert_parallel.dispatch_and_compute(
+        z, expert_ids, gates, params, mesh=mesh, exchange=exchange,
+        ragged_buffer_factor=ragged_buffer_factor, positions=positions,
+        num_positions=num_positions, margin=margin, backend=backend, beta1=beta1,
+        beta2=beta2)
   if backend == "dense":
-    return dense_reference(z, expert_ids, gates, params, beta1=beta1, beta2=beta2)
+    return dense_reference(z, expert_ids, gates, params, beta1=beta1, beta2=beta2), {}
   return sorted_dispatch(z, expert_ids, gates, params, backend=backend, beta1=beta1,
-                         beta2=beta2)
+                         beta2=beta2), {}
 
 
 # ------------------------------------------------------------------------ module
@@ -174,7 +190,9 @@ class LatentMoE(nnx.Module):
     self.beta1, self.beta2 = cfg.glu_betas
     self.norm_eps = cfg.norm_eps
     self.compute_dtype = cfg.dtype
-    self.qb_cutoff = "midpoint"  # router.route: alpha between z_(k) and z_(k+1)
+    self.qb_cutoff = cfg.qb_cutoff
+    self.ep_exchange = cfg.ep_exchange
+    self.ragged_buffer_factor = cfg.ragged_buffer_factor
 
     normal = nn.jax_normal_init(std)
     self.router = nn.param(rngs, (d, e), ("embed", "exp"), init=normal, dtype=jnp.float32)
@@ -230,9 +248,13 @@ class LatentMoE(nnx.Module):
 
     Returns:
       y: [B, T, D] in x's dtype.
-      aux: fp32 "max_violation" (max_load / mean_load), "dead_frac", "drop_rate", "load" [E]
-        (routed assignments per expert, before any capacity drop), "aux_loss" (coef times the
-        Switch loss for balancer="aux_loss", else 0).
+      aux: fp32 "max_violation" (max_load / mean_load), "dead_frac", "load" [E] (routed
+        assignments per expert, before any capacity drop), "aux_loss" (coef times the Switch
+        loss for balancer="aux_loss", else 0); "assigned" (real (token, expert) pairs),
+        "dropped" (of those, dropped by cfg.capacity_factor and by the expert-parallel
+        receive cap), "drop_rate" = dropped / assigned; under expert parallelism also
+        "recv_rows_max", "recv_rows_mean" (rows per rank wanted, before the cap) and
+        "recv_buffer_rows" (see expert_parallel.ep_dispatch_and_compute).
     """
     bsz, seq, dim = x.shape
     n, e, k = bsz * seq, self.num_experts, self.experts_per_token
@@ -248,19 +270,25 @@ class LatentMoE(nnx.Module):
     ids = jnp.where(weight[:, None] > 0, routing.expert_ids, e)
     load = balancing.expert_load(ids, weight, e)
 
-    drop_rate = jnp.zeros((), jnp.float32)
+    positions = jnp.broadcast_to(jnp.arange(seq, dtype=jnp.int32), (bsz, seq)).reshape(n)
+    assigned = jnp.sum((ids < e).astype(jnp.float32))
+    dropped = jnp.zeros((), jnp.float32)
     if self.capacity_factor is not None:
       cap = expert_capacity(n, k, e, self.capacity_factor)
-      keep = capacity_keep(ids, routing.margin, cap, e)
-      assigned = jnp.sum((ids < e).astype(jnp.float32))
+      keep = capacity_keep(ids, routing.margin, positions, cap, e)
       dropped = assigned - jnp.sum(keep.astype(jnp.float32))
-      drop_rate = dropped / jnp.maximum(assigned, 1.0)
       ids = jnp.where(keep, ids, e)
 
     z = jnp.dot(x.astype(dt), self.w_down[...].astype(dt)) if self.latent else x.astype(dt)
     z = sharding.constrain(z, LATENT_AXES)
-    u = dispatch_and_compute(z.reshape(n, -1), ids, routing.gates, self.expert_params(),
-                             backend=self.gmm_backend, beta1=self.beta1, beta2=self.beta2)
+    u, ep_metrics = dispatch_and_compute(
+        z.reshape(n, -1), ids, routing.gates, self.expert_params(), backend=self.gmm_backend,
+        beta1=self.beta1, beta2=self.beta2, exchange=self.ep_exchange,
+        ragged_buffer_factor=self.ragged_buffer_factor, positions=positions,
+        num_positions=seq, margin=routing.margin)
+    if ep_metrics:  # the exchange's drops come on top of the single-program cap's
+      dropped = dropped + ep_metrics.pop("dropped")
+      ep_metrics.pop("assigned"), ep_metrics.pop("drop_rate")
     if self.latent:
       u = nn.rms_norm(u, self.latent_norm[...], self.norm_eps).astype(dt)
       y = jnp.dot(u, self.w_up[...].astype(dt)).reshape(bsz, seq, dim)
@@ -281,5 +309,7 @@ class LatentMoE(nnx.Module):
     aux_loss = jnp.zeros((), jnp.float32)
     if self.balancer == "aux_loss":
       aux_loss = self.aux_loss_coef * balancing.switch_aux_loss(scores, load, weight, k)
-    aux = dict(balancing.load_metrics(load), drop_rate=drop_rate, load=load, aux_loss=aux_loss)
+    aux = dict(balancing.load_metrics(load), dropped=dropped, assigned=assigned,
+               drop_rate=dropped / jnp.maximum(assigned, 1.0), load=load, aux_loss=aux_loss,
+               **ep_metrics)
     return y, aux

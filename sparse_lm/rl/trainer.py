@@ -163,13 +163,45 @@ class _Bar:
       self._task = self._bar.add_task(description, total=total, completed=start, info="")
       self._bar.start()
 
-  def update(self, step: int, info: str) -> None:
+  def update(self, step: int, info: str | None = None) -> None:
     if self._bar is not None:
-      self._bar.update(self._task, completed=step, info=info)
+      self._bar.update(self._task, completed=step, **({} if info is None else {"info": info}))
 
   def close(self) -> None:
     if self._bar is not None:
       self._bar.stop()
+
+
+class _Phase:
+  """One phase's checkpoints, TensorBoard writer and progress bar, and its (restored) state."""
+
+  def __init__(self, cfg: RLConfig, workdir: pathlib.Path, name: str, model,
+               optim: OptimizerConfig, steps: int, progress: bool):
+    self.name, self.steps, self.every = name, steps, cfg.checkpoint_every
+    self.graphdef, self.tx, self.state = _fresh_state(model, optim, steps, cfg.seed)
+    self.schedule = wsd_schedule(optim, steps)
+    self.ckpt = Checkpointer(workdir / name / "checkpoints", async_save=False)
+    restored = _restore(self.ckpt, self.state)
+    if restored is not None:
+      self.state = restored[0]
+    self.writer = MetricsWriter(workdir / name / "tb")
+    self.bar = _Bar(steps, int(self.state.step), name, progress)
+
+  def end_step(self, step: int, state: TrainState, info: str | None = None) -> None:
+    """After step `step` (0-based): update the bar; save every `checkpoint_every` and at the
+    end (marked final)."""
+    self.state = state
+    self.bar.update(step + 1, info)
+    if (step + 1) % self.every == 0 or step + 1 == self.steps:
+      self.ckpt.save(state, data_state={"step": step + 1}, meta={"phase": self.name},
+                     final=step + 1 == self.steps)
+
+  def close(self):
+    """The model with the phase's final weights."""
+    self.bar.close()
+    self.ckpt.close()
+    self.writer.close()
+    return nnx.merge(self.graphdef, self.state.params, self.state.model_vars)
 
 
 def _put(batch: dict) -> dict:
@@ -180,18 +212,10 @@ def run_sft(cfg: RLConfig, workdir: pathlib.Path, model, tok, log=print,
             progress: bool = False) -> Any:
   """The SFT phase; returns the model with its final weights."""
   env = cfg.env_instance()
-  graphdef, tx, state = _fresh_state(model, cfg.sft_optim, cfg.sft_steps, cfg.seed)
-  ckpt = Checkpointer(workdir / "sft" / "checkpoints", async_save=False)
-  restored = _restore(ckpt, state)
-  if restored is not None:
-    state = restored[0]
-  step_fn = jax.jit(grpo.make_sft_step(graphdef, tx, wsd_schedule(cfg.sft_optim,
-                                                                    cfg.sft_steps)),
+  phase = _Phase(cfg, workdir, "sft", model, cfg.sft_optim, cfg.sft_steps, progress)
+  step_fn = jax.jit(grpo.make_sft_step(phase.graphdef, phase.tx, phase.schedule),
                     donate_argnums=0)
-  writer = MetricsWriter(workdir / "sft" / "tb")
-  start = int(state.step)
-  t0 = time.perf_counter()
-  bar = _Bar(cfg.sft_steps, start, "sft", progress)
+  state, start, t0 = phase.state, int(phase.state.step), time.perf_counter()
   for step in range(start, cfg.sft_steps):
     rng = _rng(cfg, "sft", step)
     eps = []
@@ -203,18 +227,13 @@ def run_sft(cfg: RLConfig, workdir: pathlib.Path, model, tok, log=print,
                                           ("tokens", "segment_ids", "positions", "loss_mask")}))
     if (step + 1) % 10 == 0 or step + 1 == cfg.sft_steps:
       m = jax.device_get(metrics)
-      writer.write(step + 1, {"loss": m["loss"], "accuracy": m["accuracy"],
-                              "grad_norm": m["grad_norm"]})
+      phase.writer.write(step + 1, {"loss": m["loss"], "accuracy": m["accuracy"],
+                                    "grad_norm": m["grad_norm"]})
       info = f"loss {float(m['loss']):.4f} acc {float(m['accuracy']):.3f}"
-      bar.update(step + 1, info)
       log(f"sft {step + 1}/{cfg.sft_steps} {info} ({time.perf_counter() - t0:.0f} s)")
-    if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.sft_steps:
-      ckpt.save(state, data_state={"step": step + 1}, meta={"phase": "sft"},
-                final=step + 1 == cfg.sft_steps)
-  bar.close()
-  ckpt.close()
-  writer.close()
-  return nnx.merge(graphdef, state.params, state.model_vars)
+      phase.bar.update(step + 1, info)
+    phase.end_step(step, state)
+  return phase.close()
 
 
 def run_grpo(cfg: RLConfig, workdir: pathlib.Path, model, tok, engine, log=print,
@@ -222,19 +241,13 @@ def run_grpo(cfg: RLConfig, workdir: pathlib.Path, model, tok, engine, log=print
   """The GRPO phase from `model` (the SFT result); returns (model, per-step metrics)."""
   env = cfg.env_instance()
   G, P = cfg.grpo.group_size, cfg.prompts_per_step
-  graphdef, tx, state = _fresh_state(model, cfg.grpo_optim, cfg.grpo_steps, cfg.seed)
-  ckpt = Checkpointer(workdir / "grpo" / "checkpoints", async_save=False)
-  restored = _restore(ckpt, state)
-  if restored is not None:
-    state = restored[0]
-  step_fn = jax.jit(grpo.make_grpo_step(graphdef, tx, wsd_schedule(cfg.grpo_optim,
-                                                                    cfg.grpo_steps), cfg.grpo),
+  phase = _Phase(cfg, workdir, "grpo", model, cfg.grpo_optim, cfg.grpo_steps, progress)
+  graphdef, state = phase.graphdef, phase.state
+  step_fn = jax.jit(grpo.make_grpo_step(graphdef, phase.tx, phase.schedule, cfg.grpo),
                     donate_argnums=0)
   logp_fn = jax.jit(lambda p, r, t, s: grpo.token_logprobs(nnx.merge(graphdef, p, r), t, s))
   ref = (state.params, state.model_vars) if cfg.grpo.kl_coef > 0 else None
-  writer = MetricsWriter(workdir / "grpo" / "tb")
   history = []
-  bar = _Bar(cfg.grpo_steps, int(state.step), "grpo", progress)
   for step in range(int(state.step), cfg.grpo_steps):
     rng = _rng(cfg, "grpo", step)
     tasks = [t for t in (env.sample(rng) for _ in range(P)) for _ in range(G)]
@@ -264,19 +277,12 @@ def run_grpo(cfg: RLConfig, workdir: pathlib.Path, model, tok, engine, log=print
               "logprob_mismatch_max": mismatch, "loss": m["loss"], "kl": m["kl"],
               "clip_frac": m["clip_frac"], "grad_norm": m["grad_norm"]}
     history.append(record)
-    writer.write(step + 1, record)
+    phase.writer.write(step + 1, record)
     info = (f"reward {record['reward']:.3f} success {record['success']:.3f} "
             f"{record['rollout_tokens_per_s']:.0f} tok/s |dlogp| {mismatch:.1e}")
-    bar.update(step + 1, info)
     log(f"grpo {step + 1}/{cfg.grpo_steps} {info}")
-    if (step + 1) % cfg.checkpoint_every == 0 or step + 1 == cfg.grpo_steps:
-      ckpt.save(state, data_state={"step": step + 1}, meta={"phase": "grpo"},
-                final=step + 1 == cfg.grpo_steps)
-  bar.close()
-  bar.close()
-  ckpt.close()
-  writer.close()
-  return nnx.merge(graphdef, state.params, state.model_vars), history
+    phase.end_step(step, state, info)
+  return phase.close(), history
 
 
 def run(cfg: RLConfig, workdir: str, log=print, progress: bool = False) -> dict:

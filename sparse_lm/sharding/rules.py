@@ -47,6 +47,12 @@ LOGICAL_AXIS_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
     ("layers", None),
     ("conv", None),
     ("norm", None),
+    # the vision encoder (vision/encoder.py): its width and merged width are ZeRO-sharded like
+    # `embed`, its MLP / projector hidden over tensor like `mlp`; patch pixels stay whole.
+    ("vision_embed", ("fsdp", "context", "expert")),
+    ("vision_merged", ("fsdp", "context", "expert")),
+    ("vision_mlp", "tensor"),
+    ("vision_patch", None),
 )
 
 # What the `expert` mesh axis shards outside the routed experts (MeshLayout.expert_shards).

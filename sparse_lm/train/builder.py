@@ -25,6 +25,21 @@ from sparse_lm.train.state import TrainState, graphdef_of, make_init_fn
 from sparse_lm.train.step import make_eval_step, make_train_step
 
 BATCH_KEYS = ("tokens", "segment_ids", "positions", "loss_mask")
+# With `data.images`: packed encoder patches [B, L, p*p*3], their segment ids [B, L] and
+# patch coordinates [B, L, 2] (sparse_lm/data/images.py), sharded like the rows.
+IMAGE_BATCH_KEYS = {"image_patches": 3, "image_segment_ids": 2, "image_coords": 3}
+
+
+def batch_shapes(stage: StageConfig, rows: int, seq_len: int) -> dict[str, tuple]:
+  """{batch key: (shape, dtype name)} of a [rows, seq_len] batch of `stage` (its image keys
+  too when `stage.data.images`), e.g. for AOT lowering with ShapeDtypeStructs."""
+  out = {k: ((rows, seq_len), "int32") for k in BATCH_KEYS}
+  if stage.data.images:
+    p = stage.model_config().vision_patch_size
+    L = stage.data.image_patches_per_row or seq_len
+    out.update(image_patches=((rows, L, p * p * 3), "uint8"),
+               image_segment_ids=((rows, L), "int32"), image_coords=((rows, L, 2), "int32"))
+  return out
 
 
 def _model_factory(stage: StageConfig) -> Callable[[int], nnx.Module]:
@@ -55,8 +70,7 @@ def _traced_in(stage: StageConfig, mesh: jax.sharding.Mesh, fn: Callable) -> Cal
   options, whatever context the caller has active (they decide the shardings, the
   context-parallel axes and the expert exchange inside the step)."""
   def traced(*args):
-    with shd.use_mesh(mesh, stage.mesh.rules), expert_parallel.options(
-        impl=stage.ep_impl, recv_capacity_factor=stage.ep_capacity_factor):
+    with shd.use_mesh(mesh, stage.mesh.rules):
       return fn(*args)
   return traced
 
@@ -64,8 +78,7 @@ def _traced_in(stage: StageConfig, mesh: jax.sharding.Mesh, fn: Callable) -> Cal
 def build(stage: StageConfig, mesh: jax.sharding.Mesh) -> Parts:
   """The model graph, optimizer, abstract state with shardings and the jitted steps."""
   key = (stage.model_config(), stage.optim, stage.steps, stage.micro_batches,
-         stage.z_loss_coef, stage.nan_at_step, stage.seed, mesh, stage.mesh.rules,
-         stage.ep_impl, stage.ep_capacity_factor)
+         stage.z_loss_coef, stage.nan_at_step, stage.seed, mesh, stage.mesh.rules)
   if key in _PARTS:
     return _PARTS[key]
   model_cfg = stage.model_config()
@@ -79,6 +92,8 @@ def build(stage: StageConfig, mesh: jax.sharding.Mesh) -> Parts:
     abstract = jax.eval_shape(init)
     state_sh = shd.state_shardings(abstract, mesh)
     batch_sh = {k: shd.batch_sharding(mesh) for k in BATCH_KEYS}
+    if stage.data.images:
+      batch_sh.update({k: shd.batch_sharding(mesh, nd) for k, nd in IMAGE_BATCH_KEYS.items()})
   balance = update_balancers if model_cfg.balancer != "none" else None
   train_step = jax.jit(
       _traced_in(stage, mesh, make_train_step(

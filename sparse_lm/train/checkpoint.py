@@ -238,14 +238,14 @@ def differences(saved: Any, current: Any, prefix: str = "") -> dict[str, tuple[A
 # layout, and what matters only at a stage's start); any other difference changes it.
 RESUMABLE_CHANGES = ("name", "eval_every", "eval_batches", "eval_batch_size",
                      "checkpoint_every", "keep_checkpoints", "mesh", "topology",
-                     "num_slices", "ep_impl",
+                     "num_slices",
                      "micro_batches", "init_from", "keep_optimizer_state", "sample_tokens",
                      "sample_prompt", "reference_seq_len", "nan_at_step", "data.prefetch")
 
 
 # ModelConfig fields that choose an implementation, not the parameters or the function they
 # compute: a checkpoint resumes under other values (e.g. another remat policy to fit memory).
-MODEL_RUNTIME_FIELDS = ("name", "kda_backend", "kda_chunk_size", "attention_backend",
+MODEL_RUNTIME_FIELDS = ("name", "ep_exchange", "kda_backend", "kda_chunk_size", "attention_backend",
                         "attention_chunk_size", "gmm_backend", "remat_policy",
                         "loss_chunk_size", "init_std")
 

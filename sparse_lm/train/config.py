@@ -11,7 +11,6 @@ from typing import Any
 
 from sparse_lm.config import ModelConfig, get_preset
 from sparse_lm.data import DataConfig
-from sparse_lm.moe.expert_parallel import EP_IMPLS
 from sparse_lm.sharding import MeshLayout, check_topology
 from sparse_lm.train.optimizer import OptimizerConfig
 
@@ -38,9 +37,6 @@ class StageConfig:
       a shape Google offers, `sharding.check_topology`) and how many such slices over DCN (the
       mesh's `dcn_*` sizes multiply to it); `launch.aot_plan` compiles for it by default.
       None for presets not planned for a TPU slice.
-    ep_impl / ep_capacity_factor: the expert-parallel exchange (`moe.expert_parallel.options`:
-      "auto", "ragged", "dense", "allgather") and its per-rank receive cap in units of the
-      mean n x k rows (None = dropless, worst-case buffers); used when mesh.expert > 1.
     init_from: the stage (by name, in the same workdir) whose final checkpoint initialises
       this one when it has no checkpoint of its own; or a directory W holding a Hugging Face
       import (`python -m sparse_lm.interop.hf import --hf_dir D --workdir W`): then the model
@@ -69,8 +65,6 @@ class StageConfig:
   mesh: MeshLayout = MeshLayout()
   topology: str | None = None
   num_slices: int = 1
-  ep_impl: str = "auto"
-  ep_capacity_factor: float | None = None
   data: DataConfig = DataConfig()
   init_from: str | None = None
   keep_optimizer_state: bool = True
@@ -104,12 +98,6 @@ class StageConfig:
     if self.global_batch % self.micro_batches:
       raise ValueError(f"StageConfig({self.name}): global batch {self.global_batch} sequences "
                        f"does not divide into micro_batches={self.micro_batches}")
-    if self.ep_impl not in EP_IMPLS:
-      raise ValueError(f"StageConfig({self.name}): ep_impl={self.ep_impl!r}; choose one of "
-                       f"{EP_IMPLS}")
-    if self.ep_capacity_factor is not None and self.ep_capacity_factor <= 0:
-      raise ValueError(f"StageConfig({self.name}): ep_capacity_factor="
-                       f"{self.ep_capacity_factor} must be > 0 (or None: dropless)")
     if self.topology is not None:
       try:
         chips = check_topology(self.topology, self.num_slices)
@@ -118,4 +106,8 @@ class StageConfig:
         raise ValueError(f"StageConfig({self.name}): topology={self.topology!r} x num_slices="
                          f"{self.num_slices}, mesh={self.mesh}: {e} (or set topology=None "
                          "to train without a planned TPU slice)") from None
-    self.model_config()  # validates the overrides
+    model = self.model_config()
+    model.check_segment_ids()  # validates the overrides; training packs
+    if self.data.images and not model.vision:
+      raise ValueError(f"StageConfig({self.name}): data.images={self.data.images!r} needs a "
+                       "model with a vision encoder: set model.vision=true")

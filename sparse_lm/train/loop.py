@@ -225,7 +225,7 @@ class _StageLoop:
     self.train_iter = data_lib.make_train_iterator(
         stage.data, tokenizer, seq_len=stage.seq_len,
         batch_size=stage.global_batch // num_shards, process_index=self.shard,
-        process_count=num_shards)
+        process_count=num_shards, patch_size=stage.model_config().vision_patch_size)
     mine = shard_state(data_state, self.shard)
     if mine:
       self.train_iter.set_state(mine)
@@ -234,8 +234,8 @@ class _StageLoop:
     self.writer = metrics_lib.MetricsWriter(stage_dir / "tb")
     model_cfg = stage.model_config()
     self.flops = _flops_per_token(model_cfg, stage.seq_len)
-    self.can_drop = (getattr(stage, "ep_capacity_factor", None) is not None
-                     or getattr(model_cfg, "capacity_factor", None) is not None)
+    self.can_drop = (model_cfg.ragged_buffer_factor is not None
+                     or model_cfg.capacity_factor is not None)
     self.peak = metrics_lib.peak_flops_per_device()
     self.bar = None
     self.progress, self.progress_every = progress, progress_every
@@ -252,7 +252,8 @@ class _StageLoop:
       return []
     return data_lib.make_eval_batches(self.stage.data, self.tokenizer, seq_len=seq_len,
                                       batch_size=self.eval_rows,
-                                      num_batches=self.stage.eval_batches)
+                                      num_batches=self.stage.eval_batches,
+                                      patch_size=self.stage.model_config().vision_patch_size)
 
   def train(self, state, start) -> tuple[TrainState, bool]:
     """Steps `start`..`stage.steps`; (state, whether a signal stopped it early)."""

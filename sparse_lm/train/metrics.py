@@ -201,8 +201,8 @@ def routing_warnings(summary: Mapping[str, Any], alerts: Alerts) -> list[tuple[s
              f"({100 * summary['moe/drop_rate_worst']:.2f}%)"
              if "moe/drop_rate_layer" in summary else "")
     out.append(("drop", f"expert-parallel drop rate {100 * summary['moe/drop_rate_total']:.2f}%"
-                f" > {100 * alerts.drop_rate:g}%{where}: raise ep_capacity_factor (None = "
-                "dropless)"))
+                f" > {100 * alerts.drop_rate:g}%{where}: raise model.ragged_buffer_factor "
+                "(None = dropless)"))
   return out
 
 

@@ -40,12 +40,25 @@ def _token_weighted(metrics: dict[str, jax.Array], weights: jax.Array) -> dict[s
   out = {}
   for k, v in metrics.items():
     v = jnp.asarray(v, jnp.float32)
-    if k == "num_tokens":
+    if k in ("num_tokens", "moe/dropped", "moe/assigned"):  # counts: summed
       out[k] = jnp.sum(v, axis=0)
+    elif k.endswith("_max"):  # maxima (e.g. moe/recv_rows_max): the max
+      out[k] = jnp.max(v, axis=0)
     else:
       w = weights.reshape((-1,) + (1,) * (v.ndim - 1))
       out[k] = jnp.sum(v * w, axis=0) / safe
   return out
+
+
+def drop_rates(metrics: dict[str, jax.Array]) -> dict[str, jax.Array]:
+  """With MoE counts "moe/dropped", "moe/assigned" ([MoE layers], summed over micro-batches):
+  per-layer "moe/drop_rate" and "moe/drop_rate_total" = dropped / all (token, expert)
+  assignments (a ratio of sums, not a mean of ratios). Returns `metrics`."""
+  if "moe/dropped" in metrics:
+    dropped, assigned = metrics["moe/dropped"], metrics["moe/assigned"]
+    metrics["moe/drop_rate"] = dropped / jnp.maximum(assigned, 1.0)
+    metrics["moe/drop_rate_total"] = jnp.sum(dropped) / jnp.maximum(jnp.sum(assigned), 1.0)
+  return metrics
 
 
 def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
@@ -119,6 +132,7 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
       grads = jax.tree.map(lambda g, p: (g / count).astype(p.dtype), grads, state.params)
       loss = jnp.sum(losses * counts) / count
       metrics = _token_weighted(loss_metrics, counts)
+    metrics = drop_rates(metrics)
     if nan_at_step is not None:
       poison = jnp.where(state.step == nan_at_step, jnp.nan, 0.0)
       loss = loss + poison
@@ -151,7 +165,9 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
 
 
 def make_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn):
-  """Build `eval_step(state, batch) -> {"loss_sum", "tokens"}` (nats summed, token count).
+  """Build `eval_step(state, batch) -> {"loss_sum", "tokens"}` (nats summed, token count),
+  plus the MoE drop counts "moe/dropped", "moe/assigned" ([MoE layers]) when the loss
+  function reports them (sum them over batches for the held-out drop rate).
 
   The loss is the mean next-token NLL (`metrics["loss"]` of the loss function, without z-loss
   or aux loss) weighted by the tokens it counted (`metrics["num_tokens"]`). The model runs with
@@ -165,6 +181,8 @@ def make_eval_step(graphdef: nnx.GraphDef, loss_fn: LossFn):
     nll = metrics.get("loss", total).astype(jnp.float32)
     tokens = metrics["num_tokens"] if "num_tokens" in metrics else jnp.sum(
         batch["loss_mask"].astype(jnp.float32))
-    return {"loss_sum": nll * tokens, "tokens": tokens.astype(jnp.float32)}
+    out = {"loss_sum": nll * tokens, "tokens": tokens.astype(jnp.float32)}
+    out.update({k: metrics[k] for k in ("moe/dropped", "moe/assigned") if k in metrics})
+    return out
 
   return eval_step

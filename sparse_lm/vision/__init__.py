@@ -20,12 +20,20 @@ from __future__ import annotations
 from sparse_lm.config import ModelConfig, get_preset
 from sparse_lm.vision.encoder import VisionBlock, VisionEncoder, apply_rope_2d, rope_2d_tables
 from sparse_lm.vision.merge import (IMAGE_TOKEN_ID, image_placeholder_mask,
-                                    merge_image_embeddings)
-from sparse_lm.vision.patches import (ImageBatch, image_token_span, num_image_tokens,
-                                      pad_images)
+                                    merge_image_embeddings, merge_rows)
+from sparse_lm.vision.patches import (ImageBatch, PackedImages, image_token_span,
+                                      num_image_tokens, pack_images, pad_images)
 
 TINY_VISION = dict(vision=True, vision_width=32, vision_layers=2, vision_heads=2,
                    vision_mlp=64)
+
+
+def packed_from_batch(batch) -> PackedImages | None:
+  """The `PackedImages` of a data-pipeline batch (keys image_patches / image_segment_ids /
+  image_coords, `sparse_lm.data.images`), or None for a text-only batch."""
+  if "image_patches" not in batch:
+    return None
+  return PackedImages(batch["image_patches"], batch["image_segment_ids"], batch["image_coords"])
 
 
 def tiny_vision_config(**overrides) -> ModelConfig:
@@ -34,7 +42,8 @@ def tiny_vision_config(**overrides) -> ModelConfig:
   return get_preset("tiny", **{**TINY_VISION, **overrides})
 
 
-__all__ = ["IMAGE_TOKEN_ID", "ImageBatch", "TINY_VISION", "VisionBlock", "VisionEncoder",
+__all__ = ["IMAGE_TOKEN_ID", "ImageBatch", "PackedImages", "TINY_VISION", "merge_rows",
+           "pack_images", "packed_from_batch", "VisionBlock", "VisionEncoder",
            "apply_rope_2d", "image_placeholder_mask", "image_token_span",
            "merge_image_embeddings", "num_image_tokens", "pad_images", "rope_2d_tables",
            "tiny_vision_config"]

@@ -21,8 +21,10 @@ Choices not fixed by the sources (documented, not config fields):
     (`nn.Embed`).
   * Attention is exact softmax over all patches of an image, queries and keys blocked by
     cfg.attention_chunk_size (the decoder's blocked softmax, `flash_attention`) to bound memory.
-  * Images in one batch do not attend to each other: the batch is padded [N, P, C] with a key
-    mask, not NaViT-packed into one sequence (simpler, and exact for any mix of sizes).
+  * Images do not attend to each other. Two input forms: a padded batch [N, H, W, 3] with a
+    key mask (`__call__`, `ImageBatch`), or NaViT-style packed rows of patches with segment
+    ids (`encode_packed`, `PackedImages`: what the data pipeline feeds; fixed shapes for any
+    mix of image sizes).
 
 Logical axis names of the parameters: vision_patch (p*p*3 pixel values), vision_embed (C),
 heads, kv (head dim), vision_mlp (ViT MLP hidden and projector hidden), vision_merged (4C),
@@ -39,8 +41,9 @@ from flax import nnx
 from pallas_kernels.attention import flash_attention
 from sparse_lm import nn, sharding
 from sparse_lm.config import ModelConfig
+from sparse_lm.data import images as image_data
 from sparse_lm.vision import merge, patches
-from sparse_lm.vision.patches import ImageBatch
+from sparse_lm.vision.patches import ImageBatch, PackedImages
 
 ROPE_THETA = 10_000.0
 
@@ -73,8 +76,20 @@ def rope_2d_tables(rows: np.ndarray, cols: np.ndarray, head_dim: int,
   return jnp.asarray(np.cos(ang), jnp.float32), jnp.asarray(np.sin(ang), jnp.float32)
 
 
+def rope_2d_angles(coords: jax.Array, head_dim: int, theta: float = ROPE_THETA
+                   ) -> tuple[jax.Array, jax.Array]:
+  """`rope_2d_tables` for traced coordinates: coords int [..., 2] (row, col) -> (cos, sin)
+  fp32 [..., Dh/2] (same layout: row angles, then column angles)."""
+  quarter = head_dim // 4
+  inv_freq = jnp.asarray(theta ** (-np.arange(quarter, dtype=np.float64) / quarter), jnp.float32)
+  c = coords.astype(jnp.float32)
+  ang = jnp.concatenate([c[..., :1] * inv_freq, c[..., 1:] * inv_freq], axis=-1)
+  return jnp.cos(ang), jnp.sin(ang)
+
+
 def apply_rope_2d(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
-  """Rotate x [N, P, H, Dh] by 2D RoPE; cos / sin [P, Dh/2] from `rope_2d_tables`.
+  """Rotate x [N, P, H, Dh] by 2D RoPE; cos / sin [P, Dh/2] (`rope_2d_tables`, shared by the
+  N images) or [N, P, Dh/2] (`rope_2d_angles`, per packed patch).
 
   Channels [0, Dh/2) encode the row and [Dh/2, Dh) the column; within each half, channel j
   pairs with j + Dh/4 (rotate-half convention). Computed in fp32, returned in x.dtype. The dot
@@ -82,33 +97,41 @@ def apply_rope_2d(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
   """
   dh = x.shape[-1]
   xf = x.astype(jnp.float32).reshape(*x.shape[:-1], 2, 2, dh // 4)  # [.., axis, pair, Dh/4]
-  c = cos.reshape(cos.shape[0], 1, 2, 1, dh // 4)
-  s = sin.reshape(sin.shape[0], 1, 2, 1, dh // 4)
+  c = cos.reshape(cos.shape[:-1] + (1, 2, 1, dh // 4))
+  s = sin.reshape(sin.shape[:-1] + (1, 2, 1, dh // 4))
   x1, x2 = xf[..., 0:1, :], xf[..., 1:2, :]
   rotated = jnp.concatenate([-x2, x1], axis=-2)
   return (xf * c + rotated * s).reshape(x.shape).astype(x.dtype)
 
 
-def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_mask: jax.Array, *,
+def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_mask: jax.Array | None = None,
+                     *, segment_ids: jax.Array | None = None,
                      query_chunk: int | None = None) -> jax.Array:
-  """Bidirectional softmax attention with padding keys masked out: the blocked softmax of
+  """Bidirectional softmax attention within images: the blocked softmax of
   `pallas_kernels.attention.flash_attention` with causal=False.
 
   Args:
     q, k, v: [N, P, H, Dh] in the compute dtype.
-    key_mask: bool [N, P], False for padding patches.
+    key_mask: bool [N, P], False for padding patches (one image per row; every query sees the
+      valid keys), or
+    segment_ids: int [N, P] instead: the image of each patch of a packed row (0 = padding);
+      query i sees key j iff segment_ids[i] == segment_ids[j] != 0 (NaViT packing), so a
+      patch's output does not depend on the other images of its row.
     query_chunk: query and key block (None: one block of P); the fp32 logits held at once are
       [N, H, query_chunk, query_chunk] instead of [N, H, P, P], in the forward and the
       (recomputing) backward pass; the result is the same up to fp32 rounding.
 
   Returns:
-    [N, P, H, Dh] in q.dtype. Logits and softmax in fp32, scale 1/sqrt(Dh). A query whose image
-    has no valid key (an empty slot) gets a zero row and zero gradients.
+    [N, P, H, Dh] in q.dtype. Logits and softmax in fp32, scale 1/sqrt(Dh). A query with no
+    visible key (an empty slot) gets a zero row and zero gradients.
   """
   N, P = q.shape[:2]
   block = P if query_chunk is None else query_chunk
-  kseg = key_mask.astype(jnp.int32)  # 0 = padding key
-  qseg = jnp.ones((N, P), jnp.int32)
+  if segment_ids is None:
+    kseg = key_mask.astype(jnp.int32)  # 0 = padding key
+    qseg = jnp.ones((N, P), jnp.int32)
+  else:
+    kseg = qseg = segment_ids.astype(jnp.int32)
   pos = jnp.arange(P, dtype=jnp.int32)
   return flash_attention(q, k, v, pos, pos, qseg, kseg, scale=q.shape[-1] ** -0.5,
                          block_q=block, block_k=block, causal=False)
@@ -149,15 +172,16 @@ class VisionBlock(nnx.Module):
     self.w_1 = dense((C,), (F,), ("vision_embed", "vision_mlp"))
     self.w_2 = dense((F,), (C,), ("vision_mlp", "vision_embed"))
 
-  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, valid: jax.Array
-               ) -> jax.Array:
-    """x fp32 [N, P, C]; cos/sin [P, Dh/2]; valid bool [N, P] -> fp32 [N, P, C]."""
+  def __call__(self, x: jax.Array, cos: jax.Array, sin: jax.Array, valid: jax.Array,
+               segment_ids: jax.Array | None = None) -> jax.Array:
+    """x fp32 [N, P, C]; cos/sin [P or N x P, Dh/2]; valid bool [N, P] (padded images) or
+    segment_ids int [N, P] (packed rows, see `masked_attention`) -> fp32 [N, P, C]."""
     dt = self.dtype
     h = self.attn_norm(x).astype(dt)
     q = apply_rope_2d(nn.project(h, self.w_q[...]), cos, sin)
     k = apply_rope_2d(nn.project(h, self.w_k[...]), cos, sin)
     v = nn.project(h, self.w_v[...])
-    o = masked_attention(q, k, v, valid, query_chunk=self.query_chunk)
+    o = masked_attention(q, k, v, valid, segment_ids=segment_ids, query_chunk=self.query_chunk)
     x = x + nn.project(o, self.w_o[...], 2, out_dtype=jnp.float32)
     h = self.mlp_norm(x).astype(dt)
     h = jax.nn.gelu(nn.project(h, self.w_1[...]), approximate=True)
@@ -201,12 +225,12 @@ class VisionEncoder(nnx.Module):
                                      cfg)
     self.out_norm = nn.RMSNorm(cfg.d_model, cfg=cfg, rngs=rngs)
 
-  def _run_blocks(self, x, cos, sin, valid):
+  def _run_blocks(self, x, cos, sin, valid, segment_ids=None):
     cfg = self.cfg
     graphdef, params, rest = nnx.split(self.blocks, nnx.Param, ...)
 
     def body(x, p):
-      return nnx.merge(graphdef, p, rest)(x, cos, sin, valid), None
+      return nnx.merge(graphdef, p, rest)(x, cos, sin, valid, segment_ids), None
 
     policy = nn.remat_policy(cfg.remat_policy)
     if policy is not None:
@@ -248,13 +272,57 @@ class VisionEncoder(nnx.Module):
     """`self(images.pixels, images.sizes)`."""
     return self(images.pixels, images.sizes)
 
-  def embed_into(self, text_embeddings: jax.Array, tokens: jax.Array, images: ImageBatch,
+  def encode_packed(self, images: PackedImages) -> tuple[jax.Array, jax.Array]:
+    """Encode packed rows of patches (NaViT packing; `patches.PackedImages`).
+
+    Args:
+      images: patches [R, L, p*p*3] (uint8 or normalised float), segment_ids int [R, L],
+        coords int [R, L, 2]; L a multiple of 4, each image's patches merge-cell-major.
+
+    Returns:
+      (tokens fp32 [R, L/4, D], valid bool [R, L/4]): merged cell c of row r is token c; its
+      image is segment_ids[r, 4c]. Each patch attends only to its own image's patches, with
+      2D RoPE at its own (row, col), so an image's tokens do not depend on what else its row
+      holds. Shapes depend only on (R, L): one compile for every mix of image sizes.
+
+    Raises:
+      ValueError: L not a multiple of 4 or inconsistent shapes.
+    """
+    cfg = self.cfg
+    p, dt = cfg.vision_patch_size, jnp.dtype(cfg.dtype)
+    x, seg, coords = images.patches, images.segment_ids, images.coords
+    R, L = seg.shape
+    if L % 4 or x.shape != (R, L, p * p * 3) or coords.shape != (R, L, 2):
+      raise ValueError(f"VisionEncoder.encode_packed: patches {x.shape} must be [R, L, {p*p*3}] "
+                       f"with L % 4 == 0, segment_ids {seg.shape} [R, L], coords "
+                       f"{coords.shape} [R, L, 2]")
+    if x.dtype == jnp.uint8:
+      x = image_data.normalize(x)
+    x = jnp.where((seg > 0)[..., None], x, 0.0).astype(dt)
+    x = nn.project(x, self.patch_embed[...], out_dtype=jnp.float32)
+    x = sharding.constrain(x, ("activation_batch", None, "activation_embed"))
+    cos, sin = rope_2d_angles(coords, cfg.vision_width // cfg.vision_heads)
+    x = self._run_blocks(x, cos, sin, seg > 0, seg)
+    z = self.final_norm(x).astype(dt).reshape(R, L // 4, 4 * cfg.vision_width)
+    z = jax.nn.gelu(nn.project(z, self.proj_1[...]), approximate=True)
+    e = self.out_norm(nn.project(z, self.proj_2[...]))  # fp32 [R, L/4, D]
+    e = sharding.constrain(e, ("activation_batch", None, "activation_embed"))
+    return e, seg[:, ::4] > 0
+
+  def embed_into(self, text_embeddings: jax.Array, tokens: jax.Array,
+                 images: ImageBatch | PackedImages,
                  image_token_id: int = merge.IMAGE_TOKEN_ID) -> jax.Array:
     """Encode `images` and splice them into the `<image>` spans of the text embeddings.
 
-    text_embeddings [B, T, D], tokens [B, T] int -> [B, T, D] in text_embeddings.dtype (see
-    `merge.merge_image_embeddings` for the placeholder contract). The one call the decoder
-    needs: `x = self.embed(tokens); x = self.vision.embed_into(x, tokens, images)`.
+    text_embeddings [B, T, D], tokens [B, T] int -> [B, T, D] in text_embeddings.dtype. With
+    an `ImageBatch`, images fill the spans in reading order over the batch
+    (`merge.merge_image_embeddings`); with `PackedImages` (R = B rows, what the data pipeline
+    feeds), row b's images fill row b's spans (`merge.merge_rows`), so the splice stays within
+    a batch shard. The one call the decoder needs:
+    `x = self.embed(tokens); x = self.vision.embed_into(x, tokens, images)`.
     """
+    if isinstance(images, PackedImages):
+      e, valid = self.encode_packed(images)
+      return merge.merge_rows(text_embeddings, tokens, e, valid, image_token_id)
     e, mask = self.encode(images)
     return merge.merge_image_embeddings(text_embeddings, tokens, e, mask, image_token_id)

@@ -74,3 +74,40 @@ def merge_image_embeddings(text_embeddings: jax.Array, tokens: jax.Array,
   out = jnp.where(take[:, None], gathered.astype(text_embeddings.dtype),
                   text_embeddings.reshape(B * T, D))
   return out.reshape(B, T, D)
+
+
+def merge_rows(text_embeddings: jax.Array, tokens: jax.Array, image_embeddings: jax.Array,
+               image_valid: jax.Array, image_token_id: int = IMAGE_TOKEN_ID) -> jax.Array:
+  """Row-wise splice for packed rows: placeholder k of row b gets valid image token k of row b.
+
+  Args:
+    text_embeddings: [B, T, D]; tokens: [B, T] int.
+    image_embeddings: [B, M, D] (`VisionEncoder.encode_packed`, row b = text row b's images).
+    image_valid: bool [B, M].
+
+  Returns:
+    [B, T, D] in text_embeddings.dtype; non-placeholder positions unchanged. A per-row gather
+    (shards with the batch). Placeholders beyond a row's valid tokens keep their text
+    embedding.
+
+  Raises:
+    ValueError: (eager calls only) a row's placeholder count differs from its valid tokens.
+  """
+  B, T, D = text_embeddings.shape
+  if image_embeddings.shape[::2] != (B, D) or image_valid.shape != image_embeddings.shape[:2]:
+    raise ValueError(f"merge_rows: text {text_embeddings.shape}, image "
+                     f"{image_embeddings.shape}, valid {image_valid.shape}")
+  M = image_embeddings.shape[1]
+  is_img = image_placeholder_mask(tokens, image_token_id)
+  num_valid = jnp.sum(image_valid, axis=1, dtype=jnp.int32)  # [B]
+  if not isinstance(is_img, jax.core.Tracer) and not isinstance(image_valid, jax.core.Tracer):
+    n_ph = jnp.sum(is_img, axis=1, dtype=jnp.int32)
+    if bool(jnp.any(n_ph != num_valid)):
+      raise ValueError(f"merge_rows: <image> placeholders per row {n_ph.tolist()} but valid "
+                       f"image tokens per row {num_valid.tolist()}")
+  order = jnp.argsort(~image_valid, axis=1, stable=True)  # valid tokens first, in order
+  rank = jnp.cumsum(is_img.astype(jnp.int32), axis=1) - 1
+  src = jnp.take_along_axis(order, jnp.clip(rank, 0, M - 1), axis=1)  # [B, T]
+  gathered = jnp.take_along_axis(image_embeddings, src[..., None], axis=1)
+  take = is_img & (rank < num_valid[:, None])
+  return jnp.where(take[..., None], gathered.astype(text_embeddings.dtype), text_embeddings)

@@ -29,6 +29,45 @@ import numpy as np
 MERGE = 2  # patches per side of one output token (the 2x2 patch merge)
 
 
+class PackedImages(NamedTuple):
+  """Images packed into rows of encoder patches, aligned with the packed text rows (a pytree).
+
+  patches: [R, L, p*p*3] uint8 (normalised by `data.images.normalize`) or float (already
+    normalised); image k of row r occupies consecutive slots, merge-cell-major
+    (`sparse_lm.data.images.image_patches`), its count a multiple of 4.
+  segment_ids: int32 [R, L], the image's text segment id; 0 = empty slot.
+  coords: int32 [R, L, 2], (row, col) of each patch in its own image's patch grid.
+  Row r's images fill the `<image>` spans of text row r, in order.
+  """
+  patches: jax.Array
+  segment_ids: jax.Array
+  coords: jax.Array
+
+
+def pack_images(images: Sequence[np.ndarray], patch_size: int = 14, slots: int | None = None
+                ) -> PackedImages:
+  """Host-side: uint8 [h, w, 3] images -> one packed row (R = 1) of `slots` patch slots
+  (default: just enough), images in order with segment ids 1, 2, ...
+
+  Raises:
+    ValueError: the images need more than `slots` patches.
+  """
+  from sparse_lm.data import images as image_data
+  parts = [image_data.image_patches(np.asarray(im, np.uint8), patch_size) for im in images]
+  n = sum(p.shape[0] for p, _ in parts)
+  slots = n if slots is None else slots
+  if n > slots:
+    raise ValueError(f"pack_images: {n} patches do not fit {slots} slots")
+  out = PackedImages(np.zeros((1, slots, patch_size * patch_size * 3), np.uint8),
+                     np.zeros((1, slots), np.int32), np.zeros((1, slots, 2), np.int32))
+  at = 0
+  for k, (p, c) in enumerate(parts):
+    out.patches[0, at:at + len(p)], out.coords[0, at:at + len(p)] = p, c
+    out.segment_ids[0, at:at + len(p)] = k + 1
+    at += len(p)
+  return out
+
+
 class ImageBatch(NamedTuple):
   """A padded batch of native-size images (a pytree; see the module docstring).
 

@@ -77,23 +77,28 @@ def test_stage_files_derive_from_each_other():
   assert stage_256k.FULL.mesh.context > 1 and stage_1m.FULL.mesh.context > 1
   # the layouts whose memory plans fit v5p HBM (docs/scaling.md)
   assert (stage_1m.FULL.mesh.expert, stage_1m.FULL.mesh.expert_shards) == (128, "context")
-  assert stage_8k.FULL.ep_capacity_factor == stage_1m.FULL.ep_capacity_factor == 1.25
-  assert stage_8k.TINY.ep_capacity_factor is None  # dropless below full scale
+  cap = lambda s: s.model_config().ragged_buffer_factor
+  assert cap(stage_8k.FULL) == cap(stage_1m.FULL) == 1.25
+  assert cap(stage_8k.TINY) is None  # dropless below full scale
 
 
 def test_mesh_and_expert_parallel_options_from_the_command_line():
   s = base.apply_overrides(stage_8k.TINY, ["mesh=expert=2,context=2,expert_shards=context",
-                                           "ep_capacity_factor=2.0", "ep_impl=dense"])
-  assert (s.mesh.expert, s.mesh.expert_shards, s.ep_capacity_factor, s.ep_impl) == (
+                                           "model.ragged_buffer_factor=2.0",
+                                           "model.ep_exchange=dense"])
+  cfg = s.model_config()
+  assert (s.mesh.expert, s.mesh.expert_shards, cfg.ragged_buffer_factor, cfg.ep_exchange) == (
       2, "context", 2.0, "dense")
   s = base.apply_overrides(stage_8k.TINY, ["mesh.expert_shards=context"])
   assert s.mesh.expert_shards == "context"
   with pytest.raises(ValueError, match="expert_shards='seq'"):
     base.apply_overrides(stage_8k.TINY, ["mesh.expert_shards=seq"])
-  with pytest.raises(ValueError, match="ep_impl='fast'"):
-    base.apply_overrides(stage_8k.TINY, ["ep_impl=fast"]).validate()
-  with pytest.raises(ValueError, match="ep_capacity_factor=0.0 must be > 0"):
-    base.apply_overrides(stage_8k.TINY, ["ep_capacity_factor=0"]).validate()
+  with pytest.raises(ValueError, match="ep_exchange='fast'"):
+    base.apply_overrides(stage_8k.TINY, ["model.ep_exchange=fast"]).validate()
+  with pytest.raises(ValueError, match="ragged_buffer_factor=0.0 must be > 0"):
+    base.apply_overrides(stage_8k.TINY, ["model.ragged_buffer_factor=0"]).validate()
+  with pytest.raises(ValueError, match="attention_backend='cudnn' cannot run with segment"):
+    base.apply_overrides(stage_8k.TINY, ["model.attention_backend=cudnn"]).validate()
 
 
 @pytest.mark.parametrize("kind", ["missing", "empty"])

@@ -1,5 +1,6 @@
 """A training stage starts from an imported HF checkpoint (`--set init_from=W`)."""
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -9,8 +10,7 @@ from flax import nnx
 
 from sparse_lm import sharding as shd
 
-from sparse_lm.interop import workdir as hf_import
-from sparse_lm.interop.hf import load_pretrained
+from sparse_lm.interop.hf import import_to_workdir, load_pretrained
 from sparse_lm.train import loop
 from tests.interop.hf_testlib import KIMI_LINEAR
 from tests.train.conftest import small_stage
@@ -40,7 +40,7 @@ def test_stage_starts_from_the_import(tmp_path):
   shardings, with a fresh optimizer. (The training step itself is the loop's, tested in
   tests/train; a 2-step run from this import is recorded in docs/interop.md.)"""
   w = tmp_path / "w"
-  hf_import.import_to_workdir(KIMI_LINEAR, w)
+  import_to_workdir(KIMI_LINEAR, w)
   stage = small_stage(name="ft", init_from=str(w),
                       model_overrides=(("remat_policy", "none"), ("kda_chunk_size", 16)))
   cfg = stage.model_config()
@@ -62,3 +62,23 @@ def test_stage_starts_from_the_import(tmp_path):
   for p in want:
     assert np.array_equal(np.asarray(want[p][...]), np.asarray(got[p][...])), p
     assert got[p][...].sharding.is_equivalent_to(shardings[p], got[p][...].ndim), p
+
+
+def test_export_reads_a_stage_checkpoint(tmp_path):
+  """`export --workdir W` takes W's newest stage checkpoint (the loop's Orbax format: a
+  TrainState item and a meta item with the model config) without importing sparse_lm.train."""
+  from sparse_lm.interop import workdir
+  from sparse_lm.train.checkpoint import Checkpointer
+  from sparse_lm.train.state import TrainState
+  model, cfg = load_pretrained(KIMI_LINEAR)
+  _, params, rest = nnx.split(model, nnx.Param, ...)
+  state = TrainState(step=np.int32(3), params=params, model_vars=rest, opt_state={},
+                     rng=np.zeros(2, np.uint32))
+  ckpt = Checkpointer(tmp_path / "w" / "ft" / "checkpoints", async_save=False)
+  ckpt.save(state, data_state={}, meta={"model": dataclasses.asdict(cfg)}, final=True)
+  ckpt.close()
+  back, cfg2 = workdir.load_stage_checkpoint(tmp_path / "w")
+  assert cfg2 == cfg
+  for (p, x), (_, y) in zip(nnx.to_flat_state(nnx.state(model)),
+                            nnx.to_flat_state(nnx.state(back))):
+    assert np.array_equal(np.asarray(x[...]), np.asarray(y[...])), p

@@ -1,5 +1,6 @@
-"""Layer-level tests: short conv, KDA layer vs the naive recurrence, MLA vs naive softmax
-attention (every CPU-runnable backend), decode paths, AttnRes at initialisation."""
+"""Layer-level tests: short conv; the KDA and Gated MLA layers against independent fp64 NumPy
+forwards of the whole layer (tests/model/numpy_layers.py); attention backends vs naive softmax
+attention (every CPU-runnable backend); decode paths; AttnRes at initialisation."""
 
 import dataclasses
 
@@ -13,6 +14,7 @@ from sparse_lm.config import get_preset
 from sparse_lm.model import attention, attnres
 from sparse_lm.model.kda import KDA, short_conv
 from sparse_lm.model.mla import MLA
+from tests.model import numpy_layers
 
 
 def rel_rmse(ref, out):
@@ -59,41 +61,37 @@ def test_short_conv_segments_and_state():
   np.testing.assert_allclose(jnp.concatenate([y1, y2], 1), yf, rtol=1e-6, atol=1e-6)
 
 
-def _naive_kda(q, k, v, g, beta, seg, scale):
-  """ARCHITECTURE §2.1 in float64 NumPy, token by token, state reset at segment starts."""
-  q, k, v, g, beta = (np.asarray(a, np.float64) for a in (q, k, v, g, beta))
-  B, T, H, K = q.shape
-  V = v.shape[-1]
-  o = np.zeros((B, T, H, V))
-  for b in range(B):
-    S = np.zeros((H, K, V))
-    for t in range(T):
-      if t > 0 and seg[b, t] != seg[b, t - 1] and seg[b, t] != 0:
-        S = np.zeros((H, K, V))
-      if seg[b, t] == 0:
-        continue
-      S = np.exp(g[b, t])[:, :, None] * S
-      pred = np.einsum("hkv,hk->hv", S, k[b, t])
-      S = S + beta[b, t][:, None, None] * k[b, t][:, :, None] * (v[b, t] - pred)[:, None, :]
-      o[b, t] = np.einsum("hkv,hk->hv", S, scale * q[b, t])
-  return o
+def _params(module, names):
+  """The module's parameter arrays as float64 NumPy (what the references read)."""
+  return {n: np.asarray(getattr(module, n)[...], np.float64) for n in names}
 
 
-@pytest.mark.parametrize("lower_bound", [-5.0, None])
-def test_kda_layer_matches_naive_recurrence(lower_bound):
-  cfg = dataclasses.replace(CFG, kda_gate_lower_bound=lower_bound)
-  layer = KDA(cfg, rngs=nnx.Rngs(1))
-  rng = np.random.default_rng(1)
+def _seed():
+  seed = int(np.random.randint(1 << 30))
+  print(f"seed={seed}")
+  return seed
+
+
+@pytest.mark.parametrize("gate_lower_bound", [-5.0, None])
+def test_kda_layer_matches_numpy_forward(gate_lower_bound):
+  """The whole layer (§2.2-§2.3: short conv, SiLU, L2 norm, low-rank gate, beta, recurrence,
+  output RMSNorm and sigmoid gate) against an fp64 NumPy forward reading only the params."""
+  cfg = dataclasses.replace(CFG, kda_gate_lower_bound=gate_lower_bound)
+  seed = _seed()
+  layer = KDA(cfg, rngs=nnx.Rngs(seed))
+  rng = np.random.default_rng(seed)
+  for n in ("w_og", "A_log", "dt_bias", "o_norm"):  # non-trivial values for the init-constant
+    v = getattr(layer, n)                            # ones / zeros and the gate's logits
+    v[...] = v[...] + jnp.asarray(rng.standard_normal(v.shape), jnp.float32) * 0.5
   B, T = 2, 37
   x = jnp.asarray(rng.standard_normal((B, T, cfg.d_model)), jnp.float32)
   seg = _segments(rng, B, T)
   y = layer(x, segment_ids=seg)
-  p = layer.projections(x, seg)
-  assert bool(jnp.all(p.g < 0)) and (lower_bound is None or bool(jnp.all(p.g > lower_bound)))
-  np.testing.assert_allclose(jnp.linalg.norm(p.q, axis=-1), 1.0, atol=1e-4)
-  o = _naive_kda(*p, np.asarray(seg), cfg.kda_head_dim ** -0.5)
-  y_ref = layer.output(x, jnp.asarray(o, jnp.float32))
-  assert rel_rmse(y_ref, y) < 1e-4
+  p = _params(layer, ("w_q", "w_k", "w_v", "conv_q", "conv_k", "conv_v", "w_g_down", "w_g_up",
+                      "A_log", "dt_bias", "w_beta", "w_og", "o_norm", "w_o"))
+  ref = numpy_layers.kda_layer(p, np.asarray(x, np.float64), np.asarray(seg),
+                               gate_lower_bound=gate_lower_bound, eps=cfg.norm_eps)
+  assert rel_rmse(ref, y) < 1e-5
   assert float(jnp.std(y)) > 0
 
 
@@ -156,19 +154,23 @@ def test_chunked_attention_gradients_match_full():
     assert rel_rmse(a, b) < 1e-5
 
 
-def test_mla_matches_naive_attention_and_decode():
-  layer = MLA(CFG, rngs=nnx.Rngs(5))
-  rng = np.random.default_rng(5)
+def test_mla_matches_numpy_forward_and_decode():
+  """The whole Gated MLA layer (§3: latent down/up projections and norms, shared k_rope, NoPE
+  scale, G1 gate) against an fp64 NumPy forward reading only the params; then decode."""
+  seed = _seed()
+  layer = MLA(CFG, rngs=nnx.Rngs(seed))
+  rng = np.random.default_rng(seed)
+  for norm in (layer.q_norm, layer.kv_norm):
+    norm.scale[...] = jnp.asarray(rng.uniform(0.5, 1.5, norm.scale.shape), jnp.float32)
   B, T = 2, 29
   x = jnp.asarray(rng.standard_normal((B, T, CFG.d_model)), jnp.float32)
   seg = _segments(rng, B, T)
-  q, k, v = layer.qkv(x)
-  assert q.shape[-1] == CFG.qk_head_dim and v.shape[-1] == CFG.v_head_dim
-  # The "rope" key channels are shared by all heads and never rotated (NoPE).
-  nope = CFG.qk_nope_head_dim
-  np.testing.assert_array_equal(k[:, :, 0, nope:], k[:, :, 1, nope:])
-  o = _naive_attention(q, k, v, seg, CFG.qk_head_dim ** -0.5)
-  y_ref = layer.output(x, jnp.asarray(o, jnp.float32))
+  p = _params(layer, ("w_dq", "w_uq", "w_dkv", "w_ukv", "w_gate", "w_o"))
+  p["q_norm"] = np.asarray(layer.q_norm.scale[...], np.float64)
+  p["kv_norm"] = np.asarray(layer.kv_norm.scale[...], np.float64)
+  y_ref = numpy_layers.mla_layer(p, np.asarray(x, np.float64), np.asarray(seg),
+                                 kv_lora_rank=CFG.kv_lora_rank, nope=CFG.qk_nope_head_dim,
+                                 eps=CFG.norm_eps)
   for backend in ("xla", "xla_chunked"):
     assert rel_rmse(y_ref, layer(x, segment_ids=seg, backend=backend)) < 1e-5
   # Absorbed-weight decode over the latent cache equals the prefill path (one document).

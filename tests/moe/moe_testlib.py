@@ -12,9 +12,16 @@ from sparse_lm.moe import LatentMoE
 D, E, K, LATENT = 32, 8, 2, 16
 
 
+def seed() -> int:
+  """A fresh random seed, printed (pytest shows it on failure) so a failure can be re-run."""
+  s = int(np.random.randint(1 << 30))
+  print(f"seed={s}")
+  return s
+
+
 def key():
-  """A fresh random key (tests use fresh random inputs)."""
-  return jax.random.key(np.random.randint(1 << 30))
+  """A fresh random key (tests use fresh random inputs; the seed is printed)."""
+  return jax.random.key(seed())
 
 
 def cfg(**kw):
@@ -29,8 +36,8 @@ def cfg(**kw):
 def make(config, seed=None):
   """LatentMoE built eagerly from an "rbg" key: its init programs compile once per shape and
   are then shared by every config of the same shapes (threefry init costs ~2x more)."""
-  seed = np.random.randint(1 << 30) if seed is None else seed
-  return LatentMoE(config, rngs=nnx.Rngs(jax.random.key(seed, impl="rbg")))
+  s = globals()["seed"]() if seed is None else seed
+  return LatentMoE(config, rngs=nnx.Rngs(jax.random.key(s, impl="rbg")))
 
 
 @nnx.jit(static_argnames=("train",))

@@ -12,6 +12,7 @@ from sparse_lm.moe import dispatch_and_compute
 from sparse_lm.moe import latent_moe as lm
 from sparse_lm.moe import router
 import moe_testlib as T
+from tests.model import numpy_layers
 
 
 _key, _cfg, _make, _fwd, _rel = T.key, T.cfg, T.make, T.fwd, T.rel
@@ -36,7 +37,9 @@ def _random_dispatch(key, n=37, e=7, k=3, lat=12, f=20, dead=(2, 5)):
 def test_dispatch_matches_dense_reference(backend):
   z, ids, gates, params = _random_dispatch(_key())
   ref = lm.dense_reference(z, ids, gates, params)
-  out = jax.jit(lambda *a: dispatch_and_compute(*a, backend=backend))(z, ids, gates, params)
+  out, metrics = jax.jit(lambda *a: dispatch_and_compute(*a, backend=backend))(z, ids, gates,
+                                                                             params)
+  assert metrics == {}  # one program: no exchange
   assert out.dtype == jnp.float32
   assert float(jnp.max(jnp.abs(ref))) > 0.1
   assert _rel(out, ref) < 1e-5
@@ -62,7 +65,7 @@ def test_dispatch_gradients_match_dense_reference(backend):
 
 @pytest.mark.parametrize("backend", ["ragged_dot", "tokamax"])
 def test_module_matches_dense_backend_with_dead_experts(backend):
-  seed = np.random.randint(1 << 30)
+  seed = T.seed()
   m_fast = _make(_cfg(gmm_backend=backend), seed)
   m_ref = _make(_cfg(gmm_backend="dense"), seed)
   # Experts 1 and 6 can never be selected: they receive zero tokens.
@@ -81,53 +84,55 @@ def test_module_matches_dense_backend_with_dead_experts(backend):
   assert float(aux_fast["drop_rate"]) == 0.0 and float(aux_fast["aux_loss"]) == 0.0
 
 
-def test_module_composition_matches_equations():
-  """y = shared(x) + W_up RMSNorm(sum_i p_i E_i(x W_down)), routed on sigmoid(x W_r) + b."""
-  m = _make(_cfg())
-  m.latent_norm[...] = 1.0 + 0.1 * jax.random.normal(_key(), (16,))
-  x = jax.random.normal(_key(), (2, 16, 32))
+def test_module_matches_numpy_forward():
+  """The layer (router on the full width with a balancing bias, gates from the unbiased
+  scores times route_scale, latent SiTU-GLU experts, fp32 RMSNorm, W_up, shared experts)
+  against the fp64 NumPy forward of ARCHITECTURE §5 (tests/model/numpy_layers.py), with
+  weights large enough that the SiTU soft clips bend (|g|, |u| ~ 3): swapping beta1 and
+  beta2 moves the output by far more than the tolerance."""
+  seed = T.seed()
+  m = _make(_cfg(), seed)
+  rng = np.random.default_rng(seed)
+  normal = lambda shape, std: jnp.asarray(rng.standard_normal(shape) * std, jnp.float32)
+  D, L = 32, 16
+  m.w_down[...] = normal(m.w_down.shape, D ** -0.5)
+  m.expert_gate[...] = normal(m.expert_gate.shape, 3 * L ** -0.5)
+  m.expert_up[...] = normal(m.expert_up.shape, 3 * L ** -0.5)
+  m.expert_down[...] = normal(m.expert_down.shape, 0.2)
+  m.shared.w_gate[...] = normal(m.shared.w_gate.shape, 3 * D ** -0.5)
+  m.shared.w_up[...] = normal(m.shared.w_up.shape, 3 * D ** -0.5)
+  m.latent_norm[...] = 1.0 + normal((L,), 0.1)
+  m.balancer_bias[...] = normal((8,), 0.3)
+  x = jax.random.normal(jax.random.key(seed), (2, 16, D))
   y, _ = _fwd(m, x)
-  expect = _composition_reference(nnx.state(m), x)
-  assert _rel(y, expect) < 1e-5
-
-
-@jax.jit
-def _composition_reference(state, x):
-  m = nnx.merge(_GRAPHDEF, state)
-  xf = x.reshape(-1, 32)
-  s = jax.nn.sigmoid(xf @ m.router[...])
-  ids = jnp.argsort(-s, axis=1)[:, :2]
-  s_sel = jnp.take_along_axis(s, ids, 1)
-  p = 2.5 * s_sel / s_sel.sum(1, keepdims=True)
-  z = xf @ m.w_down[...]
-  u = 0.0
-  for j in range(2):
-    wg, wu, wd = (m.expert_gate[...][ids[:, j]], m.expert_up[...][ids[:, j]],
-                  m.expert_down[...][ids[:, j]])
-    g = jnp.einsum("nl,nlf->nf", z, wg)
-    uu = jnp.einsum("nl,nlf->nf", z, wu)
-    h = 4 * jnp.tanh(g / 4) * jax.nn.sigmoid(g) * 25 * jnp.tanh(uu / 25)
-    u = u + p[:, j:j + 1] * jnp.einsum("nf,nfl->nl", h, wd)
-  un = u / jnp.sqrt(jnp.mean(u**2, -1, keepdims=True) + 1e-6) * m.latent_norm[...]
-  sh = m.shared
-  g = xf @ sh.w_gate[...]
-  uu = xf @ sh.w_up[...]
-  shared = (4 * jnp.tanh(g / 4) * jax.nn.sigmoid(g) * 25 * jnp.tanh(uu / 25)) @ sh.w_down[...]
-  return (shared + un @ m.w_up[...]).reshape(x.shape)
-
-
-_GRAPHDEF = nnx.graphdef(_make(_cfg(), 0))
+  p = {n: np.asarray(getattr(m, n)[...], np.float64) for n in (
+      "router", "balancer_bias", "w_down", "expert_gate", "expert_up", "expert_down",
+      "latent_norm", "w_up")}
+  for n in ("gate", "up", "down"):
+    p[f"shared_{n}"] = np.asarray(getattr(m.shared, f"w_{n}")[...], np.float64)
+  kw = dict(k=2, route_scale=2.5, eps=1e-6)
+  ref = numpy_layers.latent_moe_layer(p, np.asarray(x, np.float64), beta1=4.0, beta2=25.0, **kw)
+  assert _rel(y, ref) < 1e-5
+  swapped = numpy_layers.latent_moe_layer(p, np.asarray(x, np.float64), beta1=25.0, beta2=4.0,
+                                          **kw)
+  assert _rel(swapped, ref) > 1e-2  # the test can tell the two clips apart
 
 
 def test_capacity_keep_constructed_case():
-  # E = 3, k = 1, capacity 2. Expert 0 gets 4 tokens, expert 1 gets 1, expert 2 gets 2, one
-  # token is padding (sentinel 3).
-  ids = jnp.array([[0], [0], [1], [0], [2], [0], [2], [3]], jnp.int32)
-  margin = jnp.array([[0.5], [0.1], [0.3], [0.9], [0.2], [0.05], [0.4], [1.0]])
-  keep = lm.capacity_keep(ids, margin, capacity=2, num_experts=3)
-  # Expert 0 keeps its two highest margins (tokens 3: 0.9 and 0: 0.5), drops tokens 1 and 5.
+  # Two rows of 4 tokens (positions 0-3 each), E = 3, k = 1, capacity 3; token 7 is padding
+  # (sentinel 3). Expert 0 is chosen at positions 0 (tokens 0, 4) and 1 (tokens 1, 5).
+  ids = jnp.array([[0], [0], [1], [2], [0], [0], [2], [3]], jnp.int32)
+  margin = jnp.array([[0.5], [0.1], [0.3], [0.9], [0.2], [0.9], [0.4], [1.0]])
+  positions = jnp.array([0, 1, 2, 3, 0, 1, 2, 3], jnp.int32)
+  keep = lm.capacity_keep(ids, margin, positions, capacity=3, num_experts=3)
+  # Expert 0 keeps both position-0 pairs whatever their margins (0.5, 0.2), then one slot is
+  # left at position 1: the higher margin (token 5: 0.9) takes it, token 1 (0.1) is dropped.
   np.testing.assert_array_equal(np.asarray(keep[:, 0]),
-                                [True, False, True, True, True, False, True, False])
+                                [True, False, True, True, True, True, True, False])
+  # Earlier positions first: a later token never evicts an earlier one, however large its
+  # margin (capacity 1: token 0 at position 0 keeps the slot against token 5's 0.9).
+  keep = lm.capacity_keep(ids, margin, positions, capacity=1, num_experts=3)
+  assert bool(keep[0, 0]) and not bool(keep[5, 0]) and not bool(keep[4, 0])
 
 
 def test_module_capacity_drop_rate():
@@ -148,7 +153,8 @@ def test_module_capacity_drop_rate():
   xf = x.reshape(-1, 32)
   rt = router.route(router.router_scores(xf, m.router[...]), skew, 2, m.route_scale)
   ids = jnp.where(valid.reshape(-1, 1), rt.expert_ids, 8)
-  keep = lm.capacity_keep(ids, rt.margin, cap, 8)
+  positions = jnp.tile(jnp.arange(16, dtype=jnp.int32), 2)
+  keep = lm.capacity_keep(ids, rt.margin, positions, cap, 8)
   assert int((~keep & (ids < 8)).sum()) == round(expect * 56)
   u = lm.dense_reference(xf @ m.w_down[...], jnp.where(keep, ids, 8), rt.gates,
                          m.expert_params())

@@ -1,8 +1,10 @@
-"""One train step of a 5-layer model (KDA, MLA, LatentMoE, AttnRes) on 8 fake CPU devices vs
-one device (fp32): loss, gradient norm and every gradient leaf within 1e-4 relative, for
-FSDP x tensor and for FSDP x expert x context combined (EP through the LatentMoE seam, CP
-through the KDA / MLA layers), and the same with the sequence over expert x context
-(`expert_shards="context"`: EP over `expert` while `expert` splits the sequence). See scripts/train_check.py."""
+"""One real train step of a 5-layer model (KDA, MLA, LatentMoE, AttnRes) on 8 fake CPU devices
+vs one device (fp32): AdamW with weight decay, 2 micro-batches, the Quantile Balancing update
+after the optimizer step. Loss, gradient norm and balancer max-violation within 1e-4 relative,
+every parameter's update within 1e-4 relative, every model_vars leaf (biases, loads,
+histograms) within 1e-6 absolute; for FSDP x tensor, for FSDP x expert x context combined (EP
+through the LatentMoE seam, CP through the KDA / MLA layers), and with the sequence over expert
+x context (`expert_shards="context"`). See scripts/train_check.py."""
 
 from tests.multidevice._subproc import run_script
 

@@ -80,19 +80,19 @@ def random_segment_ids(rng: np.random.Generator, B: int, T: int, *, num_docs: in
 
 
 def make_gate(rng: np.random.Generator, shape: tuple[int, ...], mode: str, *,
-              lower_bound: float = -5.0) -> np.ndarray:
+              gate_lower_bound: float = -5.0) -> np.ndarray:
   """Log-decay g (float32 numpy) for a gate mode.
 
-  bounded:   lower_bound * sigmoid(z), z ~ N(0, 2^2): spread over (lower_bound, 0).
-  saturated: exactly lower_bound everywhere (g = -5 with the default: fastest decay allowed).
+  bounded:   gate_lower_bound * sigmoid(z), z ~ N(0, 2^2): spread over (gate_lower_bound, 0).
+  saturated: exactly gate_lower_bound everywhere (g = -5 with the default: fastest decay allowed).
   near_zero: -U(0, 1e-3): almost no decay (long memory, largest states).
   unbounded: -exp(U(log 1e-3, log 1000)) per element: many tokens far below -6, down to -1000.
   """
   if mode == "bounded":
     z = rng.normal(size=shape) * 2.0
-    return (lower_bound / (1.0 + np.exp(-z))).astype(np.float32)
+    return (gate_lower_bound / (1.0 + np.exp(-z))).astype(np.float32)
   if mode == "saturated":
-    return np.full(shape, lower_bound, np.float32)
+    return np.full(shape, gate_lower_bound, np.float32)
   if mode == "near_zero":
     return (-rng.uniform(0.0, 1e-3, size=shape)).astype(np.float32)
   if mode == "unbounded":
@@ -101,7 +101,7 @@ def make_gate(rng: np.random.Generator, shape: tuple[int, ...], mode: str, *,
 
 
 def make_inputs(seed: int, B: int, T: int, H: int, K: int, V: int, *,
-                dtype: Any = jnp.bfloat16, gate: str = "bounded", lower_bound: float = -5.0,
+                dtype: Any = jnp.bfloat16, gate: str = "bounded", gate_lower_bound: float = -5.0,
                 initial_state: bool = False, segments: bool = False, num_docs: int = 4,
                 padding: bool = True) -> dict[str, Any]:
   """Random KDA inputs in the operator layout (ARCHITECTURE.md §2.5).
@@ -120,7 +120,7 @@ def make_inputs(seed: int, B: int, T: int, H: int, K: int, V: int, *,
   k /= np.linalg.norm(k, axis=-1, keepdims=True) + 1e-6
   v = rng.normal(size=(B, T, H, V)).astype(np.float32)
   beta = (1.0 / (1.0 + np.exp(-rng.normal(size=(B, T, H))))).astype(np.float32)
-  g = make_gate(rng, (B, T, H, K), gate, lower_bound=lower_bound)
+  g = make_gate(rng, (B, T, H, K), gate, gate_lower_bound=gate_lower_bound)
   out = {name: jnp.asarray(x, dtype) for name, x in
          dict(q=q, k=k, v=v, g=g, beta=beta).items()}
   out["initial_state"] = (jnp.asarray(rng.normal(size=(B, H, K, V)) * 0.5, jnp.float32)

@@ -26,12 +26,12 @@ def _params(seed, z_scale=3.0, dtype=jnp.float32):
   return z, A_log, dt_bias, ct
 
 
-@pytest.mark.parametrize("lower_bound", [-5.0, -2.5, None])
+@pytest.mark.parametrize("gate_lower_bound", [-5.0, -2.5, None])
 @pytest.mark.parametrize("dtype", [jnp.float32, jnp.bfloat16])
-def test_analytic_backward_matches_autodiff(lower_bound, dtype):
+def test_analytic_backward_matches_autodiff(gate_lower_bound, dtype):
   z, A_log, dt_bias, ct = _params(1, dtype=dtype)
   dt_bias = dt_bias.reshape(H, K) if dtype == jnp.bfloat16 else dt_bias  # both layouts
-  loss = lambda f: (lambda *a: jnp.sum(f(*a, lower_bound=lower_bound) * ct))
+  loss = lambda f: (lambda *a: jnp.sum(f(*a, gate_lower_bound=gate_lower_bound) * ct))
   g1 = jax.jit(jax.grad(loss(kda_gate), argnums=(0, 1, 2)))(z, A_log, dt_bias)
   g2 = jax.grad(loss(kda_gate_autodiff), argnums=(0, 1, 2))(z, A_log, dt_bias)
   for a, b, x in zip(g1, g2, (z, A_log, dt_bias)):
@@ -50,7 +50,7 @@ def test_values_and_ranges():
   a = np.exp(np.asarray(A_log))[:, None]
   with np.errstate(over="ignore"):
     np.testing.assert_allclose(gn, -5.0 / (1 + np.exp(-a * x)), rtol=1e-5, atol=1e-6)
-  gu = np.asarray(kda_gate(z, A_log, dt_bias, lower_bound=None))
+  gu = np.asarray(kda_gate(z, A_log, dt_bias, gate_lower_bound=None))
   np.testing.assert_allclose(gu, -a * np.logaddexp(0, x), rtol=1e-5, atol=1e-6)
   assert gu.min() < -100  # the unbounded form reaches far below −5
 
@@ -58,8 +58,8 @@ def test_values_and_ranges():
 @pytest.mark.parametrize("bad", [-5.5, 0.0, 0.5, -100.0])
 def test_lower_bound_out_of_range_raises(bad):
   z, A_log, dt_bias, _ = _params(3)
-  with pytest.raises(ValueError, match="lower_bound"):
-    kda_gate(z, A_log, dt_bias, lower_bound=bad)
+  with pytest.raises(ValueError, match="gate_lower_bound"):
+    kda_gate(z, A_log, dt_bias, gate_lower_bound=bad)
 
 
 def test_bad_param_shapes_raise():

@@ -31,6 +31,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
 
 B, T, H, K, V = 1, 8192, 8, 128, 128
 TOPOLOGIES = ("v5p:2x2x1", "v6e:2x2", "tpu7x:2x2x1")
+# The pallas_call names of pallas_kernels/kda/pallas_tpu.py: forward and backward, dense
+# diagonal tiles (bounded gate) and safe (unbounded gate).
+KERNELS = ("kda_fwd_dense", "kda_fwd_safe", "kda_bwd_dense", "kda_bwd_safe")
 
 
 def _compile(topology: str, fn, args):
@@ -66,12 +69,15 @@ def test_forward_and_backward_compile(topology):
   compiled = _compile(topology, step, args)
   mem = compiled.memory_analysis()
   hlo = compiled.as_text()
-  kernels = sorted({n for n in ("kda_fwd_dense", "kda_fwd_safe", "kda_bwd_dense", "kda_bwd_safe")
-                    if n in hlo})
+  # Every kernel of the step is in the compiled TPU program as a Mosaic custom call (not,
+  # say, an XLA fallback): a line with custom_call_target="tpu_custom_call" names it.
+  mosaic = [line for line in hlo.splitlines() if 'custom_call_target="tpu_custom_call"' in line]
+  kernels = sorted({n for n in KERNELS if any(n in line for line in mosaic)})
   print(f"{topology}: compiled in {time.time() - t0:.1f} s, grid (B·H, T/64) = ({B * H}, "
         f"{T // 64}); kernels {kernels}; memory: arguments "
         f"{mem.argument_size_in_bytes / 2**20:.1f} MiB, outputs "
         f"{mem.output_size_in_bytes / 2**20:.1f} MiB, temporaries "
         f"{mem.temp_size_in_bytes / 2**20:.1f} MiB, code "
         f"{mem.generated_code_size_in_bytes / 2**20:.2f} MiB")
+  assert kernels == sorted(KERNELS), (kernels, len(mosaic))
   assert mem.temp_size_in_bytes < 2**30

@@ -67,7 +67,7 @@ def under_layout(check):
 
 @under_layout
 def check_kda(name, layout, T, *, segs=None, B=2, H=2, K=16, V=8, chunk=16, want_final=False,
-              fold=None):
+              fold=None, backend="xla", gate_lower_bound=None):
   mesh = shd.make_mesh(shd.MeshLayout.parse(layout))
   q, k, v, g, beta = kda_inputs(jax.random.key(T + len(name)), B, T, H, K, V)
   w = jax.random.normal(jax.random.key(1), (B, T, H, V))
@@ -84,9 +84,12 @@ def check_kda(name, layout, T, *, segs=None, B=2, H=2, K=16, V=8, chunk=16, want
 
   ref = loss(lambda *a: chunk_kda(*a, segment_ids=segs, chunk_size=chunk, backend="xla",
                                   output_final_state=want_final))
+  # backend="pallas_tpu": the Mosaic kernels in Pallas interpret mode (XLA:CPU arithmetic),
+  # inside the shard_map, including the width-(V + K) [v | 0], [0 | I] pass
   par = loss(lambda *a: cp.cp_chunk_kda(*a, mesh=mesh, segment_ids=segs, chunk_size=chunk,
-                                        backend="xla", output_final_state=want_final,
-                                        fold=fold))
+                                        backend=backend, output_final_state=want_final,
+                                        fold=fold, interpret=backend == "pallas_tpu",
+                                        gate_lower_bound=gate_lower_bound))
   (l0, (o0, S0)), g0 = ref(q, k, v, g, beta)
   (l1, (o1, S1)), g1 = par(q, k, v, g, beta)
   errs = [rel(o1, o0), rel(l1, l0)] + [rel(a, b) for a, b in zip(g1, g0)]
@@ -178,6 +181,13 @@ def main():
                                                want_final=True, fold="prefix")),
       ("conv_ep2xcp2", lambda: check_conv("conv_ep2xcp2", EP_CP, T, segs)),
       ("attn_ep2xcp2_mqa", lambda: check_attn("attn_ep2xcp2_mqa", EP_CP, T, segs)),
+      # the pallas_tpu kernels (interpret mode) under CP 4, safe and dense diagonal tiles
+      ("kda_cp4_pallas_interpret_safe", lambda: check_kda(
+          "kda_cp4_pallas_interpret_safe", "context=4,fsdp=2", T, segs=segs,
+          want_final=True, backend="pallas_tpu")),
+      ("kda_cp4_pallas_interpret_dense", lambda: check_kda(
+          "kda_cp4_pallas_interpret_dense", "context=4,fsdp=2", T, segs=segs,
+          want_final=True, backend="pallas_tpu", gate_lower_bound=-5.0)),
   ]
   # Two real devices (run with `2dev`): CP 2, 36 tokens per shard (not a multiple of 16).
   two_device = [

@@ -1,4 +1,6 @@
-"""Sharded loss / gradients / one train step of a small model vs one device (fp32).
+"""One real train step of a small model on a mesh vs one device (fp32): AdamW, 2 micro-batches,
+the Quantile Balancing update; loss, gradient norm, every parameter's update and every
+model_vars leaf (balancer biases, loads, histograms).
 
 Usage: train_check.py LAYOUT [LAYOUT ...]   e.g. "fsdp=4,tensor=2" "fsdp=2,expert=2,context=2"
 Run by tests/multidevice/test_sharded_train.py in a subprocess with 8 fake CPU devices.
@@ -20,6 +22,7 @@ from sparse_lm import sharding as shd
 from sparse_lm.config import get_preset
 from sparse_lm.model.loss import loss_fn
 from sparse_lm.model.transformer import Transformer
+from sparse_lm.moe import update_balancers
 from sparse_lm.train.state import graphdef_of, make_init_fn
 from sparse_lm.train.step import make_train_step
 
@@ -31,7 +34,8 @@ CFG = get_preset("tiny", num_layers=5, attnres_block_layers=4, d_model=32, vocab
                  v_head_dim=8, dense_hidden=64, moe_latent_dim=16, expert_hidden=32,
                  shared_expert_hidden=32, balancer_bins=64, loss_chunk_size=64,
                  attention_chunk_size=16, remat_policy="none", scan_layers=True)
-B, T = 4, 40  # T over context 2 = 20 tokens per shard: not a multiple of the KDA chunk (16)
+B, T = 8, 40  # T over context 2 = 20 tokens per shard: not a multiple of the KDA chunk (16);
+# 8 rows: 2 micro-batches of 4, each split over up to 4 batch shards
 
 
 def rel(a, b):
@@ -40,43 +44,60 @@ def rel(a, b):
 
 
 def batch():
+  """8 rows: 4 with packed documents (one crossing the context-shard boundary at 20, one
+  starting on it, one padded, three in one row), then 4 rows of other random tokens."""
   rng = np.random.default_rng(0)
-  tokens = rng.integers(1, CFG.vocab_size, (B, T)).astype(np.int32)
   seg = np.ones((B, T), np.int32)
-  seg[0, 13:] = 2          # a document crossing the context-shard boundary at 20
-  seg[1, 20:] = 2          # one starting exactly on it
-  seg[2, 30:] = 0          # padding
+  seg[0, 13:] = 2
+  seg[1, 20:] = 2
+  seg[2, 30:] = 0
   seg[3, 5:] = 2
   seg[3, 26:] = 3
-  return {"tokens": jnp.asarray(tokens), "segment_ids": jnp.asarray(seg),
+  tokens = rng.integers(1, CFG.vocab_size, (B // 2, T)).astype(np.int32)
+  more = np.random.default_rng(1).integers(1, CFG.vocab_size, (B // 2, T)).astype(np.int32)
+  return {"tokens": jnp.asarray(np.concatenate([tokens, more])),
+          "segment_ids": jnp.asarray(seg),
           "positions": jnp.asarray(np.tile(np.arange(T, dtype=np.int32), (B, 1))),
           "loss_mask": jnp.asarray((seg != 0).astype(np.int32))}
+
+
+def leaf_errors(new, ref, old, floor_frac):
+  """Per-leaf ||(new - old) - (ref - old)|| / max(||ref - old||, floor): the error of the
+  step's change of every leaf, floored at floor_frac of the global norm of the change."""
+  d = lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64)
+  changes = [d(r, o) for r, o in zip(ref, old)]
+  floor = floor_frac * float(np.sqrt(sum(np.sum(c ** 2) for c in changes)))
+  return sorted(((np.linalg.norm(d(n, r)) / max(np.linalg.norm(c), floor, 1e-30))
+                 for n, r, c in zip(new, ref, changes)), reverse=True)
 
 
 def main():
   layouts = sys.argv[1:] or ["fsdp=4,tensor=2"]
   factory = lambda seed: Transformer(CFG, rngs=nnx.Rngs(seed))
-  # SGD with learning rate 1 and no clipping: new params = params - grads, so one train step
-  # checks the loss, the gradients (old - new) and the update together, with one compile.
-  tx = optax.sgd(1.0)
-  sched = lambda step: jnp.float32(1.0)
+  # A real step: AdamW with weight decay, 2 micro-batches (gradients and balancer histograms
+  # accumulate over both), the Quantile Balancing bias update after the optimizer step. eps
+  # 1e-3 keeps AdamW's first update ~ g / (|g| + eps) well conditioned: gradients that are zero
+  # in exact arithmetic (the first AttnRes query sees a single source) and rounding noise
+  # (~1e-10) in both runs would otherwise become sign-random updates of size lr.
+  tx = optax.adamw(1e-2, eps=1e-3, weight_decay=0.1)
+  sched = lambda step: jnp.float32(1e-2)
   init = make_init_fn(factory, tx, 0)
   graphdef = graphdef_of(factory, 0)
   data = batch()
-  step = make_train_step(graphdef, tx, sched, loss_fn, micro_batches=1)
+  step = make_train_step(graphdef, tx, sched, loss_fn, micro_batches=2,
+                         balance_fn=update_balancers)
   state0 = jax.jit(init)()
   s1_ref, m_ref = jax.jit(step)(state0, data)
-  grads = lambda s1: jax.tree.map(lambda a, b: np.asarray(a, np.float64) - np.asarray(
-      b, np.float64), jax.tree.leaves(state0.params), jax.tree.leaves(s1.params))
-  g0 = grads(s1_ref)
-  names = [jax.tree_util.keystr(k) for k, _ in
-           jax.tree_util.tree_flatten_with_path(state0.params)[0]]
-  gnorm = float(np.sqrt(sum(np.sum(g ** 2) for g in g0)))
+  leaves = lambda t: jax.tree.leaves(jax.device_get(t))
+  params0, vars0 = leaves(state0.params), leaves(state0.model_vars)
+  params_ref, vars_ref = leaves(s1_ref.params), leaves(s1_ref.model_vars)
+  assert len(vars_ref) >= 3 * 3  # bias, load, histogram of each of the 3 MoE layers
+  assert float(m_ref["balancer/bias_abs_max"]) > 0  # the balancer moved the biases
   failed = []
   for layout in layouts:
     lay = shd.MeshLayout.parse(layout)
     mesh = shd.make_mesh(lay)
-    shd.validate_layout(CFG, lay, mesh, global_batch=B, seq_len=T)
+    shd.validate_layout(CFG, lay, mesh, global_batch=B, seq_len=T, num_microbatches=2)
     with shd.use_mesh(mesh, lay.rules):
       abstract = jax.eval_shape(init)
       state_sh = shd.state_shardings(abstract, mesh)
@@ -86,17 +107,19 @@ def main():
       s1, m = jax.jit(step, in_shardings=(state_sh, bsh),
                       out_shardings=(state_sh, NamedSharding(mesh, P())))(state, b)
     sharded = sum(1 for s in jax.tree.leaves(state_sh) if any(x is not None for x in s.spec))
-    g1 = grads(jax.device_get(s1))
-    # per-leaf relative error, floored at 1e-4 of the global gradient norm: some gradients are
-    # exactly zero in exact arithmetic (the first AttnRes query sees a single source) and are
-    # rounding noise (~1e-10) in both runs.
-    per = sorted(((np.linalg.norm(a - b) / max(np.linalg.norm(b), 1e-4 * gnorm), n)
-                  for a, b, n in zip(g1, g0, names)), reverse=True)
-    errs = [rel(m["loss"], m_ref["loss"]), rel(m["grad_norm"], m_ref["grad_norm"]), per[0][0]]
-    ok = max(errs) < 1e-4 and sharded > 0 and bool(np.isfinite(float(m["loss"])))
+    # Params: the AdamW update of every leaf; model_vars: every balancer leaf (biases after the
+    # update, loads and histograms reset or accumulated) compared with one device.
+    p_err = leaf_errors(leaves(s1.params), params_ref, params0, 1e-4)[0]
+    v_err = max(float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(r, np.float64))))
+                for a, r in zip(leaves(s1.model_vars), vars_ref))
+    errs = [rel(m["loss"], m_ref["loss"]), rel(m["grad_norm"], m_ref["grad_norm"]),
+            rel(m["balancer/max_violation"], m_ref["balancer/max_violation"]), p_err]
+    ok = (max(errs) < 1e-4 and v_err < 1e-6 and sharded > 0
+          and bool(np.isfinite(float(m["loss"]))))
     print(("OK " if ok else "FAIL ") + f"{layout} loss={float(m['loss']):.5f} "
-          f"sharded_leaves={sharded} errs(loss, grad norm, worst grad leaf {per[0][1]})="
-          f"{[f'{e:.1e}' for e in errs]}", flush=True)
+          f"sharded_leaves={sharded} errs(loss, grad norm, max_violation, worst param update)="
+          f"{[f'{e:.1e}' for e in errs]} model_vars max abs diff={v_err:.1e} "
+          f"({len(vars_ref)} leaves)", flush=True)
     if not ok:
       failed.append(layout)
   if failed:

@@ -1,0 +1,108 @@
+"""Packed image rows in the model: an image's tokens do not depend on the other images of its
+row; text after an image sees it, text before does not (bit for bit); no loss on image
+positions (ARCHITECTURE §7)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from sparse_lm import vision
+from sparse_lm.data import images as image_data
+from sparse_lm.model.loss import loss_fn
+from sparse_lm.model.transformer import Transformer
+
+P = 14
+IMG = vision.IMAGE_TOKEN_ID
+SEED = 20261130
+
+
+def _imgs(rng, *sizes):
+  return [rng.integers(0, 256, (h, w, 3), dtype=np.uint8) for h, w in sizes]
+
+
+@pytest.fixture(scope="module")
+def cfg():
+  return vision.tiny_vision_config(num_layers=5, attnres_block_layers=4)
+
+
+@pytest.fixture(scope="module")
+def model(cfg):
+  return Transformer(cfg, rngs=nnx.Rngs(0))
+
+
+def _encode(enc, packed):
+  return nnx.jit(lambda e, x: e.encode_packed(x))(enc, jax.tree.map(jnp.asarray, packed))
+
+
+def test_image_tokens_do_not_depend_on_the_other_images_of_the_row(model):
+  print("seed", SEED)
+  rng = np.random.default_rng(SEED)
+  a, b, c = _imgs(rng, (40, 60), (28, 84), (70, 30))
+  n_a = image_data.num_tokens(40, 60, P)
+  e_ab, v_ab = _encode(model.vision, vision.pack_images([a, b], P, slots=64))
+  e_ac, v_ac = _encode(model.vision, vision.pack_images([a, c], P, slots=64))
+  # Same slots, other neighbour: a's tokens equal bit for bit.
+  np.testing.assert_array_equal(np.asarray(e_ab[0, :n_a]), np.asarray(e_ac[0, :n_a]))
+  assert float(jnp.abs(e_ab[0, n_a:n_a + 2] - e_ac[0, n_a:n_a + 2]).max()) > 1e-3
+  # a alone, and a after c (other slots): equal up to summation order.
+  e_a, _ = _encode(model.vision, vision.pack_images([a], P, slots=64))
+  e_ca, v_ca = _encode(model.vision, vision.pack_images([c, a], P, slots=64))
+  n_c = image_data.num_tokens(70, 30, P)
+  np.testing.assert_allclose(np.asarray(e_ca[0, n_c:n_c + n_a]), np.asarray(e_a[0, :n_a]),
+                             rtol=1e-5, atol=1e-5)
+  assert int(v_ab.sum()) == n_a + image_data.num_tokens(28, 84, P) and not bool(v_ab[0, -1])
+
+
+def test_packed_path_equals_padded_image_batch_path(model):
+  rng = np.random.default_rng(SEED + 1)
+  ims = _imgs(rng, (40, 60), (28, 28))
+  e_packed, valid = _encode(model.vision, vision.pack_images(ims, P, slots=32))
+  batch = vision.pad_images([image_data.normalize(im) for im in ims], P)
+  e_pad, mask = nnx.jit(lambda e, x: e.encode(x))(model.vision, batch)
+  want = np.concatenate([np.asarray(e_pad[n])[np.asarray(mask[n])] for n in range(2)])
+  np.testing.assert_allclose(np.asarray(e_packed[0])[np.asarray(valid[0])], want,
+                             rtol=1e-5, atol=1e-5)
+
+
+def _row(rng, ims):
+  """tokens [1, 40]: text, image 0 span, text, image 1 span, text; packed patches."""
+  spans = [image_data.num_tokens(*im.shape[:2], P) for im in ims]
+  toks = [1, *rng.integers(8, 500, 4)]
+  starts = []
+  for n in spans:
+    starts.append(len(toks))
+    toks += [IMG] * n + list(rng.integers(8, 500, 3))
+  toks += list(rng.integers(8, 500, 40 - len(toks)))
+  return np.asarray([toks], np.int32), starts
+
+
+def test_text_after_an_image_sees_it_text_before_does_not(model):
+  rng = np.random.default_rng(SEED + 2)
+  a, b = _imgs(rng, (40, 60), (30, 30))
+  b2 = rng.integers(0, 256, b.shape, dtype=np.uint8)
+  tokens, (_, start_b) = _row(rng, [a, b])
+  fwd = nnx.jit(lambda m, t, x: m(t, images=x))
+  logits = fwd(model, tokens, jax.tree.map(jnp.asarray, vision.pack_images([a, b], P, 48)))
+  other = fwd(model, tokens, jax.tree.map(jnp.asarray, vision.pack_images([a, b2], P, 48)))
+  np.testing.assert_array_equal(np.asarray(logits[:, :start_b]), np.asarray(other[:, :start_b]))
+  after = start_b + image_data.num_tokens(30, 30, P)
+  assert float(jnp.abs(logits[:, after:] - other[:, after:]).min(-1).max()) > 0
+  assert float(jnp.abs(logits[:, after] - other[:, after]).max()) > 1e-4
+
+
+def test_loss_mask_excludes_image_positions(model):
+  rng = np.random.default_rng(SEED + 3)
+  a, b = _imgs(rng, (40, 60), (30, 30))
+  tokens, _ = _row(rng, [a, b])
+  packed = vision.pack_images([a, b], P, 48)
+  batch = {"tokens": jnp.asarray(tokens), "segment_ids": jnp.ones_like(tokens),
+           "image_patches": packed.patches, "image_segment_ids": packed.segment_ids,
+           "image_coords": packed.coords}
+  (_, metrics), grads = nnx.value_and_grad(lambda m: loss_fn(m, batch, train=False),
+                                           has_aux=True)(model)
+  n_img = int((tokens == IMG).sum())
+  assert float(metrics["num_tokens"]) == tokens.shape[1] - 1 - n_img  # no image targets
+  vision_grads = jax.tree.leaves(nnx.state(grads, nnx.Param)["vision"])
+  assert max(float(jnp.abs(g).max()) for g in vision_grads) > 0
