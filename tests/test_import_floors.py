@@ -42,12 +42,6 @@ FLOORS = {
 }
 
 
-# Edges of known cycles, each with the way out. A new cycle fails the tests; remove an entry
-# when its cycle is gone.
-KNOWN_CYCLE_EDGES: set[tuple[str, str]] = set()  # (interop's two are gone: workdir no
-# longer imports hf, and the export reads stage checkpoints without sparse_lm.train)
-
-
 def _module_name(path: pathlib.Path) -> str:
   parts = list(path.relative_to(ROOT).with_suffix("").parts)
   if parts[-1] == "__init__":
@@ -171,25 +165,16 @@ def _package(module: str) -> str:
 
 def test_no_module_cycles():
   # A package's __init__ re-exporting its modules is not a cycle with those modules.
-  edges = {m: {t for t, _ in imports if t != m and not m.startswith(t + ".")
-               and (m, t) not in KNOWN_CYCLE_EDGES}
+  edges = {m: {t for t, _ in imports if t != m and not m.startswith(t + ".")}
            for m, imports in GRAPH.items()}
   cycle = _cycle(edges)
   assert cycle is None, "import cycle: " + " -> ".join(cycle)
-
-
-def test_known_cycle_edges_still_exist():
-  # An entry whose import is gone must be removed, so the list never hides a new cycle.
-  for m, t in KNOWN_CYCLE_EDGES:
-    assert t in {x for x, _ in GRAPH.get(m, [])}, f"{m} no longer imports {t}: drop the entry"
 
 
 def test_no_package_cycles():
   edges = {}
   for m, imports in GRAPH.items():
     for t, _ in imports:
-      if (m, t) in KNOWN_CYCLE_EDGES:
-        continue
       a, b = _package(m), _package(t)
       if a != b:
         edges.setdefault(a, set()).add(b)

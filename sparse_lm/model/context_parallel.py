@@ -34,6 +34,7 @@ import jax.numpy as jnp
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from pallas_kernels.attention import flash_attention
+from pallas_kernels.kda.api import resolve_backend
 from pallas_kernels.kda.context_parallel import sharded_chunk_kda
 from sparse_lm import sharding as shd
 
@@ -71,8 +72,8 @@ def shard_specs(mesh, axis, B, H):
 
 def kda_under_mesh(mesh: jax.sharding.Mesh | None, backend: str) -> bool:
   """Whether a KDA layer must call `cp_chunk_kda` under `mesh`: with the sequence sharded
-  (context parallelism over the `activation_length` axes), or when the kernel is a Pallas (Mosaic) one, which GSPMD cannot
-  partition (backend "pallas_*", or "auto" on a TPU mesh)."""
+  (context parallelism over the `activation_length` axes), or when the kernel is a Pallas
+  (Mosaic) one, which GSPMD cannot partition (backend "pallas_*", or "auto" on a TPU mesh)."""
   if mesh is None:
     return False
   if seq_shards(mesh) > 1:
@@ -112,8 +113,8 @@ def cp_chunk_kda(q, k, v, g, beta, *, mesh: jax.sharding.Mesh,
   v [B, T, H, V], beta [B, T, H], segment_ids [B, T]); B is sharded over data/fsdp/expert,
   T over `axis`, H over tensor. `fold` picks how the shards' maps are combined: "gather"
   (all-gather + `fold_states`), "prefix" (`prefix_states`, log-depth), or None: gather up to
-  GATHER_FOLD_MAX_SHARDS shards, prefix above. The final state (if asked) is the state after the whole
-  sequence, replicated over `axis`.
+  GATHER_FOLD_MAX_SHARDS shards, prefix above (pallas_kernels/kda/context_parallel.py). The
+  final state (if asked) is the state after the whole sequence, replicated over `axis`.
 
   Raises:
     ValueError: T not divisible by the axis size; initial_state given (CP runs train/prefill
@@ -130,8 +131,8 @@ def cp_chunk_kda(q, k, v, g, beta, *, mesh: jax.sharding.Mesh,
   b, c, t = shard_specs(mesh, axis, B, H)
   s4, s3, s2 = P(b, c, t, None), P(b, c, t), P(b, c)
   sf = P(b, t, None, None)
-  if backend == "auto":  # the mesh's platform decides (AOT compiles for TPU from a CPU host)
-    backend = "pallas_tpu" if mesh.devices.flat[0].platform == "tpu" else "xla"
+  # the mesh's devices decide, not the host's (AOT compiles for TPU from a CPU host)
+  backend = resolve_backend(backend, mesh.devices.flat[0])
   body = functools.partial(sharded_chunk_kda, axis=axis, scale=scale,
                            chunk_size=chunk_size, backend=backend,
                            want_final=output_final_state, interpret=interpret,
