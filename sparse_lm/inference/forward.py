@@ -96,7 +96,7 @@ def kda_cached(mixer, x: jax.Array, cache: dict, n_valid: jax.Array) -> tuple[ja
   dtype = jnp.dtype(cfg.dtype)
   p = mixer.arrays()
   T = x.shape[1]
-  proj, _ = kda_projections(p, x, lower_bound=cfg.kda_gate_lower_bound, eps=cfg.l2_norm_eps,
+  proj, _ = kda_projections(p, x, gate_lower_bound=cfg.kda_gate_lower_bound, eps=cfg.l2_norm_eps,
                             dtype=dtype, conv_state=cache["conv"])
   valid = jnp.arange(T)[None] < n_valid[:, None]
   g = jnp.where(valid[..., None, None], proj.g, 0.0)  # padding: identity step
