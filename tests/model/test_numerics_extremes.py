@@ -104,7 +104,7 @@ def test_gates_and_norms_are_finite_at_extreme_inputs(dtype):
   dt_bias = jnp.asarray(rng.uniform(-1e4, 1e4, 32), jnp.float32)
   for bound in (-5.0, None):
     g, grads = jax.value_and_grad(
-        lambda z, a, d: jnp.sum(kda_gate(z, a, d, lower_bound=bound)), (0, 1, 2))(
+        lambda z, a, d: jnp.sum(kda_gate(z, a, d, gate_lower_bound=bound)), (0, 1, 2))(
             big, a_log, dt_bias)
     assert _finite((g, grads)), bound
   paths = {
