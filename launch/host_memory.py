@@ -81,10 +81,12 @@ def rss_bytes() -> int:
 
 
 def peak_rss_bytes() -> int:
-  """The peak resident set of this process so far (bytes): the largest of VmHWM, ru_maxrss
-  and the current VmRSS (the kernel updates its high-water mark lazily)."""
-  return max(_status_bytes("VmHWM"), _status_bytes("VmRSS"),
-             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+  """The peak resident set of this process so far (bytes): the larger of VmHWM and the current
+  VmRSS (the kernel updates its high-water mark lazily). `ru_maxrss` is used only where /proc
+  is missing: Linux keeps it across `execve`, so a planner started by a large parent (a test
+  runner) would report the parent's peak as its own."""
+  proc = max(_status_bytes("VmHWM"), _status_bytes("VmRSS"))
+  return proc if proc else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
 
 
 class RssSampler:
