@@ -1,7 +1,8 @@
 """Ahead-of-time memory plan: compile a stage's real steps for a TPU topology, no TPU needed.
 
     JAX_PLATFORMS=cpu python -m launch.aot_plan --stage stage_8k --preset full \
-        [--topology v5p:8x16x16] [--num-slices 1] [--set micro_batches=32 ...] [--eval]
+        [--topology v5p:8x16x16] [--num-slices 1] [--set micro_batches=32 ...] \
+        [--eval | --steps eval,eval_2x]
 
 Everything comes from the stage file (`experiments/<stage>.py`, its `StageConfig` for the
 preset): the topology and number of slices it is planned for, the mesh, batch, micro-batches,
@@ -93,16 +94,23 @@ def _batch(stage, shardings, rows: int, seq_len: int):
           for k, s in shardings.items()}
 
 
-def plan_steps(stage, devices, *, hbm: int, rss, eval_steps: bool = False) -> list[dict]:
-  """Compile the stage's train step (and eval steps) for `devices`; one report per step.
+STEPS = ("train", "eval", "eval_2x")  # eval_2x: the eval step at twice the stage's length
+
+
+def plan_steps(stage, devices, *, hbm: int, rss, steps=("train",)) -> list[dict]:
+  """Compile the stage's `steps` (names from STEPS) for `devices`; one report per step.
 
   Each report holds the memory_report fields, "step", "rows", "seq_len", "lower_s",
   "compile_s" and the phase's peak host RSS. Compiled programs are dropped as soon as they
   are measured, so one plan's compiler memory is freed before the next.
 
   Raises:
-    ValueError: the layout does not divide the model / batch (from validate_layout).
+    ValueError: the layout does not divide the model / batch (from validate_layout), or a
+      name in `steps` is not one of STEPS.
   """
+  unknown = [s for s in steps if s not in STEPS]
+  if unknown:
+    raise ValueError(f"--steps {','.join(unknown)}: choose from {','.join(STEPS)}")
   import jax
   from sparse_lm import sharding as shd
   from sparse_lm.train.builder import build
@@ -115,10 +123,10 @@ def plan_steps(stage, devices, *, hbm: int, rss, eval_steps: bool = False) -> li
     parts = build(stage, mesh)
     state = shd.with_shardings(parts.abstract_state, parts.state_shardings)
   eval_rows = stage.eval_batch_size or stage.global_batch
-  todo = [("train", parts.train_step, stage.global_batch, stage.seq_len)]
-  if eval_steps:
-    todo += [("eval", parts.eval_step, eval_rows, stage.seq_len),
-             ("eval 2x length", parts.eval_step, eval_rows, 2 * stage.seq_len)]
+  plans = {"train": (parts.train_step, stage.global_batch, stage.seq_len),
+           "eval": (parts.eval_step, eval_rows, stage.seq_len),
+           "eval_2x": (parts.eval_step, eval_rows, 2 * stage.seq_len)}
+  todo = [(name, *plans[name]) for name in steps]
   reports = []
   for name, fn, rows, seq_len in todo:
     with rss.phase(f"{name}: lower") as lo:
@@ -162,7 +170,9 @@ def main(argv=None) -> int:
                  help="a StageConfig field, as in training: micro_batches=32, mesh=..., "
                  "model.num_layers=9, model.ragged_buffer_factor=None")
   p.add_argument("--eval", action="store_true", help="also the eval step at the eval batch, "
-                 "at the stage's length and at twice it")
+                 "at the stage's length and at twice it (= --steps train,eval,eval_2x)")
+  p.add_argument("--steps", default=None, help=f"comma-separated, from {','.join(STEPS)} "
+                 "(default: train; e.g. --steps eval,eval_2x compiles only the eval steps)")
   p.add_argument("--json", default=None, help="also write the report here")
   p.add_argument("--malloc-arenas", type=int, default=int(os.environ.get(
       "SPARSE_LM_MALLOC_ARENAS", 2)), help="glibc malloc arenas (0 = glibc's default)")
@@ -186,6 +196,9 @@ def main(argv=None) -> int:
     stage = apply_overrides(stage_config(args.stage, args.preset), args.sets)
   except ValueError as e:
     p.error(str(e))
+  steps = tuple(args.steps.split(",")) if args.steps else (STEPS if args.eval else ("train",))
+  if any(s not in STEPS for s in steps):
+    p.error(f"--steps {args.steps}: choose from {','.join(STEPS)}")
   topology = args.topology or stage.topology
   num_slices = args.num_slices or stage.num_slices
   if topology is None:
@@ -210,7 +223,7 @@ def main(argv=None) -> int:
           f"attention_backend={cfg.attention_backend} ep_exchange={cfg.ep_exchange} "
           f"ragged_buffer_factor={cfg.ragged_buffer_factor}", flush=True)
     try:
-      reports = plan_steps(stage, devices, hbm=hbm, rss=rss, eval_steps=args.eval)
+      reports = plan_steps(stage, devices, hbm=hbm, rss=rss, steps=steps)
     except ValueError as e:
       print(f"[aot_plan] failed: {e}", file=sys.stderr)
       return 1
@@ -222,7 +235,7 @@ def main(argv=None) -> int:
   print(f"[aot_plan] host memory: {rss.report()}")
   print(f"[aot_plan] peak host RSS {peak / _GB:.2f} GB")
   if args.json:
-    out = {k: v for k, v in r0.items() if k != "step"}  # the train step's numbers on top
+    out = dict(r0)  # the first step's numbers on top (the train step unless --steps)
     out.update(args=vars(args), stage=args.stage, topology=topology, num_slices=num_slices,
                layout=str(stage.mesh), global_batch=stage.global_batch,
                micro_batches=stage.micro_batches, remat=cfg.remat_policy,

@@ -57,7 +57,7 @@ def test_tiny_train_and_eval_steps_compile_for_v5p_2x2x2_with_fsdp_expert_contex
   assert plan["mesh"] == {"data": 1, "fsdp": 2, "expert": 2, "tensor": 1, "context": 2}
   assert plan["expert_shards"] == "batch"
   assert [(s["step"], s["rows"], s["seq_len"]) for s in plan["steps"]] == [
-      ("train", 4, 64), ("eval", 4, 64), ("eval 2x length", 4, 128)]
+      ("train", 4, 64), ("eval", 4, 64), ("eval_2x", 4, 128)]
   for s in plan["steps"]:
     assert 0 < s["total"] < s["hbm"] and s["fits"], s
     assert s["arguments"] > 0 and s["temporaries"] > 0 and s["compile_s"] > 0
