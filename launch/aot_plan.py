@@ -182,6 +182,9 @@ def main(argv=None) -> int:
       "SPARSE_LM_MMAP_THRESHOLD", 0)), help="bytes from which malloc uses mmap (0 = glibc's "
                  "dynamic threshold)")
   args = p.parse_args(argv)
+  steps = tuple(args.steps.split(",")) if args.steps else (STEPS if args.eval else ("train",))
+  if any(s not in STEPS for s in steps):
+    p.error(f"--steps {args.steps}: choose from {','.join(STEPS)}")
 
   from launch.host_memory import GB as _GB, RssSampler, bound_malloc, peak_rss_bytes
   if args.malloc_arenas > 0:  # before jax starts its threads
@@ -196,9 +199,6 @@ def main(argv=None) -> int:
     stage = apply_overrides(stage_config(args.stage, args.preset), args.sets)
   except ValueError as e:
     p.error(str(e))
-  steps = tuple(args.steps.split(",")) if args.steps else (STEPS if args.eval else ("train",))
-  if any(s not in STEPS for s in steps):
-    p.error(f"--steps {args.steps}: choose from {','.join(STEPS)}")
   topology = args.topology or stage.topology
   num_slices = args.num_slices or stage.num_slices
   if topology is None:

@@ -1,0 +1,14 @@
+"""launch.aot_plan's command line refuses a bad --steps before anything starts (no jax, no
+compile): the message names the flag and the choices."""
+
+import pytest
+
+from launch import aot_plan
+
+
+def test_unknown_step_name_is_refused_with_the_choices(capsys):
+  with pytest.raises(SystemExit) as e:
+    aot_plan.main(["--stage", "stage_8k", "--preset", "tiny", "--steps", "train,decode"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "--steps train,decode" in err and "train,eval,eval_2x" in err
