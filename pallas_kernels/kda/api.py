@@ -2,7 +2,7 @@
 
 Source: Kimi Linear (arXiv 2510.26692). Each backend is its own file and declares where it runs
 with `supported_on(device)`: reference.py and xla.py everywhere, pallas_tpu.py on TPU
-(interpret mode on CPU for tests), pallas_gpu.py where it is added. "auto" takes the first
+(interpret mode on CPU for tests), pallas_gpu.py on Hopper GPUs (interpret mode on CPU). "auto" takes the first
 backend of AUTO_ORDER that supports the default device. Adding a backend is one file and one
 entry in BACKENDS.
 """
@@ -25,7 +25,7 @@ BACKENDS = {
     "pallas_tpu": ("pallas_kernels.kda.pallas_tpu", "chunk_kda_pallas_tpu"),
     "pallas_gpu": ("pallas_kernels.kda.pallas_gpu", "chunk_kda_pallas_gpu"),
 }
-AUTO_ORDER = ("pallas_tpu", "xla")  # "auto": the first that supports the default device
+AUTO_ORDER = ("pallas_tpu", "pallas_gpu", "xla")  # "auto": the first that supports the default device
 
 
 def backend_module(name: str):
