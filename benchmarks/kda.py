@@ -4,21 +4,24 @@
     python -m benchmarks.kda --quick             # tiny shapes, CPU, < 1 minute
     python -m benchmarks.kda --backends xla,fla,attn --out docs/kda_table.md
 
-Shapes (ARCHITECTURE §2, issue 3): B=1, H=16, K=V=128, T ∈ {4K, 8K, 16K, 32K, 64K}, and H=96 at
-T=8K; bf16 inputs, lower-bounded gate g ∈ (−5, 0). Backends (each skipped with a reason when it
+Shapes (issue 16's table): B=1, H=16, K=V=128, T ∈ {4K, 8K, 32K, 64K}, and H=96 at T=8K; bf16
+inputs, lower-bounded gate g ∈ (−5, 0). Backends (each skipped with a reason when it
 cannot run here):
   xla         pallas_kernels.kda chunk_kda(backend="xla", gate_lower_bound=-5): dense diag tiles
   xla_safe    the same with the element-wise (unbounded-safe) diagonal tiles
   xla_tf32    xla with precision=DEFAULT matmuls (TF32 on NVIDIA, bf16 passes on TPU) instead
               of the backend's default HIGHEST (true fp32)
   pallas_tpu  chunk_kda(backend="pallas_tpu") on TPU
-  pallas_gpu  chunk_kda(backend="pallas_gpu") on GPU, if that backend exists
+  pallas_gpu  chunk_kda(backend="pallas_gpu") on GPU (TF32 matmuls: its default for bf16 inputs)
+  pallas_gpu_hi  the same with precision=HIGHEST (true fp32 matmuls)
+  jla         jax-linear-attention's Mosaic GPU KDA (linear_attention("kda", impl="mosaic_gpu"))
   reference   the token-serial scan (only when asked: very slow at long T)
   fla         fla-core's Triton chunk_kda (torch, CUDA), safe gate when its API has it
   attn        fused causal softmax attention, jax.nn.dot_product_attention (cuDNN on GPU)
   sdpa        torch scaled_dot_product_attention (causal), CUDA
 Each time is the median of --repeats runs after --warmup runs, with block_until_ready
-(torch.cuda.synchronize for torch). Prints one markdown table (ms); --out also writes it.
+(torch.cuda.synchronize for torch). Prints one markdown table (ms) and the fwd+bwd ratio of the
+faster peer (fla, jla) to pallas_gpu per shape; --out also writes them.
 Source of the operator: Kimi Linear (arXiv 2510.26692).
 """
 
@@ -31,17 +34,18 @@ import sys
 import time
 import traceback
 
-JAX_BACKENDS = ("xla", "xla_safe", "xla_tf32", "pallas_tpu", "pallas_gpu", "reference", "attn")
+JAX_BACKENDS = ("xla", "xla_safe", "xla_tf32", "pallas_tpu", "pallas_gpu", "pallas_gpu_hi",
+                "jla", "reference", "attn")
 TORCH_BACKENDS = ("fla", "sdpa")
-DEFAULT_BACKENDS = ("xla", "xla_safe", "xla_tf32", "pallas_tpu", "pallas_gpu", "fla", "attn",
-                    "sdpa")
+DEFAULT_BACKENDS = ("pallas_gpu", "pallas_gpu_hi", "xla", "pallas_tpu", "fla", "jla", "attn")
+PEERS = ("fla", "jla")
 
 
 def _shapes(quick: bool) -> list[tuple[int, int, int, int]]:
   """(B, H, T, D) grid."""
   if quick:
     return [(1, 2, 256, 32), (1, 4, 512, 32)]
-  return [(1, 16, t, 128) for t in (4096, 8192, 16384, 32768, 65536)] + [(1, 96, 8192, 128)]
+  return [(1, 16, t, 128) for t in (4096, 8192, 32768, 65536)] + [(1, 96, 8192, 128)]
 
 
 def _median_ms(fn, warmup: int, repeats: int, sync) -> float:
@@ -86,11 +90,21 @@ def _jax_fns(backend: str):
     def f(q, k, v, g, beta):
       del g, beta
       return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+  elif backend == "jla":
+    if platform != "gpu":
+      raise SkipBackend("needs a GPU")
+    try:
+      from jla.ops import linear_attention  # pylint: disable=g-import-not-at-top
+    except ImportError:
+      raise SkipBackend("jax-linear-attention not installed") from None
+
+    def f(q, k, v, g, beta):
+      return linear_attention("kda", q, k, v, g=g, beta=beta, impl="mosaic_gpu")[0]
   else:
     from pallas_kernels.kda import chunk_kda
     if backend == "pallas_tpu" and platform != "tpu":
       raise SkipBackend("needs a TPU")
-    if backend == "pallas_gpu":
+    if backend.startswith("pallas_gpu"):
       if platform != "gpu":
         raise SkipBackend("needs a GPU")
       try:
@@ -102,7 +116,7 @@ def _jax_fns(backend: str):
         import pallas_kernels.kda.pallas_tpu  # noqa: F401  pylint: disable=g-import-not-at-top
       except ImportError:
         raise SkipBackend("pallas_kernels.kda.pallas_tpu not importable") from None
-    name = {"xla_safe": "xla"}.get(backend, backend)
+    name = {"xla_safe": "xla", "pallas_gpu_hi": "pallas_gpu"}.get(backend, backend)
     bound = None if backend in ("xla_safe", "reference") else -5.0
     kw = dict(backend=name, chunk_size=64)
     if bound is not None:
@@ -113,6 +127,10 @@ def _jax_fns(backend: str):
         from pallas_kernels.kda import xla  # pylint: disable=g-import-not-at-top
         return xla.chunk_kda_xla(q, k, v, g, beta, gate_lower_bound=-5.0,
                                  precision=jax.lax.Precision.DEFAULT)[0]
+      if backend == "pallas_gpu_hi":
+        from pallas_kernels.kda import pallas_gpu  # pylint: disable=g-import-not-at-top
+        return pallas_gpu.chunk_kda_pallas_gpu(q, k, v, g, beta, gate_lower_bound=-5.0,
+                                               precision=jax.lax.Precision.HIGHEST)[0]
       return chunk_kda(q, k, v, g, beta, **kw)[0]
 
   fwd = jax.jit(f)
@@ -247,6 +265,15 @@ def _table(backends, shapes, rows, notes):
     for i, name in enumerate(("fwd", "fwd+bwd")):
       cells = [_fmt(rows[(be, s)][i]) if (be, s) in rows else "-" for s in shapes]
       lines.append(f"| {be} | {name} | " + " | ".join(cells) + " |")
+  ratios = []
+  for s in shapes:
+    ours = rows.get(("pallas_gpu", s), (None, None))[1]
+    peer = [rows[(p, s)][1] for p in PEERS if isinstance(rows.get((p, s), (0, 0))[1], float)]
+    if isinstance(ours, float) and peer:
+      ratios.append(f"H={s[1]} T={tl(s[2])}: {min(peer) / ours:.2f}")
+  if ratios:
+    lines += ["", "fwd+bwd, faster peer (fla, jla) / pallas_gpu (> 1: pallas_gpu faster): "
+              + "; ".join(ratios)]
   if notes:
     lines.append("")
     lines += [f"- {be}: {n}" for be, n in notes.items()]
