@@ -142,13 +142,14 @@ def _jax_fns(backend: str):
   return fwd, fwd_bwd
 
 
-def _time_jax(backend, shape, warmup, repeats):
+def _time_jax(backend, shape, warmup, repeats, skip_fwd=False):
   import jax
   B, H, T, D = shape
   fwd, fwd_bwd = _jax_fns(backend)
   q, k, v, g, beta, do = _jax_inputs(B, H, T, D)
   sync = jax.block_until_ready
-  t_f = _median_ms(lambda: fwd(q, k, v, g, beta), warmup, repeats, sync)
+  t_f = ("-" if skip_fwd else
+         _median_ms(lambda: fwd(q, k, v, g, beta), warmup, repeats, sync))
   t_fb = _median_ms(lambda: fwd_bwd(q, k, v, g, beta, do), warmup, repeats, sync)
   return t_f, t_fb
 
@@ -157,7 +158,7 @@ def _time_jax(backend, shape, warmup, repeats):
 # torch backends (CUDA only)
 
 
-def _time_torch(backend, shape, warmup, repeats):
+def _time_torch(backend, shape, warmup, repeats, skip_fwd=False):
   try:
     import torch  # pylint: disable=g-import-not-at-top
   except ImportError:
@@ -210,23 +211,24 @@ def _time_torch(backend, shape, warmup, repeats):
     return o
 
   sync = lambda _: torch.cuda.synchronize()
-  return (_median_ms(fwd, warmup, repeats, sync), _median_ms(fwd_bwd, warmup, repeats, sync))
+  t_f = "-" if skip_fwd else _median_ms(fwd, warmup, repeats, sync)
+  return t_f, _median_ms(fwd_bwd, warmup, repeats, sync)
 
 
 class SkipBackend(Exception):
   """The backend cannot run in this environment (reason in the message)."""
 
 
-def run(backends, shapes, warmup, repeats, out=None):
+def run(backends, shapes, warmup, repeats, out=None, skip_fwd=False):
   rows = {}
   notes = {}
   for be in backends:
     for shape in shapes:
       try:
         if be in TORCH_BACKENDS:
-          res = _time_torch(be, shape, warmup, repeats)
+          res = _time_torch(be, shape, warmup, repeats, skip_fwd)
         else:
-          res = _time_jax(be, shape, warmup, repeats)
+          res = _time_jax(be, shape, warmup, repeats, skip_fwd)
         cell = res
       except SkipBackend as e:
         notes[be] = f"skipped: {e}"
@@ -288,6 +290,8 @@ def main(argv=None):
   p.add_argument("--out", default=None, help="also write the markdown table here")
   p.add_argument("--warmup", type=int, default=None)
   p.add_argument("--repeats", type=int, default=None)
+  p.add_argument("--skip-fwd", action="store_true",
+                 help="time forward+backward only (half the compiles)")
   a = p.parse_args(argv)
   backends = [b for b in a.backends.split(",") if b]
   unknown = set(backends) - set(JAX_BACKENDS + TORCH_BACKENDS)
@@ -295,7 +299,7 @@ def main(argv=None):
     p.error(f"unknown backends {sorted(unknown)}")
   warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
   repeats = a.repeats if a.repeats is not None else (3 if a.quick else 10)
-  run(backends, _shapes(a.quick), warmup, repeats, a.out)
+  run(backends, _shapes(a.quick), warmup, repeats, a.out, a.skip_fwd)
 
 
 if __name__ == "__main__":

@@ -10,7 +10,8 @@ Structure (C-token chunks, N = T / C of them, every equation as in xla.py's docs
   1. intra-chunk, parallel over all B·H·N chunks (xla._intra_chunk, differentiated by autodiff):
      the pairwise scores A_kk, A_qk on 16-token sub-tiles (with the lower-bounded gate the
      diagonal tiles are plain matmuls too, "dense"; otherwise the element-wise "safe" tiles),
-     X = (I + A_kk)⁻¹, W, U, Q ⊙ Γ, Kd = (K ⊙ e^(G_C − G) ⊙ m_C)ᵀ and the chunk decay.
+     X = (I + A_kk)⁻¹ (`blocked_unit_lower_inverse`), W, U, Q ⊙ Γ,
+     Kd = (K ⊙ e^(G_C − G) ⊙ m_C)ᵀ and the chunk decay.
   2. state pass, sequential over chunks only (pallas_gpu_kernels.py, custom VJP): the states H_n
      entering every chunk and V'_n = U_n − W_n H_n, one Pallas program per (head, value block).
   3. output, parallel: O_n = (Q ⊙ Γ)_n H_n + A_qk,n V'_n (batched matmul).
@@ -19,7 +20,7 @@ steps 1 and 3 are XLA fusions and matmuls, and their backward is XLA autodiff.
 
 Precision: `precision=None` runs the matmuls of steps 1-3 at DEFAULT (TF32 tensor cores on
 NVIDIA) for bf16 inputs and HIGHEST (true fp32) for fp32/fp64 inputs; the triangular inverse is
-always HIGHEST (xla._unit_lower_inverse). Accumulation and the state are fp32.
+always HIGHEST. Accumulation and the state are fp32.
 """
 
 from __future__ import annotations
@@ -33,7 +34,7 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import xla as kda_xla
 from pallas_kernels.kda.pallas_gpu_kernels import state_bwd_kernel, state_fwd_kernel
-from pallas_kernels.kda.tiles import resolve_diag
+from pallas_kernels.kda.tiles import SUB, resolve_diag
 
 MIN_HOPPER = 9.0  # compute capability from which "auto" picks this backend
 
@@ -46,6 +47,39 @@ def supported_on(device) -> bool:
     return float(getattr(device, "compute_capability", "0")) >= MIN_HOPPER
   except ValueError:
     return False
+
+
+@jax.custom_jvp
+def blocked_unit_lower_inverse(A):
+  """(I + A)⁻¹ for strictly lower-triangular A [..., C, C] fp32, C a multiple of SUB = 16.
+
+  The SUB × SUB diagonal blocks are inverted by row-wise forward substitution
+  (xla._unit_lower_inverse, a quarter of the data per step at C = 64); block row a is then
+  X[a, :a] = −X_aa (A[a, :a] X[:a, :a]), one pair of batched matmuls per block row (HIGHEST).
+  Row i depends only on rows ≤ i of A (the zeros above the diagonal are exact): causal bit for
+  bit. Derivative: the closed form dX = −X dA X.
+  """
+  C = A.shape[-1]
+  n = C // SUB
+  hi = jax.lax.Precision.HIGHEST
+  blocks = jnp.stack([A[..., a * SUB:(a + 1) * SUB, a * SUB:(a + 1) * SUB] for a in range(n)],
+                     axis=-3)
+  Xd = kda_xla._unit_lower_inverse(blocks)  # [..., n, SUB, SUB]
+  X = Xd[..., 0, :, :]
+  for a in range(1, n):
+    rows = A[..., a * SUB:(a + 1) * SUB, :a * SUB]
+    off = -jnp.matmul(Xd[..., a, :, :], jnp.matmul(rows, X, precision=hi), precision=hi)
+    top = jnp.concatenate([X, jnp.zeros(X.shape[:-1] + (SUB,), X.dtype)], axis=-1)
+    X = jnp.concatenate([top, jnp.concatenate([off, Xd[..., a, :, :]], axis=-1)], axis=-2)
+  return X
+
+
+@blocked_unit_lower_inverse.defjvp
+def _blocked_unit_lower_inverse_jvp(primals, tangents):
+  (A,), (dA,) = primals, tangents
+  X = blocked_unit_lower_inverse(A)
+  hi = jax.lax.Precision.HIGHEST
+  return X, -jnp.matmul(jnp.matmul(X, dA, precision=hi), X, precision=hi)
 
 
 def _pow2(n: int) -> int:
@@ -126,7 +160,7 @@ def chunk_kda_pallas_gpu(
     scale: float | None = None, initial_state: jax.Array | None = None,
     output_final_state: bool = False, segment_ids: jax.Array | None = None,
     chunk_size: int = 64, interpret: bool = False, diag: str = "auto",
-    gate_lower_bound: float | None = None, precision=None, block_v: int = 64,
+    gate_lower_bound: float | None = None, precision=None, block_v: int = 32,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Chunked KDA with a Pallas GPU state pass (Kimi Linear, arXiv 2510.26692; ARCH §2.4).
 
@@ -192,7 +226,8 @@ def chunk_kda_pallas_gpu(
   if same is not None:
     same, m0, mlast = mask_chunks(same), mask_chunks(m0), mask_chunks(mlast)
   W, U, Qg, A_qk, Kd, dec = kda_xla._intra_chunk(qc, kc, vc, gc, bc, same, m0, mlast,
-                                                 scale=scale, diag=diag, precision=precision)
+                                                 scale=scale, diag=diag, precision=precision,
+                                                 inverse=blocked_unit_lower_inverse)
   if initial_state is None:
     h0 = jnp.zeros((BH, Kp, Vp), jnp.float32)
   else:

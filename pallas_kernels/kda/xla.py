@@ -222,11 +222,13 @@ def _chunk_masks(segment_ids, B, T, Tp, C):
   return valid, same, m0, mlast
 
 
-def _intra_chunk(qc, kc, vc, gc, bc, same, m0, mlast, *, scale, diag, precision):
+def _intra_chunk(qc, kc, vc, gc, bc, same, m0, mlast, *, scale, diag, precision,
+                 inverse=None):
   """Everything that does not depend on the state entering a chunk (ARCHITECTURE §2.4).
 
   Args: [M, C, ·] chunked fp32 q, k, v, g; β [M, C]; document masks [M, C, C], [M, C], [M, C]
-  (bool) or None. Returns W, U, Q ⊙ Γ · scale, A_qk, (K ⊙ e^(G_C − G))ᵀ, e^(G_C) (masked).
+  (bool) or None; inverse: (I + A)⁻¹ of strictly lower-triangular A (default
+  `_unit_lower_inverse`; pallas_gpu passes a blocked one). Returns W, U, Q ⊙ Γ · scale, A_qk, (K ⊙ e^(G_C − G))ᵀ, e^(G_C) (masked).
   """
   C = qc.shape[-2]
   G = jnp.cumsum(gc, axis=-2)  # inclusive cumulative log-decay in the chunk, ≤ 0
@@ -241,7 +243,7 @@ def _intra_chunk(qc, kc, vc, gc, bc, same, m0, mlast, *, scale, diag, precision)
   if same is not None:
     A_kk = jnp.where(same, A_kk, 0.0)
     A_qk = jnp.where(same, A_qk, 0.0)
-  T_c = _unit_lower_inverse(A_kk) * bc[..., None, :]  # (I + A_kk)^-1 diag(β)
+  T_c = (inverse or _unit_lower_inverse)(A_kk) * bc[..., None, :]  # (I + A_kk)^-1 diag(β)
 
   Gam = jnp.exp(G)  # ≤ 1
   decay_out = jnp.exp(tail)  # ≤ 1

@@ -110,6 +110,21 @@ def test_state_pass_kernel_and_its_vjp_match_a_scan():
     assert kt.rel_rmse(b, a) <= 1e-5, name
 
 
+def test_blocked_unit_lower_inverse():
+  """(I + A)⁻¹ by 16-row blocks against numpy's inverse in fp64, and its jvp (−X dA X)."""
+  seed = 9
+  print(f"seed={seed}")
+  rng = np.random.default_rng(seed)
+  A = np.tril(rng.normal(size=(3, 64, 64)) * 0.2, -1)
+  dA = np.tril(rng.normal(size=A.shape), -1)
+  X_ref = np.linalg.inv(np.eye(64) + A)
+  X, dX = jax.jvp(pallas_gpu.blocked_unit_lower_inverse, (jnp.asarray(A, F32),),
+                  (jnp.asarray(dA, F32),))
+  assert kt.rel_rmse(X_ref, X) <= 1e-5
+  assert kt.rel_rmse(-X_ref @ dA @ X_ref, dX) <= 1e-5
+  assert np.all(np.triu(np.asarray(X), 1) == 0) and np.all(np.diagonal(X, 0, 1, 2) == 1)
+
+
 def test_causal_bit_for_bit():
   """Outputs and gradients at t < P are identical when only q, k, v, g, β at t ≥ P change."""
   B, T, H, K, V, P = 1, 100, 2, 64, 64, 45   # P inside a chunk and inside a 16-token tile
