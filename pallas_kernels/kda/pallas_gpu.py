@@ -166,8 +166,8 @@ def chunk_kda_pallas_gpu(
 
   Args:
     q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log-decay after the gate (≤ 0);
-      beta: [B, T, H]. bfloat16 or float32 (fp32 math inside; fp64 inputs keep fp64 outside
-      the kernels' fp32 state pass only in interpret mode — use "xla" for fp64 work).
+      beta: [B, T, H]. bfloat16 or float32 (fp32 math inside; with float64 inputs the state
+      pass still runs in fp32: use "xla" for fp64 work).
     scale: query scale, default K ** -0.5.
     initial_state: [B, H, K, V] (cast to fp32) or None (zeros).
     output_final_state: return the final state [B, H, K, V] fp32.

@@ -228,7 +228,8 @@ def _intra_chunk(qc, kc, vc, gc, bc, same, m0, mlast, *, scale, diag, precision,
 
   Args: [M, C, ·] chunked fp32 q, k, v, g; β [M, C]; document masks [M, C, C], [M, C], [M, C]
   (bool) or None; inverse: (I + A)⁻¹ of strictly lower-triangular A (default
-  `_unit_lower_inverse`; pallas_gpu passes a blocked one). Returns W, U, Q ⊙ Γ · scale, A_qk, (K ⊙ e^(G_C − G))ᵀ, e^(G_C) (masked).
+  `_unit_lower_inverse`; pallas_gpu passes a blocked one).
+  Returns W, U, Q ⊙ Γ · scale, A_qk, (K ⊙ e^(G_C − G))ᵀ, e^(G_C) (masked).
   """
   C = qc.shape[-2]
   G = jnp.cumsum(gc, axis=-2)  # inclusive cumulative log-decay in the chunk, ≤ 0
