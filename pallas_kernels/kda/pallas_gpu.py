@@ -49,7 +49,7 @@ def supported_on(device) -> bool:
     return False
 
 
-@jax.custom_jvp
+@kda_xla.inverse_with_closed_form_jvp
 def blocked_unit_lower_inverse(A):
   """(I + A)⁻¹ for strictly lower-triangular A [..., C, C] fp32, C a multiple of SUB = 16.
 
@@ -72,14 +72,6 @@ def blocked_unit_lower_inverse(A):
     top = jnp.concatenate([X, jnp.zeros(X.shape[:-1] + (SUB,), X.dtype)], axis=-1)
     X = jnp.concatenate([top, jnp.concatenate([off, Xd[..., a, :, :]], axis=-1)], axis=-2)
   return X
-
-
-@blocked_unit_lower_inverse.defjvp
-def _blocked_unit_lower_inverse_jvp(primals, tangents):
-  (A,), (dA,) = primals, tangents
-  X = blocked_unit_lower_inverse(A)
-  hi = jax.lax.Precision.HIGHEST
-  return X, -jnp.matmul(jnp.matmul(X, dA, precision=hi), X, precision=hi)
 
 
 def _pow2(n: int) -> int:

@@ -171,7 +171,22 @@ def _diag_safe_group(q, k, g, tri):
   return bq, bk
 
 
-@jax.custom_jvp
+def inverse_with_closed_form_jvp(inverse):
+  """Wrap A ↦ (I + A)⁻¹ in a custom_jvp with the closed form dX = −X dA X (HIGHEST matmuls), so
+  autodiff stores nothing of the inverse's inner steps and costs two matmuls."""
+  inverse = jax.custom_jvp(inverse)
+
+  @inverse.defjvp
+  def _jvp(primals, tangents):
+    (A,), (dA,) = primals, tangents
+    X = inverse(A)
+    hi = jax.lax.Precision.HIGHEST
+    return X, -jnp.matmul(jnp.matmul(X, dA, precision=hi), X, precision=hi)
+
+  return inverse
+
+
+@inverse_with_closed_form_jvp
 def _unit_lower_inverse(A):
   """(I + A)^(−1) for strictly lower-triangular A [..., C, C] (fp32 or fp64).
 
@@ -190,14 +205,6 @@ def _unit_lower_inverse(A):
     return jax.lax.dynamic_update_index_in_dim(X, row.astype(X.dtype), i, axis=-2)
 
   return jax.lax.fori_loop(0, C, body, jnp.zeros_like(A))
-
-
-@_unit_lower_inverse.defjvp
-def _unit_lower_inverse_jvp(primals, tangents):
-  (A,), (dA,) = primals, tangents
-  X = _unit_lower_inverse(A)
-  hi = jax.lax.Precision.HIGHEST
-  return X, -jnp.matmul(jnp.matmul(X, dA, precision=hi), X, precision=hi)
 
 
 def _chunk_masks(segment_ids, B, T, Tp, C):
