@@ -21,7 +21,8 @@ compiler reports (`compiled.memory_analysis()`: arguments, outputs, temporaries,
 code, and their total with donated buffers counted once) against the chip's HBM, its compile
 time and the planner's own peak host memory (resident set, `launch.host_memory`).
 
-Exit status: 0 if every compiled step fits in HBM, 2 if one does not, 1 on errors.
+Exit status: 0 if every compiled step fits in HBM (or `--lower-only` lowered them all), 2 if
+one does not, 1 on errors.
 """
 
 from __future__ import annotations
@@ -97,11 +98,14 @@ def _batch(stage, shardings, rows: int, seq_len: int):
 STEPS = ("train", "eval", "eval_2x")  # eval_2x: the eval step at twice the stage's length
 
 
-def plan_steps(stage, devices, *, hbm: int, rss, steps=("train",)) -> list[dict]:
+def plan_steps(stage, devices, *, hbm: int, rss, steps=("train",),
+               lower_only: bool = False) -> list[dict]:
   """Compile the stage's `steps` (names from STEPS) for `devices`; one report per step.
 
   Each report holds the memory_report fields, "step", "rows", "seq_len", "lower_s",
-  "compile_s" and the phase's peak host RSS. Compiled programs are dropped as soon as they
+  "compile_s" and the phase's peak host RSS. With `lower_only` the steps are traced and
+  lowered (shapes, shardings, the layout's collectives) but not compiled: no memory fields,
+  "fits" is None. Compiled programs are dropped as soon as they
   are measured, so one plan's compiler memory is freed before the next.
 
   Raises:
@@ -131,6 +135,13 @@ def plan_steps(stage, devices, *, hbm: int, rss, steps=("train",)) -> list[dict]
   for name, fn, rows, seq_len in todo:
     with rss.phase(f"{name}: lower") as lo:
       lowered = fn.lower(state, _batch(stage, parts.batch_shardings, rows, seq_len))
+    if lower_only:
+      del lowered
+      reports.append(dict(step=name, rows=rows, seq_len=seq_len, lower_s=lo["seconds"],
+                          peak_rss=lo["peak_rss"], fits=None))
+      print(f"[aot_plan] {name} ({rows} x {seq_len:,} tokens): lowered in {lo['seconds']:.0f}s "
+            f"(not compiled), host peak RSS {lo['peak_rss'] / GB:.2f} GB", flush=True)
+      continue
     with rss.phase(f"{name}: compile") as co:
       compiled = lowered.compile()
       del lowered
@@ -173,6 +184,8 @@ def main(argv=None) -> int:
                  "at the stage's length and at twice it (= --steps train,eval,eval_2x)")
   p.add_argument("--steps", default=None, help=f"comma-separated, from {','.join(STEPS)} "
                  "(default: train; e.g. --steps eval,eval_2x compiles only the eval steps)")
+  p.add_argument("--lower-only", action="store_true", help="trace and lower the steps, do not "
+                 "compile them (checks shapes and shardings in seconds; no memory numbers)")
   p.add_argument("--json", default=None, help="also write the report here")
   p.add_argument("--malloc-arenas", type=int, default=int(os.environ.get(
       "SPARSE_LM_MALLOC_ARENAS", 2)), help="glibc malloc arenas (0 = glibc's default)")
@@ -223,7 +236,8 @@ def main(argv=None) -> int:
           f"attention_backend={cfg.attention_backend} ep_exchange={cfg.ep_exchange} "
           f"ragged_buffer_factor={cfg.ragged_buffer_factor}", flush=True)
     try:
-      reports = plan_steps(stage, devices, hbm=hbm, rss=rss, steps=steps)
+      reports = plan_steps(stage, devices, hbm=hbm, rss=rss, steps=steps,
+                           lower_only=args.lower_only)
     except ValueError as e:
       print(f"[aot_plan] failed: {e}", file=sys.stderr)
       return 1
@@ -245,7 +259,7 @@ def main(argv=None) -> int:
                steps=reports)
     with open(args.json, "w") as f:
       json.dump(out, f, indent=1)
-  return 0 if all(r["fits"] for r in reports) else 2
+  return 0 if all(r["fits"] is not False for r in reports) else 2
 
 
 if __name__ == "__main__":
