@@ -211,6 +211,9 @@ class Tokenizer:
   @classmethod
   def from_json(cls, text: str) -> Tokenizer:
     spec = json.loads(text)
+    if "hf_checkpoint_tokenizer" in spec:  # an HF checkpoint's own (tokenizer_hf.py)
+      from sparse_lm.data import tokenizer_hf  # pylint: disable=g-import-not-at-top
+      return tokenizer_hf.HFCheckpointTokenizer(spec["hf_checkpoint_tokenizer"])
     if "sentencepiece_model" in spec:
       return cls(sp_model_proto=base64.b64decode(spec["sentencepiece_model"]))
     import tokenizers  # pylint: disable=g-import-not-at-top
@@ -229,11 +232,15 @@ class Tokenizer:
 
   @classmethod
   def load(cls, path: str) -> Tokenizer:
-    """Loads a ``tokenizer.json`` (HF or ours) or a SentencePiece ``.model`` file."""
+    """Loads a ``tokenizer.json`` (HF or ours), a SentencePiece ``.model`` file, or with
+    ``hf:DIR`` the tokenizer of the HF checkpoint directory DIR (``tokenizer_hf.py``)."""
+    if path.startswith("hf:"):
+      from sparse_lm.data import tokenizer_hf  # pylint: disable=g-import-not-at-top
+      return tokenizer_hf.HFCheckpointTokenizer.from_directory(path[len("hf:"):])
     if not os.path.isfile(path):
       raise FileNotFoundError(f"tokenizer file {path!r} does not exist (DataConfig.tokenizer "
-                              "takes a tokenizer.json or a SentencePiece .model path, or None to "
-                              "train a BPE on the data)")
+                              "takes a tokenizer.json or a SentencePiece .model path, hf:DIR for "
+                              "an HF checkpoint's tokenizer, or None to train a BPE on the data)")
     with open(path, "rb") as f:
       data = f.read()
     if path.endswith(".model") or not data.lstrip().startswith(b"{"):
@@ -351,6 +358,11 @@ def load_or_train_tokenizer(data_cfg, workdir: str | None, vocab_size: int) -> T
     if tok.vocab_size > vocab_size:
       raise ValueError(f"tokenizer {data_cfg.tokenizer!r} has {tok.vocab_size} ids but the model "
                        f"vocab_size is {vocab_size}; raise ModelConfig.vocab_size")
+    image = SPECIAL_TOKENS.index("<image>")
+    if getattr(data_cfg, "images", "") and tok.image_id != image:
+      raise ValueError(f"DataConfig.images={data_cfg.images!r} needs '<image>' at id {image} (the "
+                       f"model's placeholder id), but tokenizer {data_cfg.tokenizer!r} has it at "
+                       f"{tok.image_id}; use a tokenizer trained here, or no images")
     return tok
   key = source_key(data_cfg)
   paths = _cache_paths(workdir, key) if workdir else []
