@@ -28,7 +28,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -49,6 +49,13 @@ _PIECE_CHARS = 16384
 # non-space and precedes a non-space, the pre-tokenizer always ends a pre-token, so the pieces'
 # ids concatenate to exactly the ids of the whole text.
 _SAFE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
+
+
+# Tokenizers of other formats register here (tokenizer_hf.py, imported by the package): the
+# key of their `to_json` object -> constructor from its value; a `load` path prefix ("hf:")
+# -> constructor from the rest of the path.
+JSON_FORMATS: dict[str, Callable[[dict], Tokenizer]] = {}
+PATH_PREFIXES: dict[str, Callable[[str], Tokenizer]] = {}
 
 
 def _pieces(text: str) -> list[str]:
@@ -211,9 +218,9 @@ class Tokenizer:
   @classmethod
   def from_json(cls, text: str) -> Tokenizer:
     spec = json.loads(text)
-    if "hf_checkpoint_tokenizer" in spec:  # an HF checkpoint's own (tokenizer_hf.py)
-      from sparse_lm.data import tokenizer_hf  # pylint: disable=g-import-not-at-top
-      return tokenizer_hf.HFCheckpointTokenizer(spec["hf_checkpoint_tokenizer"])
+    for key, make in JSON_FORMATS.items():
+      if key in spec:
+        return make(spec[key])
     if "sentencepiece_model" in spec:
       return cls(sp_model_proto=base64.b64decode(spec["sentencepiece_model"]))
     import tokenizers  # pylint: disable=g-import-not-at-top
@@ -234,9 +241,9 @@ class Tokenizer:
   def load(cls, path: str) -> Tokenizer:
     """Loads a ``tokenizer.json`` (HF or ours), a SentencePiece ``.model`` file, or with
     ``hf:DIR`` the tokenizer of the HF checkpoint directory DIR (``tokenizer_hf.py``)."""
-    if path.startswith("hf:"):
-      from sparse_lm.data import tokenizer_hf  # pylint: disable=g-import-not-at-top
-      return tokenizer_hf.HFCheckpointTokenizer.from_directory(path[len("hf:"):])
+    for prefix, make in PATH_PREFIXES.items():
+      if path.startswith(prefix):
+        return make(path[len(prefix):])
     if not os.path.isfile(path):
       raise FileNotFoundError(f"tokenizer file {path!r} does not exist (DataConfig.tokenizer "
                               "takes a tokenizer.json or a SentencePiece .model path, hf:DIR for "

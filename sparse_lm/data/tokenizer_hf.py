@@ -30,7 +30,7 @@ import json
 import pathlib
 from collections.abc import Sequence
 
-from sparse_lm.data.tokenizer import SPECIAL_TOKENS, Tokenizer
+from sparse_lm.data.tokenizer import JSON_FORMATS, PATH_PREFIXES, SPECIAL_TOKENS, Tokenizer
 
 # The split pattern of Moonshot's tokenization_kimi.py (Kimi-K2 / Kimi-Linear / Kimi-K3): Han
 # runs, letter runs without Han (class intersection `&&`), up to 3 digits, punctuation, spaces.
@@ -232,3 +232,7 @@ class HFCheckpointTokenizer(Tokenizer):
   def __repr__(self) -> str:
     return (f"HFCheckpointTokenizer({self._spec['kind']}, vocab_size={self.vocab_size}, "
             f"fingerprint={self.fingerprint})")
+
+
+JSON_FORMATS["hf_checkpoint_tokenizer"] = HFCheckpointTokenizer
+PATH_PREFIXES[PREFIX] = HFCheckpointTokenizer.from_directory
