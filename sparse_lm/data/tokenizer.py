@@ -369,7 +369,8 @@ def load_or_train_tokenizer(data_cfg, workdir: str | None, vocab_size: int) -> T
     if getattr(data_cfg, "images", "") and tok.image_id != image:
       raise ValueError(f"DataConfig.images={data_cfg.images!r} needs '<image>' at id {image} (the "
                        f"model's placeholder id), but tokenizer {data_cfg.tokenizer!r} has it at "
-                       f"{tok.image_id}; use a tokenizer trained here, or no images")
+                       f"{tok.image_id}; use a tokenizer trained here, or text only "
+                       "(--set data.images='')")
     return tok
   key = source_key(data_cfg)
   paths = _cache_paths(workdir, key) if workdir else []

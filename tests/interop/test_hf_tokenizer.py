@@ -112,6 +112,10 @@ def test_pipeline_packs_documents_with_the_checkpoint_tokenizer(tmp_path):
   assert seen >= 2
   with pytest.raises(ValueError, match="256 ids but the model vocab_size is 200"):
     load_or_train_tokenizer(cfg, None, vocab_size=200)
+  images = DataConfig(source=cfg.source, tokenizer=cfg.tokenizer, images="digits",
+                      image_ratio=0.5)
+  with pytest.raises(ValueError, match="DataConfig.images='digits' needs '<image>' at id 3"):
+    load_or_train_tokenizer(images, None, vocab_size=256)
 
 
 def _checkpoint_with(tmp_path, tokenizer_dir):
