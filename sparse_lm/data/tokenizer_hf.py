@@ -64,27 +64,27 @@ def _read_json(path: pathlib.Path) -> dict:
     raise ValueError(f"{path}: not valid JSON ({e})") from e
 
 
-def parse_tiktoken_ranks(path: pathlib.Path) -> dict[bytes, int]:
-  """``tiktoken.model`` -> {token bytes: rank (= id)}.
+def parse_tiktoken_ranks(text: str, where: str = "tiktoken.model") -> dict[bytes, int]:
+  """The text of a ``tiktoken.model`` file -> {token bytes: rank (= id)}.
 
   Raises:
-    ValueError: a malformed line or a repeated rank (the line number is named).
+    ValueError: a malformed line or a repeated rank (``where`` and the line number named).
   """
   ranks: dict[bytes, int] = {}
   seen: set[int] = set()
-  for n, line in enumerate(path.read_bytes().splitlines(), 1):
+  for n, line in enumerate(text.splitlines(), 1):
     if not line.strip():
       continue
     try:
       token, rank = line.split()
       ranks[base64.b64decode(token, validate=True)] = int(rank)
     except ValueError as e:
-      raise ValueError(f"{path}:{n}: expected '<base64 token> <rank>', got {line[:60]!r}") from e
+      raise ValueError(f"{where}:{n}: expected '<base64 token> <rank>', got {line[:60]!r}") from e
     if int(rank) in seen:
-      raise ValueError(f"{path}:{n}: rank {int(rank)} appears twice")
+      raise ValueError(f"{where}:{n}: rank {int(rank)} appears twice")
     seen.add(int(rank))
   if not ranks:
-    raise ValueError(f"{path}: no tokens")
+    raise ValueError(f"{where}: no tokens")
   return ranks
 
 
@@ -116,13 +116,13 @@ def read_checkpoint_spec(directory) -> dict:
     special[name] = int(key)
   if (d / "tokenizer.json").is_file():
     spec = {"kind": "tokenizers", "tokenizer_json": (d / "tokenizer.json").read_text("utf-8")}
-    added = json.loads(spec["tokenizer_json"]).get("added_tokens") or []
-    special.update({t["content"]: int(t["id"]) for t in added})
-    vocab = json.loads(spec["tokenizer_json"]).get("model", {}).get("vocab") or {}
+    parsed = _read_json(d / "tokenizer.json")
+    special.update({t["content"]: int(t["id"]) for t in parsed.get("added_tokens") or []})
+    vocab = (parsed.get("model") or {}).get("vocab") or {}
     known = {**(vocab if isinstance(vocab, dict) else {}), **special}
   elif (d / "tiktoken.model").is_file():
     ranks_text = (d / "tiktoken.model").read_text("ascii")
-    ranks = parse_tiktoken_ranks(d / "tiktoken.model")
+    ranks = parse_tiktoken_ranks(ranks_text, str(d / "tiktoken.model"))
     clash = sorted(i for i in special.values() if i < len(ranks))
     if clash:
       raise ValueError(f"{conf_path}: added_tokens_decoder ids {clash[:5]} overlap the "
@@ -167,13 +167,9 @@ class HFCheckpointTokenizer(Tokenizer):
       self._size = self._lib.get_vocab_size(with_added_tokens=True)
     elif spec["kind"] == "tiktoken":
       import tiktoken  # pylint: disable=g-import-not-at-top
-      ranks = {}
-      for line in spec["ranks"].splitlines():
-        if line.strip():
-          token, rank = line.split()
-          ranks[base64.b64decode(token)] = int(rank)
       self._lib = tiktoken.Encoding(name="hf_checkpoint", pat_str=spec["pattern"],
-                                    mergeable_ranks=ranks, special_tokens=self._special)
+                                    mergeable_ranks=parse_tiktoken_ranks(spec["ranks"]),
+                                    special_tokens=self._special)
       self._size = self._lib.n_vocab
     else:
       raise ValueError(f"unknown checkpoint tokenizer kind {spec['kind']!r}")
