@@ -22,7 +22,8 @@ from sparse_lm.rl.trainer import RLConfig
 from sparse_lm.train.optimizer import OptimizerConfig
 
 PRESETS = {
-    "tiny": RLConfig(preset="tiny", env="arithmetic", seq_len=96, max_turn_tokens=24),
+    "tiny": RLConfig(preset="tiny", env="arithmetic", seq_len=64, max_turn_tokens=24,
+                     sft_seq_len=32),
     "small": RLConfig(preset="small", env="passkey", env_overrides=(("doc_chars", 65_536),),
                       seq_len=1024, max_turn_tokens=64, sft_steps=500, sft_batch=64,
                       grpo_steps=200, prompts_per_step=16, grpo=GRPOConfig(group_size=16),
