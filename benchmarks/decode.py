@@ -15,7 +15,8 @@ for the small preset) is built with max_length = L and B slots, and:
            is not filled by a real prefill first. --single-step also times one `Engine.step`
            call per token (a host round trip per token, as the engine ran before the loop).
   floor    bytes the step must read / HBM bandwidth (--hbm-tbs, 4.8 TB/s for an H200):
-           every non-expert weight once (embedding: only B rows), the routed experts the batch
+           every non-expert decoder weight once (embedding: only B rows; not the image
+           encoder), the routed experts the batch
            can touch (E (1 - (1 - k/E)^B) per MoE layer: uniform routing), the KDA states
            (read and written, fp32) and conv tails, and B x L latent-cache entries per MLA
            layer. ratio = floor / measured (1 = at the bandwidth limit).
@@ -59,6 +60,8 @@ def weight_bytes_per_step(cfg, batch: int) -> float:
     if not isinstance(var, nnx.Param):
       continue
     names = [str(p) for p in path]
+    if names[0] == "vision":  # the image encoder runs on images, never in a decode step
+      continue
     n = float(np.prod(var.shape))
     size = jnp.dtype(var.dtype).itemsize if var.ndim < 2 else item
     if names[-1] == "embedding":
@@ -166,7 +169,8 @@ def prefill_row(cfg, model, batch: int, context: int, args) -> dict:
   first = _median_s(lambda: engine.step(toks, np.zeros(batch), n)[0], args.prefill_repeats)
   last = _median_s(lambda: engine.step(toks, np.full(batch, context - P), n)[0],
                    args.prefill_repeats)
-  return {"prefill_piece": P, "prefill_tok_s": batch * context / (context / P * (first + last) / 2)}
+  return {"prefill_piece": P, "prefill_first_s": first, "prefill_last_s": last,
+          "prefill_tok_s": batch * context / (context / P * (first + last) / 2)}
 
 
 def main(argv=None):
@@ -178,6 +182,8 @@ def main(argv=None):
   p.add_argument("--prefill-chunk", type=int, default=4096)
   p.add_argument("--prefill-tokens", type=int, default=32768,
                  help="cap on batch x piece tokens per prefill call")
+  p.add_argument("--configs", help="BATCHxCONTEXT,... instead of --batches x --contexts")
+  p.add_argument("--parts", default="decode,prefill", help="what to time: decode, prefill")
   p.add_argument("--repeats", type=int, default=20)
   p.add_argument("--decode-steps", type=int, default=64, help="decode steps per device call")
   p.add_argument("--single-step", action="store_true",
@@ -204,12 +210,14 @@ def main(argv=None):
   header = ("| batch | context | decode step (ms) | bandwidth floor (ms) | floor / step | "
             "one step per call (ms) | prefill piece | prefill (tokens/s) |\n"
             "|---|---|---|---|---|---|---|---|")
-  configs = [(int(b), int(c)) for c in args.contexts.split(",") for b in args.batches.split(",")]
+  configs = ([tuple(int(x) for x in bc.split("x")) for bc in args.configs.split(",")]
+             if args.configs else
+             [(int(b), int(c)) for c in args.contexts.split(",") for b in args.batches.split(",")])
   rows = {bc: {} for bc in configs}
   # Decode for every configuration first (the acceptance numbers), then prefill.
   for part, fn in (("decode", decode_row), ("prefill", prefill_row)):
-    if part == "prefill" and args.skip_prefill:
-      break
+    if part not in args.parts.split(",") or (part == "prefill" and args.skip_prefill):
+      continue
     for batch, context in configs:
       if time.perf_counter() - t_start > args.budget_s:
         print(f"(budget reached: {part} B={batch}, L={context} not run)", flush=True)
