@@ -42,6 +42,6 @@ def test_moe_decode_equals_the_models_moe():
   for B in (2, 6):
     x = jax.random.normal(jax.random.key(SEED + B), (B, 1, cfg.d_model))
     valid = jnp.arange(B)[:, None] != 1  # row 1 is padding
-    want, _ = moe(x, valid=valid, train=False)
-    got = moe_decode(moe, x, valid)
+    want, _ = nnx.jit(lambda m, x, v: m(x, valid=v, train=False))(moe, x, valid)
+    got = nnx.jit(moe_decode)(moe, x, valid)
     np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-5)
