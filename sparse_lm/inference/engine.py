@@ -321,7 +321,9 @@ class Engine:
         per prompt: request i then draws with PRNGKey(seed[i]), independent of the others.
       states: per request, a DecodeState from an earlier output (the conversation so far) or
         None. A state is not consumed: it can be continued several times.
-      stream: called as stream(i, tokens_so_far) after each new token of request i.
+      stream: called as stream(i, tokens_so_far) for each new token of request i, once the
+        device call that made it returns (decode tokens arrive in bursts of up to
+        decode_steps).
 
     Returns:
       One GenerationOutput per prompt, in order.
