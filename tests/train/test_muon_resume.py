@@ -17,7 +17,8 @@ from sparse_lm.train.checkpoint import Checkpointer
 from tests.train.conftest import small_stage
 from tests.train.test_loop import _signal_at
 
-MUON_SETS = ("optim.name=muon", "optim.qk_clip_threshold=0.05", "model.num_layers=2",
+MUON_SETS = ("optim.name=muon", "optim.qk_clip_threshold=0.05", "model.num_layers=3",
+             "model.mla_every=2",
              "steps=4")
 
 
