@@ -3,7 +3,7 @@ and QK-clip.
 
 `OptimizerConfig.name` picks the optimizer: "adamw" (every parameter) or "muon" (Muon on the
 weight matrices, orthogonalised per attention head and per expert; AdamW on embeddings, the LM
-head, norms, gates, biases, the router and every 1-D/0-D leaf; `muon_partition`). With
+head, norms, gates, biases, the router and every 1-D/0-D leaf; `muon_labels`). With
 `qk_clip_threshold` set, the MLA query/key projections are rescaled after each update so that
 no head's attention logit passes it (`qk_clip`, Kimi K2's MuonClip).
 
