@@ -24,9 +24,10 @@ class Ablation:
   not_measured: str = ""  # what the claim asks for that this harness does not measure yet
 
 
-# Every ablation at the tiny preset: stage_8k's tiny stage, shortened (sized so that the whole
-# report fits 45 minutes on 2 CPU cores: 18 configurations x 2 seeds; the second seed of a
-# configuration reuses the first one's compiled programs through the persistent XLA cache).
+# Every ablation at the tiny preset: stage_8k's tiny stage, shortened (15 configurations x 2
+# seeds; the second seed of a configuration reuses the first one's compiled programs through the
+# persistent XLA cache). The 45-minute target on 2 idle cores is NOT met or measured yet: on the
+# loaded machine of 2026-11-30 a 64-expert balancing step took ~25 s (docs/ablations.md).
 PRESETS = {
     "tiny": ("seq_len=128", "tokens_per_batch=1024", "steps=120", "optim.warmup_steps=20",
              "eval_every=40", "eval_batches=2", "checkpoint_every=120", "sample_tokens=0"),

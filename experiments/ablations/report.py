@@ -109,14 +109,19 @@ def write_report(results: dict[str, Any], docs: pathlib.Path) -> str:
            "`docs/ablations/results.json`; every number below comes from those runs. Tables: "
            "mean ± half the range over the seeds. Configurations of one claim differ in one "
            "field and share data, steps and seeds (experiments/ablations/__init__.py).", ""]
+  ran = [a.name for a in ABLATIONS if a.name in results]
+  lines += [f"Status: {len(ran)} of {len(ABLATIONS)} claims have a recorded run"
+            + (f" ({', '.join(ran)})" if ran else "") + "; the others say so below.", ""]
   for a in ABLATIONS:
     lines += [f"## {a.name}", "", f"Claim: {a.claim}", "", f"Field: `{a.field}`", ""]
     rec = results.get(a.name)
+    m = meta.get(a.name, {})
     if rec is None:
       lines += ["**Not run yet.** Run it with "
                 f"`python -m experiments.ablations.report --preset=tiny --only {a.name}`.", ""]
+      if m.get("attempt"):
+        lines += [f"Attempted: {m['attempt']}", ""]
       continue
-    m = meta.get(a.name, {})
     lines += [f"Run {m.get('date', '?')}, preset `{rec['preset']}`, seeds {rec['seeds']}, "
               f"commit `{m.get('commit', '?')}`, {m.get('seconds', 0):.0f} s "
               f"({m.get('machine', '?')}).", ""]

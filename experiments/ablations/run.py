@@ -59,6 +59,8 @@ def run_ablation(ablation: Ablation, preset: str, workdir: str | pathlib.Path,
       if tok.exists() and not (d / "tokenizer.json").exists():
         (d / "tokenizer.json").write_bytes(tok.read_bytes())
       result = run(stage, d, progress=progress, progress_every=max(stage.steps // 4, 1))
+      if result.preempted:  # SIGTERM / Ctrl-C: the run saved its state; rerunning resumes it
+        raise KeyboardInterrupt(f"{d} stopped at step {result.end_step}; rerun to resume")
       if not tok.exists() and (d / "tokenizer.json").exists():
         tok.write_bytes((d / "tokenizer.json").read_bytes())
       curves = _curves(d / stage.name / "tb" / "metrics.jsonl")
