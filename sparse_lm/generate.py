@@ -137,8 +137,8 @@ def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
   print(f"[{where}]", file=sys.stderr)
   sampling = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k,
                             top_p=sampling.top_p, stop_tokens=[tokenizer.eos_id])
-  engine = Engine(model, max_length=args.max_length, max_batch=1,
-                  prefill_chunk=args.prefill_chunk)
+  engine = Engine(model, max_length=args.max_length, max_batch=1,  # 16 tokens per burst
+                  prefill_chunk=args.prefill_chunk, decode_steps=16)
 
   def turn(text, state, seed):
     ids = tokenizer.encode(text)
