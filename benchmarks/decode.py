@@ -1,17 +1,22 @@
 """Prefill throughput and decode step time of the inference engine, beside the bandwidth floor.
 
     python -m benchmarks.decode                          # small preset, batch 1/8/64 x 8K/64K
-    python -m benchmarks.decode --preset tiny --batches 1,2 --contexts 256 --prefill-chunk 64
-                                                         # CPU smoke run (seconds)
+    python -m benchmarks.decode --preset tiny --batches 1,2 --contexts 256 --prefill-chunk 64 \
+        --decode-steps 8                                 # CPU smoke run (seconds)
+    python -m benchmarks.decode --profile /tmp/prof ...  # also: where a step's time goes
 
 For each (batch B, context L) the engine (sparse_lm.inference.Engine, bf16 weights and caches
 for the small preset) is built with max_length = L and B slots, and:
-  decode   one jitted step for all B rows at length L - 1 (every row's latent cache full):
-           median of --repeats after a compile-and-warm-up call. The cache contents do not
-           change the work (the step reads the whole allocated cache), so the cache is not
-           filled by a real prefill first.
+  decode   the engine's decode call: --decode-steps steps for all B rows in one device call
+           (Engine.decode: a lax.while_loop on the device, caches donated), starting at length
+           L - steps - 1 so every row's latent cache is (nearly) full; time per step = median
+           of --repeats calls after a compile-and-warm-up call, / steps. The cache contents do
+           not change the work (a decode step reads the whole allocated cache), so the cache
+           is not filled by a real prefill first. --single-step also times one `Engine.step`
+           call per token (a host round trip per token, as the engine ran before the loop).
   floor    bytes the step must read / HBM bandwidth (--hbm-tbs, 4.8 TB/s for an H200):
-           every non-expert weight once (embedding: only B rows), the routed experts the batch
+           every non-expert decoder weight once (embedding: only B rows; not the image
+           encoder), the routed experts the batch
            can touch (E (1 - (1 - k/E)^B) per MoE layer: uniform routing), the KDA states
            (read and written, fp32) and conv tails, and B x L latent-cache entries per MLA
            layer. ratio = floor / measured (1 = at the bandwidth limit).
@@ -19,12 +24,20 @@ for the small preset) is built with max_length = L and B slots, and:
            start of the context and one at its end (its attention reads the whole cache);
            a whole prompt of L tokens costs about (L / P) x their mean, so
            tokens/s = B L / ((L / P) x mean).
+--profile DIR (first configuration only): a jax.profiler trace of one decode call, one
+single step, and one single step with the model's own MoE (the engine's decode path before
+`moe_decode`), each summarised as its top device ops by total time.
 Prints a markdown table; --out also writes it.
 """
 
 from __future__ import annotations
 
 import argparse
+import collections
+import glob
+import gzip
+import json
+import os
 import statistics
 import time
 
@@ -34,7 +47,7 @@ import numpy as np
 from flax import nnx
 
 from sparse_lm.config import get_preset
-from sparse_lm.inference import Engine, cache_bytes
+from sparse_lm.inference import Engine, cache_bytes, forward as forward_lib
 from sparse_lm.model import Transformer
 
 
@@ -47,6 +60,8 @@ def weight_bytes_per_step(cfg, batch: int) -> float:
     if not isinstance(var, nnx.Param):
       continue
     names = [str(p) for p in path]
+    if names[0] == "vision":  # the image encoder runs on images, never in a decode step
+      continue
     n = float(np.prod(var.shape))
     size = jnp.dtype(var.dtype).itemsize if var.ndim < 2 else item
     if names[-1] == "embedding":
@@ -74,28 +89,88 @@ def _median_s(fn, repeats: int) -> float:
   return statistics.median(times)
 
 
-def run(cfg, model, batch: int, context: int, args) -> dict:
-  chunk = max(16, min(args.prefill_chunk, args.prefill_tokens // batch, context))
-  engine = Engine(model, max_length=context, max_batch=batch, prefill_chunk=chunk)
-  rng = np.random.default_rng(0)
-  tok1 = rng.integers(0, cfg.vocab_size, (batch, 1))
-  full = np.full(batch, context - 1)
-  ones = np.ones(batch, np.int32)
-  decode_s = _median_s(lambda: engine.step(tok1, full, ones)[0], args.repeats)
-  row = {"batch": batch, "context": context, "decode_ms": decode_s * 1e3}
+def top_ops(trace_dir: str, n: int = 12) -> str:
+  """The n ops with the most total time on the device tracks, and on the host tracks, of the
+  newest perfetto trace under trace_dir (jax.profiler.trace(..., create_perfetto_trace=True))."""
+  path = sorted(glob.glob(os.path.join(trace_dir, "**", "perfetto_trace.json.gz"),
+                          recursive=True), key=os.path.getmtime)[-1]
+  with gzip.open(path) as f:
+    events = json.load(f)
+  events = events["traceEvents"] if isinstance(events, dict) else events
+  names = {e["pid"]: e["args"].get("name", "") for e in events
+           if e.get("ph") == "M" and e.get("name") == "process_name"}
+  lines = []
+  for where in ("device", "host"):
+    pids = {pid for pid, name in names.items()
+            if ("/device:" in name and "CPU" not in name) == (where == "device")}
+    total, count = collections.Counter(), collections.Counter()
+    for e in events:
+      if (e.get("ph") == "X" and e["pid"] in pids
+          and not any(w in e["name"] for w in ("profiler.py", "contextlib.py"))):
+        total[e["name"]] += e.get("dur", 0)
+        count[e["name"]] += 1
+    lines.append(f"  {where}: {sum(total.values()) / 1e3:.3f} ms in {sum(count.values())} "
+                 f"events on {sorted(names[p] for p in pids)}")
+    for name, us in total.most_common(n if where == "device" else n // 2):
+      lines.append(f"  {us / 1e3:9.3f} ms  {count[name]:6d} x  {name[:100]}")
+  return "\n".join(lines)
+
+
+def profile(engine, batch: int, length: int, trace_dir: str, repeats: int) -> None:
+  """Trace one decode call, one single step, and one single step with the model's MoE."""
+  rng = np.random.default_rng(1)
+  tok = rng.integers(0, engine.cfg.vocab_size, (batch,))
+  at = np.full(batch, length)
+  cases = [("decode call", lambda: engine.decode(tok, at)[0]),
+           ("single step", lambda: engine.step(tok[:, None], at, np.ones(batch))[0]),
+           ("single step, model MoE", lambda: engine.step(tok[:, None], at, np.ones(batch))[0])]
+  for name, fn in cases:
+    if name.endswith("model MoE"):
+      forward_lib.DECODE_MOE = "model"
+      jax.clear_caches()
+    median = _median_s(fn, repeats)
+    sub = os.path.join(trace_dir, name.replace(" ", "_").replace(",", ""))
+    with jax.profiler.trace(sub, create_perfetto_trace=True):
+      t0 = time.perf_counter()
+      jax.block_until_ready(fn())
+      wall = time.perf_counter() - t0
+    print(f"profile B={batch} L={length}: {name}: {median * 1e3:.2f} ms (median of "
+          f"{repeats}), {wall * 1e3:.2f} ms traced\n"
+          f"{top_ops(sub)}", flush=True)
+  forward_lib.DECODE_MOE = "moe_decode"
+  jax.clear_caches()
+
+
+def decode_row(cfg, model, batch: int, context: int, args) -> dict:
+  """Decode step time (and the profile, if asked) of one configuration."""
+  engine = Engine(model, max_length=context, max_batch=batch, decode_steps=args.decode_steps)
+  tok = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch,))
+  at = np.full(batch, context - args.decode_steps - 1)
+  row = {"decode_ms": _median_s(lambda: engine.decode(tok, at)[0],
+                                args.repeats) / args.decode_steps * 1e3}
+  if args.single_step:
+    row["step_ms"] = _median_s(lambda: engine.step(tok[:, None], at, np.ones(batch))[0],
+                               args.repeats) * 1e3
   row["floor_ms"] = (weight_bytes_per_step(cfg, batch) + cache_bytes_per_step(
       cfg, batch, context)) / (args.hbm_tbs * 1e12) * 1e3
-  if not args.skip_prefill:
-    toks = rng.integers(0, cfg.vocab_size, (batch, engine.prefill_chunk))
-    P = engine.prefill_chunk
-    n = np.full(batch, P)
-    first = _median_s(lambda: engine.step(toks, np.zeros(batch), n)[0], args.prefill_repeats)
-    last = _median_s(lambda: engine.step(toks, np.full(batch, context - P), n)[0],
-                     args.prefill_repeats)
-    row["prefill_piece"] = P
-    row["prefill_tok_s"] = batch * context / (context / P * (first + last) / 2)
-  del engine
+  if args.profile:
+    profile(engine, batch, context - args.decode_steps - 1, args.profile, args.repeats)
+    args.profile = None
   return row
+
+
+def prefill_row(cfg, model, batch: int, context: int, args) -> dict:
+  """Prefill tokens/s of one configuration (see the module docstring)."""
+  chunk = max(16, min(args.prefill_chunk, args.prefill_tokens // batch, context))
+  engine = Engine(model, max_length=context, max_batch=batch, prefill_chunk=chunk)
+  P = engine.prefill_chunk
+  toks = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, P))
+  n = np.full(batch, P)
+  first = _median_s(lambda: engine.step(toks, np.zeros(batch), n)[0], args.prefill_repeats)
+  last = _median_s(lambda: engine.step(toks, np.full(batch, context - P), n)[0],
+                   args.prefill_repeats)
+  return {"prefill_piece": P, "prefill_first_s": first, "prefill_last_s": last,
+          "prefill_tok_s": batch * context / (context / P * (first + last) / 2)}
 
 
 def main(argv=None):
@@ -107,7 +182,13 @@ def main(argv=None):
   p.add_argument("--prefill-chunk", type=int, default=4096)
   p.add_argument("--prefill-tokens", type=int, default=32768,
                  help="cap on batch x piece tokens per prefill call")
+  p.add_argument("--configs", help="BATCHxCONTEXT,... instead of --batches x --contexts")
+  p.add_argument("--parts", default="decode,prefill", help="what to time: decode, prefill")
   p.add_argument("--repeats", type=int, default=20)
+  p.add_argument("--decode-steps", type=int, default=64, help="decode steps per device call")
+  p.add_argument("--single-step", action="store_true",
+                 help="also time one Engine.step call per token")
+  p.add_argument("--profile", metavar="DIR", help="trace the first configuration into DIR")
   p.add_argument("--prefill-repeats", type=int, default=3)
   p.add_argument("--skip-prefill", action="store_true")
   p.add_argument("--hbm-tbs", type=float, default=4.8, help="HBM bandwidth, TB/s")
@@ -127,21 +208,34 @@ def main(argv=None):
   print(f"{args.preset} preset on {jax.devices()[0].device_kind}; model built in "
         f"{time.perf_counter() - t_start:.0f} s", flush=True)
   header = ("| batch | context | decode step (ms) | bandwidth floor (ms) | floor / step | "
-            "prefill piece | prefill (tokens/s) |\n|---|---|---|---|---|---|---|")
-  lines = [header]
-  print(header, flush=True)
-  for context in [int(c) for c in args.contexts.split(",")]:
-    for batch in [int(b) for b in args.batches.split(",")]:
+            "one step per call (ms) | prefill piece | prefill (tokens/s) |\n"
+            "|---|---|---|---|---|---|---|---|")
+  configs = ([tuple(int(x) for x in bc.split("x")) for bc in args.configs.split(",")]
+             if args.configs else
+             [(int(b), int(c)) for c in args.contexts.split(",") for b in args.batches.split(",")])
+  rows = {bc: {} for bc in configs}
+  # Decode for every configuration first (the acceptance numbers), then prefill.
+  for part, fn in (("decode", decode_row), ("prefill", prefill_row)):
+    if part not in args.parts.split(",") or (part == "prefill" and args.skip_prefill):
+      continue
+    for batch, context in configs:
       if time.perf_counter() - t_start > args.budget_s:
-        print(f"(budget reached: B={batch}, L={context} not run)", flush=True)
+        print(f"(budget reached: {part} B={batch}, L={context} not run)", flush=True)
         continue
-      r = run(cfg, model, batch, context, args)
-      pre = (f"{r['prefill_piece']} | {r['prefill_tok_s']:,.0f}" if "prefill_tok_s" in r
-             else "- | -")
-      line = (f"| {batch} | {context:,} | {r['decode_ms']:.2f} | {r['floor_ms']:.3f} | "
-              f"{r['floor_ms'] / r['decode_ms']:.2f} | {pre} |")
-      lines.append(line)
-      print(line, flush=True)
+      rows[batch, context].update(fn(cfg, model, batch, context, args))
+      print(f"{part} B={batch} L={context}: {rows[batch, context]}", flush=True)
+  lines = [header]
+  for (batch, context), r in rows.items():
+    if "decode_ms" in r:
+      dec = (f"{r['decode_ms']:.3f} | {r['floor_ms']:.3f} | "
+             f"{r['floor_ms'] / r['decode_ms']:.2f}")
+    else:
+      dec = "not run | | "
+    step = f"{r['step_ms']:.2f}" if "step_ms" in r else "-"
+    pre = (f"{r['prefill_piece']} | {r['prefill_tok_s']:,.0f}" if "prefill_tok_s" in r
+           else "- | -")
+    lines.append(f"| {batch} | {context:,} | {dec} | {step} | {pre} |")
+  print("\n".join(lines), flush=True)
   if args.out:
     with open(args.out, "w") as f:
       f.write("\n".join(lines) + "\n")

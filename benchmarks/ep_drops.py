@@ -30,24 +30,14 @@ import numpy as np
 
 from sparse_lm import data as data_lib
 from sparse_lm import sharding as shd
-from sparse_lm.moe import latent_moe
 from sparse_lm.train import loop
 from tests.multidevice.scripts.ep_rule import expected_keep
-
-
-RECORD = []
-_dispatch = latent_moe.dispatch_and_compute
-
-
-def _spy(z, ids, gates, params, **kw):
-  jax.debug.callback(lambda *a: RECORD.append(tuple(np.asarray(x) for x in a)), ids,
-                     kw["positions"], kw["margin"])
-  return _dispatch(z, ids, gates, params, **kw)
+from tests.multidevice.scripts.routing_spy import RECORD, install
 
 
 def measure(stage, mesh, steps: int, tokenizer, caps) -> dict:
   """Train `steps` steps; per step the reported total drop rate and, per cap, the rule's."""
-  latent_moe.dispatch_and_compute = _spy
+  install()
   parts = loop.build(stage, mesh)
   state = parts.init()
   batch_sh = parts.batch_shardings

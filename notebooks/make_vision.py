@@ -3,10 +3,9 @@
   python notebooks/make_vision.py
 """
 
-import pathlib
+from nbformat.v4 import new_code_cell, new_markdown_cell
 
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+from nbwrite import write_notebook
 
 cells = [
     new_markdown_cell(
@@ -74,10 +73,4 @@ cells = [
         "  fig.tight_layout()"),
 ]
 
-nb = new_notebook(cells=cells, metadata={
-    "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
-    "language_info": {"name": "python"},
-})
-out = pathlib.Path(__file__).with_name("vision.ipynb")
-nbformat.write(nb, out)
-print("wrote", out)
+write_notebook(cells, "vision.ipynb")

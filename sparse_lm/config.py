@@ -67,6 +67,9 @@ class ModelConfig:
   attention_backend: str = "auto"
   attention_chunk_size: int = 512  # query/key block of the memory-efficient XLA path
   mla_output_gate: bool = True  # G1 sigmoid gate before W_o (False: Kimi-Linear's plain MLA)
+  # Record each MLA head's largest attention logit of a training step in a non-Param variable
+  # (`attn_logit_max`, read and reset by QK-clip, sparse_lm/train/optimizer.py).
+  mla_logit_max: bool = False
 
   # Dense FFN (layer 0) and SiTU-GLU (§5)
   dense_hidden: int = 33_792

@@ -6,6 +6,8 @@
 Loads the newest checkpoint of the newest stage in the workdir (the stage whose latest
 checkpoint was written last; `--stage` picks another) through `sparse_lm.train.load`, or one
 step directory `--checkpoint PATH`, with the tokenizer saved in it, and streams the completion.
+A workdir that holds only an HF import (`python -m sparse_lm.interop.hf import`) generates with
+the imported model and the tokenizer the checkpoint shipped.
 `--interactive` is a multi-turn chat: each turn continues the previous turn's decode state
 (sparse_lm.inference.DecodeState), so the history is never re-read.
 """
@@ -27,11 +29,33 @@ def load_workdir(workdir: str | pathlib.Path, *, stage: str | None = None,
     FileNotFoundError: no checkpoint in `workdir` (the message lists its stages).
     ValueError: the checkpoint's preset differs from `preset`.
   """
+  from sparse_lm.interop import workdir as hf_import
   from sparse_lm.train import load
 
-  model, tokenizer, stage_cfg = load(workdir, stage)
+  try:
+    model, tokenizer, stage_cfg = load(workdir, stage)
+  except FileNotFoundError:
+    if stage is not None or hf_import.imported_config(workdir) is None:
+      raise
+    return _load_import(workdir, preset)
   _check_preset(preset, stage_cfg.preset, f"{workdir} ({stage_cfg.name})")
   return model, tokenizer, f"{stage_cfg.name}, preset {stage_cfg.preset}: {workdir}"
+
+
+def _load_import(workdir, preset: str | None):
+  """(model, tokenizer, description) of a workdir holding only an HF import
+  (`python -m sparse_lm.interop.hf import`), with the checkpoint's own tokenizer."""
+  from sparse_lm.data import Tokenizer
+  from sparse_lm.interop import workdir as hf_import
+
+  path = hf_import.tokenizer_path(workdir)
+  if path is None:
+    raise FileNotFoundError(
+        f"{workdir}: the HF import has no tokenizer (the checkpoint shipped neither "
+        "tokenizer.json nor tiktoken.model); re-import a directory that has one")
+  model, cfg, _ = hf_import.load_from_workdir(workdir)
+  _check_preset(preset, cfg.name, f"{workdir} (HF import)")
+  return model, Tokenizer.load(path), f"HF import ({cfg.name}): {workdir}"
 
 
 def _check_preset(wanted: str | None, found: str, where) -> None:
@@ -137,8 +161,8 @@ def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
   print(f"[{where}]", file=sys.stderr)
   sampling = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k,
                             top_p=sampling.top_p, stop_tokens=[tokenizer.eos_id])
-  engine = Engine(model, max_length=args.max_length, max_batch=1,
-                  prefill_chunk=args.prefill_chunk)
+  engine = Engine(model, max_length=args.max_length, max_batch=1,  # 16 tokens per burst
+                  prefill_chunk=args.prefill_chunk, decode_steps=16)
 
   def turn(text, state, seed):
     ids = tokenizer.encode(text)

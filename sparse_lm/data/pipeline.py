@@ -72,8 +72,10 @@ class DataConfig:
       (documents when both splits get one, else tail).
     packing: ``first_fit`` or ``best_fit``.
     seed: shuffling and bin-order seed.
-    tokenizer: path to a ``tokenizer.json`` or SentencePiece ``.model``; None trains a
-      byte-level BPE on the source and caches it in the run directory.
+    tokenizer: path to a ``tokenizer.json`` or SentencePiece ``.model``, or ``hf:DIR`` for
+      the tokenizer shipped with the HF checkpoint DIR (``tokenizer.json`` or ``tiktoken.model``,
+      ``sparse_lm.data.tokenizer_hf``); None trains a byte-level BPE on the source and caches
+      it in the run directory.
     prefetch: batches prepared ahead in a background thread (0 = none).
     images: image-caption sources mixed into the stream (``sparse_lm.data.image_sources``,
       e.g. ``digits+words`` or ``imagefolder:PATH``); "" = text only.

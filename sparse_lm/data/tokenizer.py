@@ -28,7 +28,7 @@ import os
 import re
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 
 import numpy as np
 
@@ -49,6 +49,13 @@ _PIECE_CHARS = 16384
 # non-space and precedes a non-space, the pre-tokenizer always ends a pre-token, so the pieces'
 # ids concatenate to exactly the ids of the whole text.
 _SAFE_CUT = re.compile(r"(?<=\S\n)(?=\S)")
+
+
+# Tokenizers of other formats register here (tokenizer_hf.py, imported by the package): the
+# key of their `to_json` object -> constructor from its value; a `load` path prefix ("hf:")
+# -> constructor from the rest of the path.
+JSON_FORMATS: dict[str, Callable[[dict], Tokenizer]] = {}
+PATH_PREFIXES: dict[str, Callable[[str], Tokenizer]] = {}
 
 
 def _pieces(text: str) -> list[str]:
@@ -211,6 +218,9 @@ class Tokenizer:
   @classmethod
   def from_json(cls, text: str) -> Tokenizer:
     spec = json.loads(text)
+    for key, make in JSON_FORMATS.items():
+      if key in spec:
+        return make(spec[key])
     if "sentencepiece_model" in spec:
       return cls(sp_model_proto=base64.b64decode(spec["sentencepiece_model"]))
     import tokenizers  # pylint: disable=g-import-not-at-top
@@ -229,11 +239,15 @@ class Tokenizer:
 
   @classmethod
   def load(cls, path: str) -> Tokenizer:
-    """Loads a ``tokenizer.json`` (HF or ours) or a SentencePiece ``.model`` file."""
+    """Loads a ``tokenizer.json`` (HF or ours), a SentencePiece ``.model`` file, or with
+    ``hf:DIR`` the tokenizer of the HF checkpoint directory DIR (``tokenizer_hf.py``)."""
+    for prefix, make in PATH_PREFIXES.items():
+      if path.startswith(prefix):
+        return make(path[len(prefix):])
     if not os.path.isfile(path):
       raise FileNotFoundError(f"tokenizer file {path!r} does not exist (DataConfig.tokenizer "
-                              "takes a tokenizer.json or a SentencePiece .model path, or None to "
-                              "train a BPE on the data)")
+                              "takes a tokenizer.json or a SentencePiece .model path, hf:DIR for "
+                              "an HF checkpoint's tokenizer, or None to train a BPE on the data)")
     with open(path, "rb") as f:
       data = f.read()
     if path.endswith(".model") or not data.lstrip().startswith(b"{"):
@@ -351,6 +365,12 @@ def load_or_train_tokenizer(data_cfg, workdir: str | None, vocab_size: int) -> T
     if tok.vocab_size > vocab_size:
       raise ValueError(f"tokenizer {data_cfg.tokenizer!r} has {tok.vocab_size} ids but the model "
                        f"vocab_size is {vocab_size}; raise ModelConfig.vocab_size")
+    image = SPECIAL_TOKENS.index("<image>")
+    if getattr(data_cfg, "images", "") and tok.image_id != image:
+      raise ValueError(f"DataConfig.images={data_cfg.images!r} needs '<image>' at id {image} (the "
+                       f"model's placeholder id), but tokenizer {data_cfg.tokenizer!r} has it at "
+                       f"{tok.image_id}; use a tokenizer trained here, or text only "
+                       "(--set data.images='')")
     return tok
   key = source_key(data_cfg)
   paths = _cache_paths(workdir, key) if workdir else []

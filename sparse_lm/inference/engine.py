@@ -9,10 +9,14 @@
 
 The engine owns a fixed batch of `max_batch` slots, each a row of every layer's cache
 (cache.py). A request takes a free slot, is prefilled in pieces of `prefill_chunk` tokens (all
-prefilling slots together, one jitted call per piece), then decodes one token per jitted step
-together with every other decoding slot; a finished row frees its slot for the next request.
-Both calls have fixed shapes ([max_batch, prefill_chunk] and [max_batch, 1]), so refilling slots
-never recompiles. Each row keeps its own length: no shared position, no left padding.
+prefilling slots together, one jitted call per piece), then decodes together with every other
+decoding slot: one jitted call runs up to `decode_steps` decode steps on the device (a
+`lax.while_loop`; caches donated and updated in place; sampling, stop tokens, max_new_tokens
+and the cache limit checked on the device) and returns the new tokens and log-probs in one
+transfer. The loop ends early when every row has finished, or, while requests wait for a
+slot, when any row finishes (so its slot is refilled at once). Both calls have fixed shapes
+([max_batch, prefill_chunk] and [max_batch] x decode_steps), so refilling slots never
+recompiles. Each row keeps its own length: no shared position, no left padding.
 
 Randomness: request i of a call with an int `seed` draws its n-th token with
 fold_in(fold_in(PRNGKey(seed), i), n) (with a list of seeds, fold_in(PRNGKey(seed[i]), n)), so
@@ -96,6 +100,45 @@ def _step(graphdef, weights, cache, tokens, start, n_valid, req_keys, counts, mo
   return cache, tok, logp
 
 
+@functools.partial(jax.jit, static_argnames=("graphdef", "num_steps"), donate_argnums=(2,))
+def _decode(graphdef, weights, cache, tokens, lengths, active, req_keys, counts, max_new,
+            max_length, stop_mask, exit_on_finish, mode, temperature, top_k, top_p, *,
+            num_steps):
+  """Up to num_steps decode steps for all slots in one device call (lax.while_loop).
+
+  tokens [B] int32: each row's last token, not yet in its cache; lengths [B] int32; active [B]
+  bool (rows that decode; the others ride along unchanged); counts [B] int32: tokens already
+  generated per row (the fold_in index of the next draw); max_new, max_length: int32 scalars;
+  stop_mask [vocab] bool; exit_on_finish: bool scalar, stop after the first step in which a
+  row finishes. Returns (cache, new tokens [num_steps, B] and log-probs (row b's are the first
+  counts_out[b] - counts[b] entries), counts_out [B], lengths_out [B]).
+  """
+  stack = nnx.merge(graphdef, weights)
+  B = tokens.shape[0]
+
+  def cond(carry):
+    i, _, _, _, _, act, _, _, finished = carry
+    return (i < num_steps) & jnp.any(act) & ~(exit_on_finish & finished)
+
+  def body(carry):
+    i, cache, tok, lengths, counts, act, out_tok, out_logp, finished = carry
+    n_valid = act.astype(jnp.int32)
+    logits, cache = forward_cached(stack, tok[:, None], cache, lengths, n_valid, kv_block=1)
+    keys = jax.vmap(jax.random.fold_in)(req_keys, counts)
+    new, logp = sample(logits, keys, mode=mode, temperature=temperature, top_k=top_k,
+                       top_p=top_p)
+    lengths, counts = lengths + n_valid, counts + n_valid
+    done = act & (stop_mask[new] | (counts >= max_new) | (lengths >= max_length))
+    return (i + 1, cache, jnp.where(act, new, tok), lengths, counts, act & ~done,
+            out_tok.at[i].set(new), out_logp.at[i].set(logp), finished | jnp.any(done))
+
+  init = (jnp.int32(0), cache, tokens, lengths, counts, active,
+          jnp.zeros((num_steps, B), jnp.int32), jnp.zeros((num_steps, B), jnp.float32),
+          jnp.bool_(False))
+  _, cache, _, lengths, counts, _, out_tok, out_logp, _ = jax.lax.while_loop(cond, body, init)
+  return cache, out_tok, out_logp, counts, lengths
+
+
 @jax.jit
 def _read_row(cache, slot):
   return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0), cache)
@@ -127,15 +170,17 @@ class Engine:
     max_batch: slots decoded together.
     prefill_chunk: tokens per row per prefill call (bounds prefill memory).
     kv_block: key block of the prefill's latent attention (default cfg.attention_chunk_size).
+    decode_steps: the most decode steps one device call runs (tokens per host round trip).
 
   Raises:
     ValueError: a size argument that is not a positive int (names it).
   """
 
   def __init__(self, model, *, max_length: int = 4096, max_batch: int = 8,
-               prefill_chunk: int = 512, kv_block: int | None = None):
+               prefill_chunk: int = 512, kv_block: int | None = None, decode_steps: int = 64):
     for name, v in (("max_length", max_length), ("max_batch", max_batch),
-                    ("prefill_chunk", prefill_chunk), ("kv_block", kv_block or 1)):
+                    ("prefill_chunk", prefill_chunk), ("kv_block", kv_block or 1),
+                    ("decode_steps", decode_steps)):
       if not isinstance(v, (int, np.integer)) or v <= 0:
         raise ValueError(f"Engine: {name}={v!r} must be a positive int")
     self.cfg = model.cfg
@@ -144,6 +189,7 @@ class Engine:
     self.kv_block = int(kv_block or self.cfg.attention_chunk_size)
     self.cache_length = cache_lib.padded_length(self.max_length, self.kv_block)
     self.prefill_chunk = int(min(prefill_chunk, self.cache_length))
+    self.decode_steps = int(decode_steps)
     self.signature = (self.cfg, self.cache_length)
     self.load_weights(model)
     self._cache = cache_lib.init_cache(self.cfg, self.max_batch, self.cache_length)
@@ -177,11 +223,30 @@ class Engine:
     self._cache, tok, logp = _step(
         self._graphdef, self._weights, self._cache, jnp.asarray(tokens, jnp.int32),
         jnp.asarray(lengths, jnp.int32), jnp.asarray(n_valid, jnp.int32), keys,
-        jnp.zeros((self.max_batch,), jnp.int32), mode=np.int32(sampling.mode),
-        temperature=np.float32(max(sampling.temperature, 1e-6)),
-        top_k=np.int32(sampling.top_k), top_p=np.float32(sampling.top_p),
-        kv_block=self.kv_block)
+        jnp.zeros((self.max_batch,), jnp.int32), **self._knobs(sampling), kv_block=self.kv_block)
     return tok, logp
+
+  def decode(self, tokens, lengths, sampling: SamplingParams | None = None, seed=0):
+    """Low level, for benchmarks: `decode_steps` decode steps of every slot in one device
+    call, no stop tokens. tokens [max_batch] int32 (the last token of each row, not yet in
+    its cache); lengths [max_batch] int32 (tokens in each row's cache; lengths +
+    decode_steps <= cache length). Returns the new tokens [decode_steps, max_batch] and their
+    log-probs as device arrays."""
+    sampling = SamplingParams(temperature=0.0) if sampling is None else sampling
+    B = self.max_batch
+    keys = jax.random.split(jax.random.PRNGKey(seed), B)
+    self._cache, tok, logp, _, _ = _decode(
+        self._graphdef, self._weights, self._cache, jnp.asarray(tokens, jnp.int32),
+        jnp.asarray(lengths, jnp.int32), jnp.ones((B,), bool), keys, jnp.zeros((B,), jnp.int32),
+        np.int32(2**30), np.int32(self.cache_length), jnp.zeros((self.cfg.vocab_size,), bool),
+        np.bool_(False), **self._knobs(sampling), num_steps=self.decode_steps)
+    return tok, logp
+
+  def _knobs(self, sampling: SamplingParams) -> dict:
+    """The sampling parameters as the traced scalars the jitted calls take."""
+    return dict(mode=np.int32(sampling.mode),
+                temperature=np.float32(max(sampling.temperature, 1e-6)),
+                top_k=np.int32(sampling.top_k), top_p=np.float32(sampling.top_p))
 
   def cache_bytes(self) -> int:
     """Bytes of the engine's allocated caches (all slots)."""
@@ -256,7 +321,9 @@ class Engine:
         per prompt: request i then draws with PRNGKey(seed[i]), independent of the others.
       states: per request, a DecodeState from an earlier output (the conversation so far) or
         None. A state is not consumed: it can be continued several times.
-      stream: called as stream(i, tokens_so_far) after each new token of request i.
+      stream: called as stream(i, tokens_so_far) for each new token of request i, once the
+        device call that made it returns (decode tokens arrive in bursts of up to
+        decode_steps).
 
     Returns:
       One GenerationOutput per prompt, in order.
@@ -282,10 +349,9 @@ class Engine:
     logps = [[] for _ in range(n)]
     results: list[GenerationOutput | None] = [None] * n
     stops = set(sampling.stop_tokens)
-    knobs = dict(mode=np.int32(sampling.mode),
-                 temperature=np.float32(max(sampling.temperature, 1e-6)),
-                 top_k=np.int32(sampling.top_k), top_p=np.float32(sampling.top_p),
-                 kv_block=self.kv_block)
+    stop_mask = np.zeros(self.cfg.vocab_size, bool)
+    stop_mask[list(stops)] = True
+    knobs = self._knobs(sampling)
 
     def finish(s, reason):
       r = slot_req[s]
@@ -293,6 +359,20 @@ class Engine:
                           self.signature)
       results[r] = GenerationOutput(gen[r], logps[r], state, reason)
       slot_req[s] = -1
+
+    def append(s, tok, logp):
+      """Token tok (log-prob logp) of slot s's request; ends the request when it is done."""
+      r = slot_req[s]
+      gen[r].append(int(tok))
+      logps[r].append(float(logp))
+      if stream is not None:
+        stream(r, gen[r])
+      if gen[r][-1] in stops:
+        finish(s, "stop")
+      elif len(gen[r]) >= max_new_tokens:
+        finish(s, "max_new_tokens")
+      elif lengths[s] >= self.max_length:
+        finish(s, "max_length")
 
     while queue or any(r >= 0 for r in slot_req):
       for s in range(B):
@@ -306,42 +386,42 @@ class Engine:
           else:
             self._cache = _write_row(self._cache, state.cache, s)
             lengths[s] = state.length
-      prefilling = [s for s in range(B) if slot_req[s] >= 0
-                    and fed[slot_req[s]] < len(feeds[slot_req[s]][0])]
-      rows = prefilling or [s for s in range(B) if slot_req[s] >= 0]
-      T = P if prefilling else 1
-      tokens = np.zeros((B, T), np.int32)
-      n_valid = np.zeros(B, np.int32)
+      busy = [s for s in range(B) if slot_req[s] >= 0]
       keys = np.zeros((B,) + req_keys.shape[1:], req_keys.dtype)
       counts = np.zeros(B, np.int32)
-      for s in rows:
+      for s in busy:
+        keys[s], counts[s] = req_keys[slot_req[s]], len(gen[slot_req[s]])
+      prefilling = [s for s in busy if fed[slot_req[s]] < len(feeds[slot_req[s]][0])]
+      if not prefilling:  # every busy slot decodes: many steps in one device call
+        tokens = np.zeros(B, np.int32)
+        for s in busy:
+          tokens[s] = gen[slot_req[s]][-1]
+        self._cache, *out = _decode(
+            self._graphdef, self._weights, self._cache, tokens, lengths.copy(),
+            np.isin(np.arange(B), busy), keys, counts, np.int32(max_new_tokens),
+            np.int32(self.max_length), stop_mask, np.bool_(bool(queue)), **knobs,
+            num_steps=self.decode_steps)
+        tok, logp, counts_out, _ = jax.device_get(out)
+        for s in busy:
+          for j in range(int(counts_out[s] - counts[s])):
+            lengths[s] += 1
+            append(s, tok[j, s], logp[j, s])
+        continue
+      tokens = np.zeros((B, P), np.int32)
+      n_valid = np.zeros(B, np.int32)
+      for s in prefilling:
         r = slot_req[s]
-        if prefilling:
-          piece = feeds[r][0][fed[r]:fed[r] + P]
-          tokens[s, :len(piece)] = piece
-          n_valid[s] = len(piece)
-        else:
-          tokens[s, 0] = gen[r][-1]
-          n_valid[s] = 1
-        keys[s], counts[s] = req_keys[r], len(gen[r])
+        piece = feeds[r][0][fed[r]:fed[r] + P]
+        tokens[s, :len(piece)] = piece
+        n_valid[s] = len(piece)
       self._cache, tok, logp = _step(self._graphdef, self._weights, self._cache, tokens,
-                                     lengths.copy(), n_valid, keys, counts, **knobs)
-      tok, logp = np.asarray(tok), np.asarray(logp)
+                                     lengths.copy(), n_valid, keys, counts, **knobs,
+                                     kv_block=self.kv_block)
+      tok, logp = jax.device_get((tok, logp))
       lengths += n_valid
-      for s in rows:
+      for s in prefilling:
         r = slot_req[s]
-        if prefilling:
-          fed[r] += int(n_valid[s])
-          if fed[r] < len(feeds[r][0]):
-            continue  # more pieces to go: this piece's sample is not used
-        gen[r].append(int(tok[s]))
-        logps[r].append(float(logp[s]))
-        if stream is not None:
-          stream(r, gen[r])
-        if gen[r][-1] in stops:
-          finish(s, "stop")
-        elif len(gen[r]) >= max_new_tokens:
-          finish(s, "max_new_tokens")
-        elif lengths[s] >= self.max_length:
-          finish(s, "max_length")
+        fed[r] += int(n_valid[s])
+        if fed[r] == len(feeds[r][0]):  # the last piece: its sample is the first new token
+          append(s, tok[s], logp[s])
     return results

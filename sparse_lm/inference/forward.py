@@ -15,7 +15,11 @@ Per layer (ARCHITECTURE.md §2-§5):
        output, one (kv_lora + rope)-wide head over the latent cache; a piece reads the cache in
        key blocks with an online softmax (memory O(T x block)), only the blocks up to the
        batch's furthest position.
-  MoE  routing with the frozen balancing biases and no capacity (never drops a token).
+  MoE  routing with the frozen balancing biases and no capacity (never drops a token). A
+       decode step (T = 1) reads only the experts its tokens chose when the batch's
+       assignments are no more than the experts (`moe_decode`: gathered expert weights), else
+       runs every expert on every token (one dense pass over all expert weights); a prefill
+       piece goes through the model's grouped matmuls.
   AttnRes mixes the sources of one token: nothing cached.
 """
 
@@ -26,8 +30,12 @@ import jax.numpy as jnp
 from flax import nnx
 
 from pallas_kernels.kda import chunk_kda, recurrent_step
+from sparse_lm import nn
 from sparse_lm.model import attnres
 from sparse_lm.model.kda import kda_output, kda_projections
+from sparse_lm.moe import router as router_lib
+from sparse_lm.moe.latent_moe import dense_reference
+from sparse_lm.moe.situ_glu import situ_activation
 
 _NEG = -1e30
 
@@ -96,8 +104,8 @@ def kda_cached(mixer, x: jax.Array, cache: dict, n_valid: jax.Array) -> tuple[ja
   dtype = jnp.dtype(cfg.dtype)
   p = mixer.arrays()
   T = x.shape[1]
-  proj, _ = kda_projections(p, x, gate_lower_bound=cfg.kda_gate_lower_bound, eps=cfg.l2_norm_eps,
-                            dtype=dtype, conv_state=cache["conv"])
+  proj, tails = kda_projections(p, x, gate_lower_bound=cfg.kda_gate_lower_bound,
+                                eps=cfg.l2_norm_eps, dtype=dtype, conv_state=cache["conv"])
   valid = jnp.arange(T)[None] < n_valid[:, None]
   g = jnp.where(valid[..., None, None], proj.g, 0.0)  # padding: identity step
   beta = jnp.where(valid[..., None], proj.beta, 0.0)
@@ -109,7 +117,11 @@ def kda_cached(mixer, x: jax.Array, cache: dict, n_valid: jax.Array) -> tuple[ja
     o, S = chunk_kda(proj.q, proj.k, proj.v, g, beta, initial_state=cache["S"],
                      output_final_state=True, chunk_size=cfg.kda_chunk_size,
                      backend=cfg.kda_backend, gate_lower_bound=cfg.kda_gate_lower_bound)
-  conv = conv_tails(p, x, cache["conv"], n_valid, dtype)
+  if T == 1:  # the conv's own new tails; an idle row (n_valid = 0) keeps its old ones
+    conv = {name: jnp.where(n_valid[:, None, None] > 0, tails[name].astype(old.dtype), old)
+            for name, old in cache["conv"].items()}
+  else:
+    conv = conv_tails(p, x, cache["conv"], n_valid, dtype)
   y = kda_output(p, x, o.astype(dtype), eps=cfg.norm_eps, dtype=dtype)
   return y, {"conv": conv, "S": S}
 
@@ -189,6 +201,71 @@ def mla_cached(mixer, x: jax.Array, cache: dict, start: jax.Array, *,
   return mixer.output(x, o), {"c_kv": c_all, "k_rope": r_all}
 
 
+# "moe_decode" (decode steps use `moe_decode`) or "model" (the model's own MoE, as prefill;
+# benchmarks/decode.py --profile compares the two).
+DECODE_MOE = "moe_decode"
+# Gathered expert weights while the batch's assignments N k are at most this many experts.
+GATHER_MAX_ASSIGNMENTS_PER_EXPERT = 1.0
+
+
+def gathered_experts(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
+                     params: dict[str, jax.Array], *, beta1: float, beta2: float) -> jax.Array:
+  """u = sum_j gates_j E_{id_j}(z) with each token's chosen experts' weights gathered.
+
+  Reads N k experts' weights (not all E): the decode step's MoE for a small batch. Same
+  contract and rounding as `sparse_lm.moe.latent_moe.dispatch_and_compute` (matmul outputs in
+  z's dtype, SiTU-GLU in fp32, fp32 combine).
+
+  Args:
+    z: [N, L] latent activations in the compute dtype; expert_ids: [N, k] int32 in [0, E]
+      (E = sentinel, contributes 0); gates: [N, k] fp32; params: {"w_gate", "w_up": [E, L, F],
+      "w_down": [E, F, L]}; beta1, beta2: SiTU-GLU clip levels.
+
+  Returns:
+    u [N, L] fp32.
+  """
+  E = params["w_gate"].shape[0]
+  ids = jnp.minimum(expert_ids, E - 1)
+  dt = z.dtype
+
+  def mm(x, w, spec):
+    return jnp.einsum(spec, x, w[ids].astype(dt), preferred_element_type=jnp.float32).astype(dt)
+  g = mm(z, params["w_gate"], "nl,nklf->nkf")
+  u = mm(z, params["w_up"], "nl,nklf->nkf")
+  h = situ_activation(g, u, beta1, beta2).astype(dt)
+  out = mm(h, params["w_down"], "nkf,nkfl->nkl").astype(jnp.float32)
+  w = jnp.where(expert_ids < E, gates.astype(jnp.float32), 0.0)
+  return jnp.einsum("nk,nkl->nl", w, out)
+
+
+def moe_decode(moe, x: jax.Array, valid: jax.Array) -> jax.Array:
+  """A LatentMoE (sparse_lm.moe.latent_moe, ARCHITECTURE §5) at inference: the frozen biases
+  route, nothing is dropped, no statistics. x [B, T, D] in the compute dtype, valid [B, T]
+  bool -> y [B, T, D]. The routed experts run as `gathered_experts` when N k <= E x
+  GATHER_MAX_ASSIGNMENTS_PER_EXPERT, else every expert on every token (`dense_reference`)."""
+  B, T, D = x.shape
+  n, E, k = B * T, moe.num_experts, moe.experts_per_token
+  dt = jnp.dtype(moe.compute_dtype)
+  xf = x.reshape(n, D)
+  scores = router_lib.router_scores(xf, moe.router[...])
+  routing = router_lib.route(scores, moe.balancer_bias[...], k, moe.route_scale,
+                             cutoff=moe.qb_cutoff)
+  ids = jnp.where(valid.reshape(n, 1), routing.expert_ids, E)
+  z = jnp.dot(xf.astype(dt), moe.w_down[...].astype(dt)) if moe.latent else xf.astype(dt)
+  experts = (gathered_experts if n * k <= E * GATHER_MAX_ASSIGNMENTS_PER_EXPERT
+             else dense_reference)
+  u = experts(z, ids, routing.gates, moe.expert_params(), beta1=moe.beta1, beta2=moe.beta2)
+  if moe.latent:
+    y = jnp.dot(nn.rms_norm(u, moe.latent_norm[...], moe.norm_eps).astype(dt),
+                moe.w_up[...].astype(dt))
+  else:
+    y = u.astype(dt)
+  y = y.reshape(B, T, D)
+  if moe.shared is not None:
+    y = y + moe.shared(x.astype(dt))
+  return y.astype(x.dtype)
+
+
 def layer_cached(layer, stream: dict, cache: dict, *, opens: bool, start, valid, n_valid,
                  kv_block: int) -> tuple[dict, dict]:
   """One DecoderLayer (transformer.py) from its cache: the same sub-layer order and AttnRes
@@ -205,6 +282,8 @@ def layer_cached(layer, stream: dict, cache: dict, *, opens: bool, start, valid,
   x = layer.ffn_norm(attnres.sublayer_input(cfg, stream, layer.ffn_query[...])).astype(dtype)
   if layer.dense_ffn:
     y = layer.ffn(x)
+  elif x.shape[1] == 1 and DECODE_MOE == "moe_decode":
+    y = moe_decode(layer.ffn, x, valid)
   else:
     layer.ffn.capacity_factor = None  # inference never drops (this is a traced copy)
     y, _ = layer.ffn(x, valid=valid, train=False)

@@ -207,10 +207,17 @@ def save_pretrained(model: Transformer, cfg: ModelConfig, path: str | os.PathLik
 
 # ------------------------------------------------------------------ CLI
 def import_to_workdir(hf_dir, workdir_path, *, dtype: str | None = None) -> pathlib.Path:
-  """HF checkpoint `hf_dir` -> `<workdir>/hf_import/` (Orbax; see interop/workdir.py)."""
+  """HF checkpoint `hf_dir` -> `<workdir>/hf_import/` (Orbax; see interop/workdir.py), with
+  the checkpoint's tokenizer (tokenizer.json or tiktoken.model) when it ships one.
+
+  Raises:
+    ValueError: the tokenizer has more ids than config.json's vocab_size, or its files are
+      malformed (named); and load_pretrained's errors. Checked before the weights are read.
+  """
+  tokenizer = workdir.checkpoint_tokenizer(hf_dir)
   model, cfg = load_pretrained(hf_dir, dtype=dtype)
   raw = json.loads((pathlib.Path(hf_dir) / "config.json").read_text())
-  return workdir.save_import(model, cfg, raw, workdir_path)
+  return workdir.save_import(model, cfg, raw, workdir_path, tokenizer=tokenizer)
 
 
 def _export_source(workdir_path: str, stage: str | None):
@@ -244,7 +251,9 @@ def main(argv=None) -> None:
   args = ap.parse_args(argv)
   if args.cmd == "import":
     out = import_to_workdir(args.hf_dir, args.workdir, dtype=args.dtype)
-    print(f"imported {args.hf_dir} -> {out}")
+    tok = workdir.tokenizer_path(args.workdir)
+    print(f"imported {args.hf_dir} -> {out}" + (f" (tokenizer {tok})" if tok else
+                                                 " (the checkpoint ships no tokenizer)"))
   else:
     model, cfg, extra = _export_source(args.workdir, args.stage)
     files = save_pretrained(model, cfg, args.out, layout=args.layout,

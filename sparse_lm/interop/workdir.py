@@ -3,10 +3,14 @@
 `python -m sparse_lm.interop.hf import --hf_dir D --workdir W` writes `W/hf_import/`:
   params/, model_vars/   Orbax (StandardCheckpointer) trees of the model's nnx.Param and other
                          variables (balancer bias and statistics), as nnx pure dicts;
-  sparse_lm_model.json   {"model_config": the ModelConfig fields, "hf_extra": token ids}.
+  sparse_lm_model.json   {"model_config": the ModelConfig fields, "hf_extra": token ids};
+  tokenizer.json         the checkpoint's own tokenizer (sparse_lm.data.tokenizer_hf), when it
+                         ships a tokenizer.json or tiktoken.model.
 A training stage starts from it with `--set init_from=W` (StageConfig.init_from): the stage's
 model is the imported ModelConfig with the stage's `model_overrides` applied, its parameters
-and balancer state are restored into the stage's shardings, and the optimizer starts fresh.
+and balancer state are restored into the stage's shardings, and the optimizer starts fresh;
+its data tokenizer is the import's (unless the stage sets data.tokenizer).
+`python -m sparse_lm.generate --workdir W` generates with the import and its tokenizer.
 
 `load_stage_checkpoint` reads a training stage's checkpoint back for export without importing
 sparse_lm.train (same floor: train imports this module): the ModelConfig from the checkpoint's
@@ -26,6 +30,7 @@ from sparse_lm.interop import hf_config
 
 IMPORT_DIR = "hf_import"
 META = "sparse_lm_model.json"
+TOKENIZER = "tokenizer.json"
 
 
 def _dir(workdir) -> pathlib.Path:
@@ -39,10 +44,46 @@ def imported_config(workdir) -> ModelConfig | None:
   return ModelConfig(**json.loads((_dir(workdir) / META).read_text())["model_config"])
 
 
-def save_import(model: nnx.Module, cfg: ModelConfig, raw_config: dict, workdir
-                ) -> pathlib.Path:
-  """Write an imported model (`hf.load_pretrained`) and its config.json dict `raw_config` as
-  `<workdir>/hf_import/`; returns that directory."""
+def checkpoint_tokenizer(hf_dir):
+  """The tokenizer shipped in HF checkpoint `hf_dir` (tokenizer.json or tiktoken.model, with
+  tokenizer_config.json), or None if it ships none.
+
+  Raises:
+    ValueError: it has more ids than config.json's vocab_size (the model could not embed
+      them), or its files are malformed (named).
+  """
+  from sparse_lm.data import tokenizer_hf  # pylint: disable=g-import-not-at-top
+  d = pathlib.Path(hf_dir)
+  if not any((d / f).is_file() for f in ("tokenizer.json", "tiktoken.model")):
+    return None
+  tok = tokenizer_hf.HFCheckpointTokenizer.from_directory(d)
+  raw = json.loads((d / "config.json").read_text())
+  vocab = raw.get("text_config", raw).get("vocab_size")
+  if vocab is not None and tok.vocab_size > vocab:
+    raise ValueError(f"{d}: the tokenizer has {tok.vocab_size} ids but config.json vocab_size "
+                     f"is {vocab}: the tokenizer files do not belong to this checkpoint")
+  return tok
+
+
+def tokenizer_path(workdir) -> str | None:
+  """`<workdir>/hf_import/tokenizer.json` if the import recorded a tokenizer, else None (a
+  `DataConfig.tokenizer` value)."""
+  path = _dir(workdir) / TOKENIZER if workdir else None
+  return str(path) if path is not None and path.is_file() else None
+
+
+def data_config(data_cfg, init_from: str | None):
+  """`data_cfg` (a DataConfig) with the tokenizer of the HF import `init_from` when the stage
+  starts from one that recorded a tokenizer and sets no `tokenizer` itself; else unchanged."""
+  path = tokenizer_path(init_from) if init_from and data_cfg.tokenizer is None else None
+  return dataclasses.replace(data_cfg, tokenizer=path) if path else data_cfg
+
+
+def save_import(model: nnx.Module, cfg: ModelConfig, raw_config: dict, workdir, *,
+                tokenizer=None) -> pathlib.Path:
+  """Write an imported model (`hf.load_pretrained`), its config.json dict `raw_config` and
+  the checkpoint's tokenizer (a `sparse_lm.data.Tokenizer` or None) as `<workdir>/hf_import/`;
+  returns that directory."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   out = _dir(workdir)
   out.mkdir(parents=True, exist_ok=True)
@@ -52,6 +93,10 @@ def save_import(model: nnx.Module, cfg: ModelConfig, raw_config: dict, workdir
     ckpt.save(out / "model_vars", nnx.to_pure_dict(rest), force=True)
   meta = {"model_config": dataclasses.asdict(cfg), "hf_extra": hf_config.token_ids(raw_config)}
   (out / META).write_text(json.dumps(meta, indent=2) + "\n")
+  if tokenizer is not None:
+    tokenizer.save(str(out / TOKENIZER))
+  elif (out / TOKENIZER).exists():
+    (out / TOKENIZER).unlink()  # a re-import of a checkpoint without one
   return out
 
 

@@ -67,6 +67,46 @@ def mla_latent_attention(q: jax.Array, c_kv: jax.Array, k_rope: jax.Array, w_ukv
                     preferred_element_type=jnp.float32).astype(dt)
 
 
+class AttnLogitMax(nnx.Variable):
+  """Per-head running maximum of the attention logits over a training step: [H] fp32 (with a
+  leading layer axis when stacked). Written by `MLA.__call__(train=True)` when
+  cfg.mla_logit_max, read and reset to 0 by QK-clip after the optimizer update."""
+
+
+def max_attention_logit(q: jax.Array, k: jax.Array, *, scale: float,
+                        segment_ids: jax.Array | None = None, block: int = 512) -> jax.Array:
+  """max over batch, query i and visible key j <= i (same segment) of scale * q_i . k_j.
+
+  Args:
+    q, k: [B, T, H, Dk] queries and keys (any float dtype; the product is fp32).
+    scale: the logit scale (Dk ** -0.5 in MLA).
+    segment_ids: [B, T] int (0 = padding, never visible); None = one segment.
+    block: query rows per step (memory B * H * block * T fp32).
+  Returns:
+    [H] fp32, the largest logit of each head (-1e30 for a head with no visible pair).
+  Source: the S_max of QK-clip, Kimi K2 (arXiv 2507.20534) §2.1.
+  """
+  B, T, H, _ = q.shape
+  seg = jnp.ones((B, T), jnp.int32) if segment_ids is None else segment_ids
+  C = min(block, T)
+  n = -(-T // C)
+  pad = n * C - T
+  qp = jnp.pad(q, ((0, 0), (0, pad), (0, 0), (0, 0)))
+  sp = jnp.pad(seg, ((0, 0), (0, pad)))
+  kpos = jnp.arange(T)
+
+  def one(i):
+    qc = jax.lax.dynamic_slice_in_dim(qp, i * C, C, 1)
+    sc = jax.lax.dynamic_slice_in_dim(sp, i * C, C, 1)
+    s = jnp.einsum("bqhd,bkhd->bhqk", qc, k, preferred_element_type=jnp.float32) * scale
+    qpos = i * C + jnp.arange(C)
+    ok = (kpos[None, :] <= qpos[:, None])[None] & (sc[:, :, None] == seg[:, None, :])
+    ok = ok & (sc[:, :, None] != 0)
+    return jnp.max(jnp.where(ok[:, None], s, -1e30), axis=(0, 2, 3))
+
+  return jnp.max(jax.lax.map(one, jnp.arange(n)), axis=0)
+
+
 class MLA(nnx.Module):
   """Gated MLA token mixer (input already pre-normalised).
 
@@ -98,6 +138,9 @@ class MLA(nnx.Module):
     if cfg.mla_output_gate:
       self.w_gate = dense((D,), (H, cfg.v_head_dim), ("embed", "heads", "kv"))
     self.w_o = dense((H, cfg.v_head_dim), (D,), ("heads", "kv", "embed"))
+    if cfg.mla_logit_max:
+      self.attn_logit_max = AttnLogitMax(jnp.zeros((H,), jnp.float32), out_sharding=(None,),
+                                         eager_sharding=False)
 
   @property
   def scale(self) -> float:
@@ -154,9 +197,18 @@ class MLA(nnx.Module):
     return self._gated_out(x, o)
 
   def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
-               backend: str | None = None) -> jax.Array:
-    """x [B, T, D] (pre-normalised) -> y [B, T, D] in cfg.dtype (causal, segment-masked)."""
+               backend: str | None = None, train: bool = False) -> jax.Array:
+    """x [B, T, D] (pre-normalised) -> y [B, T, D] in cfg.dtype (causal, segment-masked).
+
+    With train=True and cfg.mla_logit_max, also raises `attn_logit_max` to each head's
+    largest attention logit of this call (`max_attention_logit`, no gradient)."""
     mesh = sharding.current_mesh()
+    if train and self.cfg.mla_logit_max:
+      q, k, _ = self.qkv(jax.lax.stop_gradient(x))
+      s_max = max_attention_logit(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k),
+                                  scale=self.scale, segment_ids=segment_ids,
+                                  block=self.cfg.attention_chunk_size)
+      self.attn_logit_max[...] = jnp.maximum(self.attn_logit_max[...], s_max)
     how = context_parallel.mla_under_mesh(mesh, backend or self.cfg.attention_backend)
     if how == "latent":  # T sharded over `context`: gather the latent
       c_kv, k_rope = self._latent(x)

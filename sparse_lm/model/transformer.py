@@ -72,7 +72,8 @@ class DecoderLayer(nnx.Module):
     dtype = jnp.dtype(cfg.dtype)
     stream = attnres.open_block(cfg, stream, opens_block)
     x = self.attn_norm(attnres.sublayer_input(cfg, stream, self.attn_query[...])).astype(dtype)
-    stream = attnres.add_output(cfg, stream, self.mixer(x, segment_ids=segment_ids))
+    mix_kw = {"train": train} if self.mixer_kind == "mla" else {}
+    stream = attnres.add_output(cfg, stream, self.mixer(x, segment_ids=segment_ids, **mix_kw))
     x = self.ffn_norm(attnres.sublayer_input(cfg, stream, self.ffn_query[...])).astype(dtype)
     if self.dense_ffn:
       y, aux = self.ffn(x), None

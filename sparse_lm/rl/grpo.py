@@ -14,7 +14,11 @@ batch (token-level, as in DAPO, arXiv 2503.14476 §3.3), so long episodes are no
     rho_t = exp(logp_t - logp_old_t).
 
 m_t is 1 on tokens the model wrote (tool calls, answers) and 0 on the task and on tool results
-(`rollout.Episode.generated`). logp_old are the engine's log-probs of the sampled tokens.
+(`rollout.Episode.generated`). Every log-probability is that of the distribution the episodes
+were sampled from, softmax(logits / T) at the sampling temperature T (`GRPOConfig.temperature`),
+so the ratio is 1 on the step's own samples and the gradient is the sampling policy's.
+logp_old is the trainer's recomputation on the rollout's weights (the engine reports log-probs
+at T = 1, which the trainer checks against its own: `logprob_mismatch_max`).
 
 The train step is the project's (`sparse_lm.train.step.make_train_step`) with this loss: a pure
 function of (TrainState, batch), jitted by the caller; AdamW, clipping, the non-finite guard and
@@ -41,7 +45,8 @@ from sparse_lm.train.step import make_train_step
 class GRPOConfig:
   """clip_low / clip_high: the ratio's clip range (1 - clip_low, 1 + clip_high); kl_coef: beta
   (0 = no reference model); scale_by_std: divide advantages by the group's std (DeepSeekMath);
-  False keeps only the mean-centring (Dr. GRPO, arXiv 2503.20783)."""
+  False keeps only the mean-centring (Dr. GRPO, arXiv 2503.20783); temperature: the rollouts'
+  sampling temperature T > 0, the policy being softmax(logits / T)."""
 
   group_size: int = 8
   clip_low: float = 0.2
@@ -49,6 +54,7 @@ class GRPOConfig:
   kl_coef: float = 0.0
   scale_by_std: bool = True
   eps: float = 1e-6
+  temperature: float = 1.0
 
 
 def group_advantages(rewards: Sequence[float], group_size: int, *, scale_by_std: bool = True,
@@ -66,6 +72,13 @@ def group_advantages(rewards: Sequence[float], group_size: int, *, scale_by_std:
   if scale_by_std:
     adv = adv / (r.std(axis=1, keepdims=True) + eps)
   return adv.reshape(-1).astype(np.float32)
+
+
+def episode_rewards(episodes, partial_credit: float = 0.0) -> list[float]:
+  """The reward GRPO optimises per episode: the task's reward, or `partial_credit` (in [0, 1))
+  when the final answer earned less but a tool returned exactly the task's answer
+  (`Episode.found_answer`). Success is still judged on the task's reward alone."""
+  return [max(e.reward, partial_credit * float(e.found_answer)) for e in episodes]
 
 
 def episodes_to_batch(episodes, advantages: Sequence[float] | None, seq_len: int,
@@ -103,8 +116,9 @@ def _shift(x: jax.Array) -> jax.Array:
 
 
 def target_logprobs(model: nnx.Module, tokens: jax.Array, segment_ids: jax.Array, *,
-                    train: bool = False) -> tuple[jax.Array, jax.Array]:
-  """(log p(tokens[t+1] | tokens[<=t]) [B, T] fp32, the model's MoE aux loss (scalar)).
+                    train: bool = False, temperature: float = 1.0) -> tuple[jax.Array, jax.Array]:
+  """(log p(tokens[t+1] | tokens[<=t]) [B, T] fp32, the model's MoE aux loss (scalar)), with
+  p = softmax(logits / temperature).
 
   Full fp32 logits [B, T, V] are made: fine at the vocabularies RL runs on here (use the
   chunked cross-entropy of model/loss.py for 160K vocabularies and long episodes).
@@ -112,14 +126,16 @@ def target_logprobs(model: nnx.Module, tokens: jax.Array, segment_ids: jax.Array
   targets = _shift(tokens)
   h, aux = model.forward_hidden(tokens, segment_ids=segment_ids, train=train)
   logits = model.logits(h).astype(jnp.float32)
-  logp = jax.nn.log_softmax(logits, axis=-1)
+  logp = jax.nn.log_softmax(logits / temperature, axis=-1)
   return jnp.take_along_axis(logp, targets[..., None], axis=-1)[..., 0], jnp.sum(aux["aux_loss"])
 
 
-def token_logprobs(model: nnx.Module, tokens: jax.Array, segment_ids: jax.Array) -> jax.Array:
-  """log p(tokens[t] | tokens[<t]) [B, T] fp32, aligned with `tokens` (0 at t = 0): what the
-  engine reports per generated token, computed by one full forward pass."""
-  lp, _ = target_logprobs(model, tokens, segment_ids)
+def token_logprobs(model: nnx.Module, tokens: jax.Array, segment_ids: jax.Array, *,
+                   temperature: float = 1.0) -> jax.Array:
+  """log p(tokens[t] | tokens[<t]) [B, T] fp32, aligned with `tokens` (0 at t = 0), p =
+  softmax(logits / temperature): at temperature 1 what the engine reports per generated token,
+  computed by one full forward pass."""
+  lp, _ = target_logprobs(model, tokens, segment_ids, temperature=temperature)
   return jnp.concatenate([jnp.zeros_like(lp[:, :1]), lp[:, :-1]], axis=1)
 
 
@@ -132,7 +148,7 @@ def grpo_loss_fn(model: nnx.Module, batch: dict, *, train: bool = True, z_loss_c
   del z_loss_coef
   tokens, seg = batch["tokens"], batch["segment_ids"]
   _, weights = next_token_targets(tokens, seg, batch["loss_mask"])
-  logp, aux_loss = target_logprobs(model, tokens, seg, train=train)
+  logp, aux_loss = target_logprobs(model, tokens, seg, train=train, temperature=cfg.temperature)
   old = _shift(batch["old_logprobs"])
   ratio = jnp.exp(logp - old)
   adv = batch["advantages"][:, None]

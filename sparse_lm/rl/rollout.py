@@ -27,7 +27,9 @@ class Episode:
 
   tokens: every id (prompt, model turns, observations); `generated[i]` is True where the model
   wrote tokens[i] (the loss trains only there); `logprobs[i]` the engine's log p of it (nats,
-  0.0 elsewhere). `answer` is the final answer text (None if none was given).
+  0.0 elsewhere). `answer` is the final answer text (None if none was given); `found_answer`
+  is True once a tool returned exactly the task's answer (the call was right, whatever the
+  final answer: what a partial-credit reward pays for).
   """
 
   tokens: list[int]
@@ -38,6 +40,7 @@ class Episode:
   num_calls: int = 0
   num_errors: int = 0
   steps: int = 0
+  found_answer: bool = False
   done: bool = False
   state: Any = None
 
@@ -143,6 +146,7 @@ def run_episodes(engine, tok, tasks: Sequence[Task], *, max_steps: int, max_turn
         continue
       ep.num_calls += 1
       ep.num_errors += int(malformed)
+      ep.found_answer |= result.ok and result.output.strip() == task.answer
       obs = observation_ids(tok, result)
       if ep.steps >= max_steps or len(ep.tokens) + len(obs) + max_turn_tokens > max_length:
         ep.done = True  # no turn follows, so the observation is not appended

@@ -5,9 +5,10 @@ Two phases, each a stage directory with its own Orbax checkpoints (`train.checkp
                    (rollout.transcript: the tools really run; results masked out);
   <workdir>/grpo   starts from sft's final weights; each step samples `prompts_per_step` tasks,
                    `group_size` episodes each through the inference engine (temperature
-                   `temperature`), scores them, and takes one GRPO step (grpo.py).
+                   `grpo.temperature`), scores them, and takes one GRPO step (grpo.py).
 Held-out success (greedy, `eval_tasks` tasks from a seed stream the training never draws from)
-is measured after SFT and after GRPO and written to `<workdir>/<phase>/eval.json`.
+is measured after SFT and after GRPO and written to `<workdir>/<phase>/eval.json` (and every
+`eval_every` GRPO steps to `<workdir>/grpo/eval_curve.jsonl`).
 
 Everything random is a function of (cfg.seed, phase, step): a resumed run restores the state of
 its newest checkpoint and redraws exactly the tasks and samples it would have drawn (exact
@@ -40,7 +41,9 @@ EVAL_SEED_OFFSET = 1_000_003  # the held-out task stream
 
 @dataclasses.dataclass(frozen=True)
 class RLConfig:
-  """An agentic-RL run. Sizes in tokens (seq_len: longest episode), steps, episodes."""
+  """An agentic-RL run. Sizes in tokens (seq_len: longest episode; sft_seq_len: the length SFT
+  transcripts are padded to, None = seq_len), steps, episodes. partial_credit: GRPO's reward
+  for a wrong final answer after a tool returned the right one (grpo.episode_rewards)."""
 
   preset: str = "tiny"
   model_overrides: tuple[tuple[str, Any], ...] = ()
@@ -49,6 +52,7 @@ class RLConfig:
   seed: int = 0
   seq_len: int = 96
   max_turn_tokens: int = 24
+  sft_seq_len: int | None = None
   sft_steps: int = 150
   sft_batch: int = 32
   sft_optim: OptimizerConfig = OptimizerConfig(peak_lr=3e-3, warmup_steps=20, weight_decay=0.0)
@@ -57,8 +61,9 @@ class RLConfig:
   grpo: grpo.GRPOConfig = grpo.GRPOConfig(group_size=8)
   grpo_optim: OptimizerConfig = OptimizerConfig(peak_lr=3e-4, warmup_steps=0,
                                                 decay_fraction=0.0, weight_decay=0.0)
-  temperature: float = 1.0
-  eval_tasks: int = 128
+  partial_credit: float = 0.0
+  eval_tasks: int = 256
+  eval_every: int = 0
   checkpoint_every: int = 25
   init_from: str | None = None
 
@@ -73,6 +78,13 @@ class RLConfig:
               "checkpoint_every"):
       if getattr(self, f) <= 0:
         raise ValueError(f"RLConfig: {f}={getattr(self, f)} must be > 0")
+    if self.sft_seq_len is not None and self.sft_seq_len <= 0:
+      raise ValueError(f"RLConfig: sft_seq_len={self.sft_seq_len} must be > 0 (or None)")
+    if not 0.0 <= self.partial_credit < 1.0:
+      raise ValueError(f"RLConfig: partial_credit={self.partial_credit} must be in [0, 1) (a "
+                       "success earns 1)")
+    if not self.grpo.temperature > 0:
+      raise ValueError(f"RLConfig: grpo.temperature={self.grpo.temperature} must be > 0")
     if self.grpo.group_size < 2:
       raise ValueError(f"RLConfig: grpo.group_size={self.grpo.group_size} must be >= 2 (the "
                        "advantage is relative to the group)")
@@ -222,7 +234,7 @@ def run_sft(cfg: RLConfig, workdir: pathlib.Path, model, tok, log=print,
     for _ in range(cfg.sft_batch):
       ids, gen = rollout.transcript(tok, env.sample(rng))
       eps.append(rollout.Episode(tokens=ids, generated=gen, logprobs=[0.0] * len(ids)))
-    batch = grpo.episodes_to_batch(eps, None, cfg.seq_len)
+    batch = grpo.episodes_to_batch(eps, None, cfg.sft_seq_len or cfg.seq_len)
     state, metrics = step_fn(state, _put({k: batch[k] for k in
                                           ("tokens", "segment_ids", "positions", "loss_mask")}))
     if (step + 1) % 10 == 0 or step + 1 == cfg.sft_steps:
@@ -245,7 +257,9 @@ def run_grpo(cfg: RLConfig, workdir: pathlib.Path, model, tok, engine, log=print
   graphdef, state = phase.graphdef, phase.state
   step_fn = jax.jit(grpo.make_grpo_step(graphdef, phase.tx, phase.schedule, cfg.grpo),
                     donate_argnums=0)
-  logp_fn = jax.jit(lambda p, r, t, s: grpo.token_logprobs(nnx.merge(graphdef, p, r), t, s))
+  logp_fn = jax.jit(lambda p, r, t, s, temp: grpo.token_logprobs(
+      nnx.merge(graphdef, p, r), t, s, temperature=temp), static_argnums=4)
+  temp = cfg.grpo.temperature
   ref = (state.params, state.model_vars) if cfg.grpo.kl_coef > 0 else None
   history = []
   for step in range(int(state.step), cfg.grpo_steps):
@@ -255,21 +269,25 @@ def run_grpo(cfg: RLConfig, workdir: pathlib.Path, model, tok, engine, log=print
     t0 = time.perf_counter()
     eps = rollout.run_episodes(engine, tok, tasks, max_steps=env.max_steps,
                                max_turn_tokens=cfg.max_turn_tokens, max_length=cfg.seq_len,
-                               temperature=cfg.temperature, seed=cfg.seed * 100_003 + step)
+                               temperature=temp, seed=cfg.seed * 100_003 + step)
     gen_s = time.perf_counter() - t0
     generated = sum(sum(e.generated) for e in eps)
-    adv = grpo.group_advantages([e.reward for e in eps], G, scale_by_std=cfg.grpo.scale_by_std,
+    rewards = grpo.episode_rewards(eps, cfg.partial_credit)
+    adv = grpo.group_advantages(rewards, G, scale_by_std=cfg.grpo.scale_by_std,
                                 eps=cfg.grpo.eps)
     batch = _put(grpo.episodes_to_batch(eps, adv, cfg.seq_len))
-    trainer_lp = logp_fn(state.params, state.model_vars, batch["tokens"], batch["segment_ids"])
+    ids = (batch["tokens"], batch["segment_ids"])
+    trainer_lp = logp_fn(state.params, state.model_vars, *ids, 1.0)
     mask = batch["loss_mask"] > 0
     mismatch = float(jnp.max(jnp.where(mask, jnp.abs(trainer_lp - batch["old_logprobs"]), 0)))
+    if temp != 1.0:  # the ratio's old policy is the sampling one, softmax(logits / T)
+      batch["old_logprobs"] = logp_fn(state.params, state.model_vars, *ids, temp)
     if ref is not None:
-      batch["ref_logprobs"] = logp_fn(*ref, batch["tokens"], batch["segment_ids"])
+      batch["ref_logprobs"] = logp_fn(*ref, *ids, temp)
     t1 = time.perf_counter()
     state, metrics = step_fn(state, batch)
     m = {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
-    record = {"reward": float(np.mean([e.reward for e in eps])),
+    record = {"reward": float(np.mean(rewards)),
               "success": float(np.mean([e.success for e in eps])),
               "errors_per_episode": float(np.mean([e.num_errors for e in eps])),
               "calls_per_episode": float(np.mean([e.num_calls for e in eps])),
@@ -282,12 +300,18 @@ def run_grpo(cfg: RLConfig, workdir: pathlib.Path, model, tok, engine, log=print
             f"{record['rollout_tokens_per_s']:.0f} tok/s |dlogp| {mismatch:.1e}")
     log(f"grpo {step + 1}/{cfg.grpo_steps} {info}")
     phase.end_step(step, state, info)
+    if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.grpo_steps:
+      ev = evaluate(engine, tok, nnx.merge(graphdef, state.params, state.model_vars), cfg)
+      with open(workdir / "grpo" / "eval_curve.jsonl", "a", encoding="utf-8") as f:
+        f.write(json.dumps({"step": step + 1, **ev}) + "\n")
+      log(f"held-out after grpo step {step + 1}: {ev}")
   return phase.close(), history
 
 
 def run(cfg: RLConfig, workdir: str, log=print, progress: bool = False) -> dict:
   """SFT, held-out eval, GRPO, held-out eval. Returns {"sft": eval, "grpo": eval, "history"}."""
   cfg.validate()
+  t0 = time.perf_counter()
   from sparse_lm.inference import Engine  # pylint: disable=import-outside-toplevel
   from sparse_lm.model.transformer import Transformer  # pylint: disable=import-outside-toplevel
   wd = pathlib.Path(workdir)
@@ -309,6 +333,7 @@ def run(cfg: RLConfig, workdir: str, log=print, progress: bool = False) -> dict:
                                         progress=progress)
     path = wd / phase / "eval.json"
     out[phase] = evaluate(engine, tok, model, cfg)
+    out[phase]["wall_s"] = time.perf_counter() - t0  # since run() began: compiles, evals included
     path.write_text(json.dumps(out[phase], indent=1))
     log(f"held-out after {phase}: {out[phase]}")
   return out

@@ -295,6 +295,8 @@ def state_shardings(tree, mesh: jax.sharding.Mesh, rules=None):
 
   def one(x):
     if isinstance(x, nnx.Variable):
+      if not hasattr(x.get_value(), "shape"):  # optax's MaskedNode (Muon/AdamW partition)
+        return x
       return x.replace(NamedSharding(mesh, spec_for(x, mesh, rules)))
     if hasattr(x, "shape"):
       return NamedSharding(mesh, P())

@@ -20,7 +20,7 @@ from sparse_lm.model.transformer import Transformer
 from sparse_lm.moe import expert_parallel
 from sparse_lm.moe.balancing import update_balancers
 from sparse_lm.train.config import StageConfig
-from sparse_lm.train.optimizer import make_optimizer, wsd_schedule
+from sparse_lm.train.optimizer import make_optimizer, qk_clip, wsd_schedule
 from sparse_lm.train.state import TrainState, graphdef_of, make_init_fn
 from sparse_lm.train.step import make_eval_step, make_train_step
 
@@ -45,6 +45,20 @@ def batch_shapes(stage: StageConfig, rows: int, seq_len: int) -> dict[str, tuple
 def _model_factory(stage: StageConfig) -> Callable[[int], nnx.Module]:
   model_cfg = stage.model_config()
   return lambda seed: Transformer(model_cfg, rngs=nnx.Rngs(seed))
+
+
+def _post_update_fn(model_cfg, optim) -> Callable | None:
+  """What the train step runs on the model after the optimizer update: the balancers' bias
+  update (§6 step 5) and QK-clip (optimizer.qk_clip), each when configured; returns metrics."""
+  fns = []
+  if model_cfg.balancer != "none":
+    fns.append(update_balancers)
+  if model_cfg.mla_logit_max:
+    tau = optim.qk_clip_threshold
+    fns.append(lambda model: qk_clip(model, float("inf") if tau is None else tau))
+  if not fns:
+    return None
+  return lambda model: {k: v for fn in fns for k, v in (fn(model) or {}).items()}
 
 
 @dataclasses.dataclass
@@ -94,7 +108,7 @@ def build(stage: StageConfig, mesh: jax.sharding.Mesh) -> Parts:
     batch_sh = {k: shd.batch_sharding(mesh) for k in BATCH_KEYS}
     if stage.data.images:
       batch_sh.update({k: shd.batch_sharding(mesh, nd) for k, nd in IMAGE_BATCH_KEYS.items()})
-  balance = update_balancers if model_cfg.balancer != "none" else None
+  balance = _post_update_fn(model_cfg, stage.optim)
   train_step = jax.jit(
       _traced_in(stage, mesh, make_train_step(
           graphdef, tx, schedule, loss_fn, micro_batches=stage.micro_batches,

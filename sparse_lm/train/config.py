@@ -81,10 +81,13 @@ class StageConfig:
 
   def model_config(self) -> ModelConfig:
     from sparse_lm.interop import workdir as hf_import  # pylint: disable=g-import-not-at-top
+    overrides = dict(self.model_overrides)
+    if self.optim.qk_clip_threshold is not None:  # QK-clip reads each MLA head's max logit
+      overrides["mla_logit_max"] = True
     imported = hf_import.imported_config(self.init_from)
     if imported is not None:
-      return dataclasses.replace(imported, **dict(self.model_overrides))
-    return get_preset(self.preset, **dict(self.model_overrides))
+      return dataclasses.replace(imported, **overrides)
+    return get_preset(self.preset, **overrides)
 
   def validate(self) -> None:
     """Raise ValueError naming the offending field."""
@@ -92,6 +95,7 @@ class StageConfig:
               "checkpoint_every", "keep_checkpoints"):
       if getattr(self, f) <= 0:
         raise ValueError(f"StageConfig({self.name}): {f}={getattr(self, f)} must be > 0")
+    self.optim.validate()
     if self.tokens_per_batch % self.seq_len:
       raise ValueError(f"StageConfig({self.name}): tokens_per_batch={self.tokens_per_batch} "
                        f"is not a multiple of seq_len={self.seq_len}")

@@ -29,6 +29,7 @@ from jax.sharding import NamedSharding
 
 from sparse_lm import data as data_lib
 from sparse_lm import sharding as shd
+from sparse_lm.interop import workdir as hf_import
 from sparse_lm.model.params import flops_per_token
 from sparse_lm.train import metrics as metrics_lib
 from sparse_lm.train.builder import BATCH_KEYS, Parts, build  # pylint: disable=unused-import
@@ -158,8 +159,8 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
       f"tokens/step; {stage.steps} steps; mesh {dict(mesh.shape)}; workdir {stage_dir}")
 
   with WorkdirLock(stage_dir, primary=jax.process_index() == 0):
-    tokenizer = data_lib.load_or_train_tokenizer(stage.data, str(workdir),
-                                                 model_cfg.vocab_size)
+    tokenizer = data_lib.load_or_train_tokenizer(
+        hf_import.data_config(stage.data, stage.init_from), str(workdir), model_cfg.vocab_size)
     say(f"[{stage.name}] {data_lib.describe(stage.data)}; tokenizer {tokenizer.fingerprint} "
         f"({tokenizer.vocab_size} ids)")
     parts = build(stage, mesh)
@@ -382,12 +383,12 @@ def _init_from(stage, workdir, target, fingerprint, parts, say) -> TrainState:
   """The previous stage's final checkpoint, restarted at step 0 of this stage (or, when
   init_from is an HF import directory, its weights with a fresh optimizer)."""
   tx, state_sh = parts.tx, parts.state_shardings
-  from sparse_lm.interop import workdir as hf_import  # pylint: disable=g-import-not-at-top
   if hf_import.imported_config(stage.init_from) is not None:
     params, model_vars = hf_import.restore_variables(stage.init_from, target.params,
                                                      target.model_vars)
     say(f"[{stage.name}] initialised from the HF import in {stage.init_from} (fresh optimizer; "
-        "the data tokenizer is the stage's own)")
+        "data tokenizer: " + (stage.data.tokenizer or hf_import.tokenizer_path(stage.init_from)
+                              or "the stage's own") + ")")
     opt_state = jax.jit(tx.init, out_shardings=state_sh.opt_state)(params)
     return TrainState(step=jax.device_put(jnp.zeros((), jnp.int32), state_sh.step),
                       params=params, model_vars=model_vars, opt_state=opt_state,

@@ -41,8 +41,14 @@ def setup():
     tokens[0, :len(history)] = history
     return np.asarray(forward(state, tokens))[0, :len(history)]
 
-  engine = Engine(model, max_length=MAX_LENGTH, max_batch=4, prefill_chunk=64)
+  # 5 decode steps per device call: 8 new tokens take two calls (a row's decode spans calls).
+  engine = Engine(model, max_length=MAX_LENGTH, max_batch=4, prefill_chunk=64, decode_steps=5)
   return cfg, model, engine, reference
+
+
+def _compiled():
+  """Programs compiled so far by the engine's prefill-piece and decode-loop calls."""
+  return engine_lib._step._cache_size() + engine_lib._decode._cache_size()
 
 
 def _prompts(cfg, lengths, seed):
@@ -129,7 +135,7 @@ def test_continuous_batching_matches_one_at_a_time(setup):
   seeds = [int(s) for s in rng.integers(0, 2**31, 20)]
   engine.generate(prompts[:1], max_new_tokens=2, sampling=SamplingParams(temperature=0))
   engine.generate(prompts[:1], max_new_tokens=2, sampling=SamplingParams(top_k=40, top_p=0.9))
-  compiled = engine_lib._step._cache_size()
+  compiled = _compiled()
   for sp in (SamplingParams(temperature=0, stop_tokens=stops),
              SamplingParams(temperature=0.9, top_k=40, top_p=0.9, stop_tokens=stops)):
     batched = engine.generate(prompts, max_new_tokens=12, sampling=sp, seed=seeds)
@@ -138,7 +144,7 @@ def test_continuous_batching_matches_one_at_a_time(setup):
       alone = engine.generate([p], max_new_tokens=12, sampling=sp, seed=[s])[0]
       assert alone.tokens == o.tokens and alone.finish_reason == o.finish_reason
       np.testing.assert_allclose(alone.logprobs, o.logprobs, atol=1e-5)
-  assert engine_lib._step._cache_size() == compiled
+  assert _compiled() == compiled
 
 
 def test_cache_full_ends_generation(setup):
@@ -154,7 +160,7 @@ def test_cache_full_ends_generation(setup):
 def test_bad_input_is_refused_before_compiling(setup):
   cfg, model, _, _ = setup
   engine = Engine(model, max_length=32, max_batch=2, prefill_chunk=16)
-  compiled = engine_lib._step._cache_size()
+  compiled = _compiled()
   ok = [[1, 2, 3]]
   cases = [
       (dict(prompts=[[]]), r"prompts\[0\] is empty"),
@@ -169,6 +175,8 @@ def test_bad_input_is_refused_before_compiling(setup):
   for kwargs, match in cases:
     with pytest.raises(ValueError, match=match):
       engine.generate(**kwargs)
+  with pytest.raises(ValueError, match="decode_steps"):
+    Engine(model, max_length=32, decode_steps=0)
   for top_p in (0.0, 1.5, -0.1):
     with pytest.raises(ValueError, match="top_p"):
       SamplingParams(top_p=top_p)
@@ -179,4 +187,4 @@ def test_bad_input_is_refused_before_compiling(setup):
   other = Transformer(get_preset("tiny", d_model=32, vocab_size=256), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"load_weights.*\['vocab_size', 'd_model'\]"):
     engine.load_weights(other)
-  assert engine_lib._step._cache_size() == compiled
+  assert _compiled() == compiled

@@ -18,29 +18,16 @@ def test_parse_call_and_answer():
   assert parse_turn(" 42 <eos>") == FinalAnswer("42")
 
 
-def test_bad_json_is_an_error():
-  out = parse_turn('<tool_call>calculator {"expression": 1+}</tool_call>')
-  assert isinstance(out, ParseError) and "not valid JSON" in out.message
-
-
-def test_arguments_not_an_object():
-  out = parse_turn('<tool_call>calculator [1, 2]</tool_call>')
-  assert isinstance(out, ParseError) and "JSON object" in out.message
-
-
-def test_unclosed_call_is_an_error():
-  out = parse_turn('<tool_call>calculator {"expression": "1+2"}')
-  assert isinstance(out, ParseError) and "unclosed" in out.message
-
-
-def test_call_without_name():
-  out = parse_turn('<tool_call>{"expression": "1"}</tool_call>')
-  assert isinstance(out, ParseError) and "without a name" in out.message
-
-
-def test_neither_call_nor_answer():
-  out = parse_turn("the answer is 4")
-  assert isinstance(out, ParseError) and "no tool call" in out.message
+@pytest.mark.parametrize("text, message", [
+    ('<tool_call>calculator {"expression": 1+}</tool_call>', "not valid JSON"),
+    ("<tool_call>calculator [1, 2]</tool_call>", "JSON object"),
+    ('<tool_call>calculator {"expression": "1+2"}', "unclosed"),
+    ('<tool_call>{"expression": "1"}</tool_call>', "without a name"),
+    ("the answer is 4", "no tool call"),
+])
+def test_malformed_turn_is_a_parse_error(text, message):
+  out = parse_turn(text)
+  assert isinstance(out, ParseError) and message in out.message
 
 
 def test_garbage_never_raises():

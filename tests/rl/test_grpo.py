@@ -46,9 +46,10 @@ def test_group_advantages():
 
 
 def _reference_loss(model, batch, cfg):
-  """Written from the equations with full logits in numpy."""
+  """Written from the equations with full logits in numpy; the policy is softmax(logits / T)."""
   logits = np.asarray(model(jnp.asarray(batch["tokens"]),
                             segment_ids=jnp.asarray(batch["segment_ids"])), np.float64)
+  logits = logits / cfg.temperature
   logp_all = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1,
                              keepdims=True)) - logits.max(-1, keepdims=True)
   B, T = batch["tokens"].shape
@@ -73,7 +74,7 @@ def test_loss_matches_reference_and_masks_tool_output(model):
   batch = grpo.episodes_to_batch(eps, rng.normal(size=4), seq_len=24)
   batch["ref_logprobs"] = batch["old_logprobs"] + rng.normal(size=batch["old_logprobs"].shape
                                                              ).astype(np.float32) * 0.3
-  cfg = grpo.GRPOConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.1)
+  cfg = grpo.GRPOConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.1, temperature=0.7)
   jb = {k: jnp.asarray(v) for k, v in batch.items()}
   loss, metrics = grpo.grpo_loss_fn(model, jb, train=False, cfg=cfg)
   policy, kl = _reference_loss(model, batch, cfg)

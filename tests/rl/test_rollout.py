@@ -62,6 +62,7 @@ def test_episode_turns_rewards_and_masks(tok):
                                max_length=200, sampling_cls=_Sampling)
   assert ep.reward == 1.0 and ep.answer == task.answer and ep.steps == 3
   assert ep.num_calls == 2 and ep.num_errors == 1
+  assert ep.found_answer  # the second call returned the answer
   text = tok.decode(ep.tokens)
   assert "<tool_result>error: arguments of 'calculator' are not valid JSON" in text
   assert f"<tool_result>{task.answer}</tool_result>" in text
@@ -84,7 +85,15 @@ def test_step_budget_and_wrong_answer(tok):
   engine = ScriptedEngine(tok, [f"{task.answer}1<eos>"])
   (ep,) = rollout.run_episodes(engine, tok, [task], max_steps=2, max_turn_tokens=16,
                                max_length=200, sampling_cls=_Sampling)
-  assert ep.reward == 0.0 and ep.answer == task.answer + "1"
+  assert ep.reward == 0.0 and ep.answer == task.answer + "1" and not ep.found_answer
+  # a right call and a wrong final answer: partial credit only for GRPO, no success
+  engine = ScriptedEngine(tok, [format_call("calculator", {"expression": task.prompt[:-2]}),
+                                f"{task.answer}1<eos>"])
+  (right_call,) = rollout.run_episodes(engine, tok, [task], max_steps=2, max_turn_tokens=40,
+                                       max_length=200, sampling_cls=_Sampling)
+  assert right_call.found_answer and right_call.reward == 0.0 and not right_call.success
+  assert grpo.episode_rewards([ep, right_call], partial_credit=0.25) == [0.0, 0.25]
+  assert grpo.episode_rewards([right_call], partial_credit=0.0) == [0.0]
 
 
 def test_transcript_masks_tool_results(tok):

@@ -31,33 +31,30 @@ from transformers import KimiLinearConfig, KimiLinearForCausalLM
 SEED = 1234
 
 
+# What the two fixtures share: MLA without q-LoRA, one shared expert, top-2 of the routed ones.
+COMMON = dict(
+    moe_intermediate_size=16, num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1,
+    routed_scaling_factor=2.446, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
+    v_head_dim=16, qk_nope_head_dim=16, n_group=1, topk_group=1, num_experts_per_tok=2,
+    norm_topk_prob=True, hidden_act="silu", initializer_range=0.1, rms_norm_eps=1e-5,
+    tie_word_embeddings=False, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+    linear_head_dim=16, linear_num_heads=2, linear_conv_kernel_dim=4)
+
+
 def tail_config() -> KimiLinearConfig:
   k, f = "linear_attention", "full_attention"
   return KimiLinearConfig(
-      vocab_size=128, hidden_size=32, intermediate_size=64, moe_intermediate_size=16,
-      num_hidden_layers=7, num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1,
-      routed_scaling_factor=2.446, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
-      v_head_dim=16, qk_nope_head_dim=16, n_group=1, topk_group=1, num_experts_per_tok=2,
-      norm_topk_prob=True, hidden_act="silu", initializer_range=0.1, rms_norm_eps=1e-5,
-      tie_word_embeddings=False, num_local_experts=4, pad_token_id=0, bos_token_id=1,
-      eos_token_id=2, layer_types=[k, k, k, f, k, k, f],
-      mlp_layer_types=["dense"] + ["sparse"] * 6,
-      linear_head_dim=16, linear_num_heads=2, linear_conv_kernel_dim=4)
+      vocab_size=128, hidden_size=32, intermediate_size=64, num_hidden_layers=7,
+      num_local_experts=4, layer_types=[k, k, k, f, k, k, f],
+      mlp_layer_types=["dense"] + ["sparse"] * 6, **COMMON)
 
 
 def tiny_config() -> KimiLinearConfig:
+  k, f = "linear_attention", "full_attention"
   return KimiLinearConfig(
-      vocab_size=256, hidden_size=64, intermediate_size=128, moe_intermediate_size=16,
-      num_hidden_layers=5, num_attention_heads=2, num_key_value_heads=2, n_shared_experts=1,
-      routed_scaling_factor=2.446, kv_lora_rank=16, q_lora_rank=None, qk_rope_head_dim=8,
-      v_head_dim=16, qk_nope_head_dim=16, n_group=1, topk_group=1, num_experts_per_tok=2,
-      norm_topk_prob=True, hidden_act="silu", initializer_range=0.1, rms_norm_eps=1e-5,
-      tie_word_embeddings=False, num_local_experts=8, pad_token_id=0, bos_token_id=1,
-      eos_token_id=2,
-      layer_types=["linear_attention", "full_attention", "linear_attention", "full_attention",
-                   "full_attention"],
-      mlp_layer_types=["dense", "sparse", "sparse", "sparse", "sparse"],
-      linear_head_dim=16, linear_num_heads=2, linear_conv_kernel_dim=4)
+      vocab_size=256, hidden_size=64, intermediate_size=128, num_hidden_layers=5,
+      num_local_experts=8, layer_types=[k, f, k, f, f],
+      mlp_layer_types=["dense", "sparse", "sparse", "sparse", "sparse"], **COMMON)
 
 
 def build(variant: str) -> KimiLinearForCausalLM:

@@ -27,26 +27,15 @@ from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
 from ep_rule import expected_keep
+from routing_spy import install
 from sparse_lm import sharding as shd
 from sparse_lm.model.loss import loss_fn
 from sparse_lm.model.transformer import Transformer
-from sparse_lm.moe import latent_moe
 from sparse_lm.train.state import graphdef_of, make_init_fn
 from sparse_lm.train.step import make_train_step
 from train_check import CFG, B, T, batch  # 8 rows of 40 tokens
 
-RECORD = []
-_dispatch = latent_moe.dispatch_and_compute
-
-
-def _spy(z, ids, gates, params, **kw):
-  """Record each MoE layer's routing as the layer passes it to the dispatch."""
-  jax.debug.callback(lambda *a: RECORD.append(tuple(np.asarray(x) for x in a)), ids,
-                     kw["positions"], kw["margin"])
-  return _dispatch(z, ids, gates, params, **kw)
-
-
-latent_moe.dispatch_and_compute = _spy
+RECORD = install()
 FAILED = []
 
 

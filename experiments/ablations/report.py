@@ -1,0 +1,187 @@
+"""Run the ablations and write docs/ablations.md with tables and plots from the run's numbers.
+
+  python -m experiments.ablations.report --preset=tiny [--only balancing,gate]
+      [--workdir runs/ablations] [--seeds 0,1] [--from-results]
+
+Each run's record is stored in docs/ablations/results.json (records of ablations not rerun are
+kept); the report (tables: mean ± half-range over seeds; PNG plots under docs/ablations/) is
+rewritten from that file every time, so every number in it comes from a recorded run.
+`--from-results` only rewrites the report. Ablations without a record are listed as not run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import pathlib
+import subprocess
+from typing import Any
+
+from experiments.ablations import ABLATIONS, BY_NAME, PRESETS, SEEDS
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
+
+def _commit() -> str:
+  try:
+    return subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=ROOT, text=True,
+                          capture_output=True, check=True).stdout.strip()
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown"
+
+
+def _mean_curve(runs: list[dict], key: str) -> tuple[list[int], list[float]]:
+  steps = sorted({int(s) for r in runs for s in r.get(key, {})})
+  xs, ys = [], []
+  for s in steps:
+    vals = [r[key].get(str(s), r[key].get(s)) for r in runs]
+    vals = [v for v in vals if v is not None]
+    if vals:
+      xs.append(s)
+      ys.append(sum(vals) / len(vals))
+  return xs, ys
+
+
+def plot(record: dict[str, Any], out_dir: pathlib.Path) -> list[str]:
+  """PNG plots of the record's curves (mean over seeds); returns their file names."""
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  keys = [("loss", "train loss (nats/token)")]
+  if any(r["max_mean_load"] for v in record["variants"].values() for r in v["runs"]):
+    keys.append(("max_mean_load", "max/mean expert load (worst layer)"))
+  names = []
+  out_dir.mkdir(parents=True, exist_ok=True)
+  for key, ylabel in keys:
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for label, v in record["variants"].items():
+      xs, ys = _mean_curve(v["runs"], key)
+      tokens = v["runs"][0]["tokens_per_step"]
+      ax.plot([x * tokens for x in xs], ys, label=label)
+    if key == "max_mean_load":
+      ax.axhline(1.3, color="gray", linestyle=":", label="1.3")
+      ax.set_yscale("log")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel(ylabel)
+    ax.set_title(f"{record['name']} ({record['preset']}, mean of seeds {record['seeds']})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    name = f"{record['name']}_{key}.png"
+    fig.savefig(out_dir / name, dpi=90)
+    plt.close(fig)
+    names.append(name)
+  return names
+
+
+def verdict(record: dict[str, Any]) -> str:
+  """What the numbers say about the claim, plainly (computed, never hand-written)."""
+  from experiments.ablations.run import _final_loss, _mean_spread, _tail_mean  # pylint: disable=g-import-not-at-top
+  v = record["variants"]
+  if record["name"] == "balancing":
+    qb = _mean_spread([_tail_mean(r["max_mean_load"]) for r in v["quantile (midpoint)"]["runs"]])
+    none = _mean_spread([_tail_mean(r["max_mean_load"]) for r in v["none"]["runs"]])
+    ok = qb[0] < 1.3 and none[0] > 1.3 * qb[0]
+    return (f"Quantile Balancing's max/mean load over the second half is {qb[0]:.3f}, `none`'s "
+            f"{none[0]:.3f}: the claim (QB < 1.3, `none` far above) is "
+            + ("supported" if ok else "NOT supported") + " at this scale.")
+  losses = {label: _mean_spread([_final_loss(r) for r in x["runs"]]) for label, x in v.items()}
+  if len(losses) < 2:
+    return "One variant: see the table (no comparison to resolve)."
+  best = min(losses, key=lambda k: losses[k][0])
+  others = [k for k in losses if k != best]
+  resolved = [k for k in others
+              if losses[k][0] - losses[best][0] > losses[k][1] + losses[best][1]]
+  if not resolved:
+    return (f"Lowest mean held-out loss: {best}, but every difference is within the spread over "
+            "seeds: no difference is resolved at this scale.")
+  return (f"Lowest held-out loss: {best}; beyond the seed spread it beats "
+          f"{', '.join(resolved)}" + (f" (not resolved against {', '.join(set(others) - set(resolved))})"
+                                       if set(others) - set(resolved) else "") + ".")
+
+
+def write_report(results: dict[str, Any], docs: pathlib.Path) -> str:
+  """Rewrite docs/ablations.md (and its plots) from `results` ({name: record}); returns it."""
+  from experiments.ablations.run import summarize  # pylint: disable=g-import-not-at-top
+  meta = results.get("_meta", {})
+  lines = ["# Ablations of the seed's claims", "",
+           "Written by `python -m experiments.ablations.report` from the recorded runs in "
+           "`docs/ablations/results.json`; every number below comes from those runs. Tables: "
+           "mean ± half the range over the seeds. Configurations of one claim differ in one "
+           "field and share data, steps and seeds (experiments/ablations/__init__.py).", ""]
+  ran = [a.name for a in ABLATIONS if a.name in results]
+  lines += [f"Status: {len(ran)} of {len(ABLATIONS)} claims have a recorded run"
+            + (f" ({', '.join(ran)})" if ran else "") + "; the others say so below.", ""]
+  for a in ABLATIONS:
+    lines += [f"## {a.name}", "", f"Claim: {a.claim}", "", f"Field: `{a.field}`", ""]
+    rec = results.get(a.name)
+    m = meta.get(a.name, {})
+    if rec is None:
+      lines += ["**Not run yet.** Run it with "
+                f"`python -m experiments.ablations.report --preset=tiny --only {a.name}`.", ""]
+      if m.get("attempt"):
+        lines += [f"Attempted: {m['attempt']}", ""]
+      continue
+    lines += [f"Run {m.get('date', '?')}, preset `{rec['preset']}`, seeds {rec['seeds']}, "
+              f"commit `{m.get('commit', '?')}`, {m.get('seconds', 0):.0f} s "
+              f"({m.get('machine', '?')}).", ""]
+    header, rows = summarize(rec)
+    lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(r) + " |" for r in rows]
+    lines += ["", verdict(rec), ""]
+    if rec.get("not_measured"):
+      lines += [f"Not measured by this harness: {rec['not_measured']}.", ""]
+    for name in plot(rec, docs / "ablations"):
+      lines += [f"![{name}](ablations/{name})", ""]
+  text = "\n".join(lines)
+  (docs / "ablations.md").write_text(text)
+  return text
+
+
+def main(argv=None) -> int:
+  p = argparse.ArgumentParser(prog="python -m experiments.ablations.report",
+                              description=__doc__.split("\n\n")[0])
+  p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+  p.add_argument("--only", default="", help="comma-separated ablation names (default: all of "
+                 f"{', '.join(BY_NAME)})")
+  p.add_argument("--workdir", default="runs/ablations")
+  p.add_argument("--seeds", default=",".join(map(str, SEEDS)))
+  p.add_argument("--docs", default=str(ROOT / "docs"))
+  p.add_argument("--from-results", action="store_true", help="rewrite the report only")
+  args = p.parse_args(argv)
+  names = [n for n in args.only.split(",") if n] or list(BY_NAME)
+  unknown = [n for n in names if n not in BY_NAME]
+  if unknown:
+    p.error(f"--only: unknown ablation(s) {unknown}; choose from {', '.join(BY_NAME)}")
+  seeds = tuple(int(s) for s in args.seeds.split(","))
+  if len(seeds) < 2 and args.preset != "smoke":
+    p.error(f"--seeds={args.seeds}: at least 2 seeds (the tables report a spread over seeds)")
+  docs = pathlib.Path(args.docs)
+  store = docs / "ablations" / "results.json"
+  results = json.loads(store.read_text()) if store.exists() else {}
+  if not args.from_results:
+    import time  # pylint: disable=g-import-not-at-top
+    import platform  # pylint: disable=g-import-not-at-top
+    import os  # pylint: disable=g-import-not-at-top
+    from experiments.ablations.run import run_ablation  # pylint: disable=g-import-not-at-top
+    from experiments.base import enable_compilation_cache  # pylint: disable=g-import-not-at-top
+    enable_compilation_cache(os.path.join(args.workdir, "xla_cache"))
+    for name in names:
+      t0 = time.time()
+      results[name] = run_ablation(BY_NAME[name], args.preset, args.workdir, seeds)
+      results.setdefault("_meta", {})[name] = {
+          "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+          "commit": _commit(), "seconds": time.time() - t0,
+          "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, load average "
+                     f"{os.getloadavg()[0]:.1f} at the end"}
+      store.parent.mkdir(parents=True, exist_ok=True)
+      store.write_text(json.dumps(results, indent=1))
+      write_report(results, docs)
+      print(f"[ablations] {name} done in {time.time() - t0:.0f} s")
+  write_report(results, docs)
+  print(f"[ablations] wrote {docs / 'ablations.md'}")
+  return 0
+
+
+if __name__ == "__main__":
+  raise SystemExit(main())
