@@ -4,21 +4,24 @@
     python -m benchmarks.kda --quick             # tiny shapes, CPU, < 1 minute
     python -m benchmarks.kda --backends xla,fla,attn --out docs/kda_table.md
 
-Shapes (ARCHITECTURE §2, issue 3): B=1, H=16, K=V=128, T ∈ {4K, 8K, 16K, 32K, 64K}, and H=96 at
-T=8K; bf16 inputs, lower-bounded gate g ∈ (−5, 0). Backends (each skipped with a reason when it
+Shapes (issue 16's table): B=1, H=16, K=V=128, T ∈ {4K, 8K, 32K, 64K}, and H=96 at T=8K; bf16
+inputs, lower-bounded gate g ∈ (−5, 0). Backends (each skipped with a reason when it
 cannot run here):
   xla         pallas_kernels.kda chunk_kda(backend="xla", gate_lower_bound=-5): dense diag tiles
   xla_safe    the same with the element-wise (unbounded-safe) diagonal tiles
   xla_tf32    xla with precision=DEFAULT matmuls (TF32 on NVIDIA, bf16 passes on TPU) instead
               of the backend's default HIGHEST (true fp32)
   pallas_tpu  chunk_kda(backend="pallas_tpu") on TPU
-  pallas_gpu  chunk_kda(backend="pallas_gpu") on GPU, if that backend exists
+  pallas_gpu  chunk_kda(backend="pallas_gpu") on GPU (TF32 matmuls: its default for bf16 inputs)
+  pallas_gpu_hi  the same with precision=HIGHEST (true fp32 matmuls)
+  jla         jax-linear-attention's Mosaic GPU KDA (linear_attention("kda", impl="mosaic_gpu"))
   reference   the token-serial scan (only when asked: very slow at long T)
   fla         fla-core's Triton chunk_kda (torch, CUDA), safe gate when its API has it
   attn        fused causal softmax attention, jax.nn.dot_product_attention (cuDNN on GPU)
   sdpa        torch scaled_dot_product_attention (causal), CUDA
 Each time is the median of --repeats runs after --warmup runs, with block_until_ready
-(torch.cuda.synchronize for torch). Prints one markdown table (ms); --out also writes it.
+(torch.cuda.synchronize for torch). Prints one markdown table (ms) and the fwd+bwd ratio of the
+faster peer (fla, jla) to pallas_gpu per shape; --out also writes them.
 Source of the operator: Kimi Linear (arXiv 2510.26692).
 """
 
@@ -31,17 +34,18 @@ import sys
 import time
 import traceback
 
-JAX_BACKENDS = ("xla", "xla_safe", "xla_tf32", "pallas_tpu", "pallas_gpu", "reference", "attn")
+JAX_BACKENDS = ("xla", "xla_safe", "xla_tf32", "pallas_tpu", "pallas_gpu", "pallas_gpu_hi",
+                "jla", "reference", "attn")
 TORCH_BACKENDS = ("fla", "sdpa")
-DEFAULT_BACKENDS = ("xla", "xla_safe", "xla_tf32", "pallas_tpu", "pallas_gpu", "fla", "attn",
-                    "sdpa")
+DEFAULT_BACKENDS = ("pallas_gpu", "pallas_gpu_hi", "xla", "pallas_tpu", "fla", "jla", "attn")
+PEERS = ("fla", "jla")
 
 
 def _shapes(quick: bool) -> list[tuple[int, int, int, int]]:
   """(B, H, T, D) grid."""
   if quick:
     return [(1, 2, 256, 32), (1, 4, 512, 32)]
-  return [(1, 16, t, 128) for t in (4096, 8192, 16384, 32768, 65536)] + [(1, 96, 8192, 128)]
+  return [(1, 16, t, 128) for t in (4096, 8192, 32768, 65536)] + [(1, 96, 8192, 128)]
 
 
 def _median_ms(fn, warmup: int, repeats: int, sync) -> float:
@@ -86,11 +90,21 @@ def _jax_fns(backend: str):
     def f(q, k, v, g, beta):
       del g, beta
       return jax.nn.dot_product_attention(q, k, v, is_causal=True, implementation=impl)
+  elif backend == "jla":
+    if platform != "gpu":
+      raise SkipBackend("needs a GPU")
+    try:
+      from jla.ops import linear_attention  # pylint: disable=g-import-not-at-top
+    except ImportError:
+      raise SkipBackend("jax-linear-attention not installed") from None
+
+    def f(q, k, v, g, beta):
+      return linear_attention("kda", q, k, v, g=g, beta=beta, impl="mosaic_gpu")[0]
   else:
     from pallas_kernels.kda import chunk_kda
     if backend == "pallas_tpu" and platform != "tpu":
       raise SkipBackend("needs a TPU")
-    if backend == "pallas_gpu":
+    if backend.startswith("pallas_gpu"):
       if platform != "gpu":
         raise SkipBackend("needs a GPU")
       try:
@@ -102,7 +116,7 @@ def _jax_fns(backend: str):
         import pallas_kernels.kda.pallas_tpu  # noqa: F401  pylint: disable=g-import-not-at-top
       except ImportError:
         raise SkipBackend("pallas_kernels.kda.pallas_tpu not importable") from None
-    name = {"xla_safe": "xla"}.get(backend, backend)
+    name = {"xla_safe": "xla", "pallas_gpu_hi": "pallas_gpu"}.get(backend, backend)
     bound = None if backend in ("xla_safe", "reference") else -5.0
     kw = dict(backend=name, chunk_size=64)
     if bound is not None:
@@ -113,6 +127,10 @@ def _jax_fns(backend: str):
         from pallas_kernels.kda import xla  # pylint: disable=g-import-not-at-top
         return xla.chunk_kda_xla(q, k, v, g, beta, gate_lower_bound=-5.0,
                                  precision=jax.lax.Precision.DEFAULT)[0]
+      if backend == "pallas_gpu_hi":
+        from pallas_kernels.kda import pallas_gpu  # pylint: disable=g-import-not-at-top
+        return pallas_gpu.chunk_kda_pallas_gpu(q, k, v, g, beta, gate_lower_bound=-5.0,
+                                               precision=jax.lax.Precision.HIGHEST)[0]
       return chunk_kda(q, k, v, g, beta, **kw)[0]
 
   fwd = jax.jit(f)
@@ -124,13 +142,14 @@ def _jax_fns(backend: str):
   return fwd, fwd_bwd
 
 
-def _time_jax(backend, shape, warmup, repeats):
+def _time_jax(backend, shape, warmup, repeats, skip_fwd=False):
   import jax
   B, H, T, D = shape
   fwd, fwd_bwd = _jax_fns(backend)
   q, k, v, g, beta, do = _jax_inputs(B, H, T, D)
   sync = jax.block_until_ready
-  t_f = _median_ms(lambda: fwd(q, k, v, g, beta), warmup, repeats, sync)
+  t_f = ("-" if skip_fwd else
+         _median_ms(lambda: fwd(q, k, v, g, beta), warmup, repeats, sync))
   t_fb = _median_ms(lambda: fwd_bwd(q, k, v, g, beta, do), warmup, repeats, sync)
   return t_f, t_fb
 
@@ -139,7 +158,7 @@ def _time_jax(backend, shape, warmup, repeats):
 # torch backends (CUDA only)
 
 
-def _time_torch(backend, shape, warmup, repeats):
+def _time_torch(backend, shape, warmup, repeats, skip_fwd=False):
   try:
     import torch  # pylint: disable=g-import-not-at-top
   except ImportError:
@@ -192,23 +211,24 @@ def _time_torch(backend, shape, warmup, repeats):
     return o
 
   sync = lambda _: torch.cuda.synchronize()
-  return (_median_ms(fwd, warmup, repeats, sync), _median_ms(fwd_bwd, warmup, repeats, sync))
+  t_f = "-" if skip_fwd else _median_ms(fwd, warmup, repeats, sync)
+  return t_f, _median_ms(fwd_bwd, warmup, repeats, sync)
 
 
 class SkipBackend(Exception):
   """The backend cannot run in this environment (reason in the message)."""
 
 
-def run(backends, shapes, warmup, repeats, out=None):
+def run(backends, shapes, warmup, repeats, out=None, skip_fwd=False):
   rows = {}
   notes = {}
   for be in backends:
     for shape in shapes:
       try:
         if be in TORCH_BACKENDS:
-          res = _time_torch(be, shape, warmup, repeats)
+          res = _time_torch(be, shape, warmup, repeats, skip_fwd)
         else:
-          res = _time_jax(be, shape, warmup, repeats)
+          res = _time_jax(be, shape, warmup, repeats, skip_fwd)
         cell = res
       except SkipBackend as e:
         notes[be] = f"skipped: {e}"
@@ -247,6 +267,15 @@ def _table(backends, shapes, rows, notes):
     for i, name in enumerate(("fwd", "fwd+bwd")):
       cells = [_fmt(rows[(be, s)][i]) if (be, s) in rows else "-" for s in shapes]
       lines.append(f"| {be} | {name} | " + " | ".join(cells) + " |")
+  ratios = []
+  for s in shapes:
+    ours = rows.get(("pallas_gpu", s), (None, None))[1]
+    peer = [rows[(p, s)][1] for p in PEERS if isinstance(rows.get((p, s), (0, 0))[1], float)]
+    if isinstance(ours, float) and peer:
+      ratios.append(f"H={s[1]} T={tl(s[2])}: {min(peer) / ours:.2f}")
+  if ratios:
+    lines += ["", "fwd+bwd, faster peer (fla, jla) / pallas_gpu (> 1: pallas_gpu faster): "
+              + "; ".join(ratios)]
   if notes:
     lines.append("")
     lines += [f"- {be}: {n}" for be, n in notes.items()]
@@ -261,6 +290,8 @@ def main(argv=None):
   p.add_argument("--out", default=None, help="also write the markdown table here")
   p.add_argument("--warmup", type=int, default=None)
   p.add_argument("--repeats", type=int, default=None)
+  p.add_argument("--skip-fwd", action="store_true",
+                 help="time forward+backward only (half the compiles)")
   a = p.parse_args(argv)
   backends = [b for b in a.backends.split(",") if b]
   unknown = set(backends) - set(JAX_BACKENDS + TORCH_BACKENDS)
@@ -268,7 +299,7 @@ def main(argv=None):
     p.error(f"unknown backends {sorted(unknown)}")
   warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
   repeats = a.repeats if a.repeats is not None else (3 if a.quick else 10)
-  run(backends, _shapes(a.quick), warmup, repeats, a.out)
+  run(backends, _shapes(a.quick), warmup, repeats, a.out, a.skip_fwd)
 
 
 if __name__ == "__main__":

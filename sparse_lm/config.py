@@ -19,9 +19,8 @@ RESIDUAL_KINDS = ("attnres_block", "attnres_full", "standard")
 BALANCER_KINDS = ("quantile", "bias_sign", "aux_loss", "none")
 QB_CUTOFFS = ("midpoint", "kplus1")  # moe/router.route: alpha between z_(k), z_(k+1), or z_(k+1)
 REMAT_POLICIES = ("none", "full", "save_dots", "save_qkv_proj", "minimal")
-# Backends that run today; "pallas_gpu" (ARCHITECTURE §2.5, "if written") is refused until
-# pallas_kernels/kda has it.
-KDA_BACKENDS = ("auto", "xla", "reference", "pallas_tpu")
+# pallas_kernels.kda backends ("auto": pallas_tpu on TPU, pallas_gpu on Hopper, else xla).
+KDA_BACKENDS = ("auto", "xla", "reference", "pallas_tpu", "pallas_gpu")
 GMM_BACKENDS = ("auto", "ragged_dot", "tokamax", "megablox", "dense")
 FFN_ACTIVATIONS = ("situ", "swiglu")
 ATTENTION_BACKENDS = ("auto", "xla_chunked", "xla", "tokamax", "cudnn", "splash")
@@ -205,9 +204,7 @@ class ModelConfig:
     if self.remat_policy not in REMAT_POLICIES:
       bad(f"remat_policy={self.remat_policy!r} must be one of {REMAT_POLICIES}")
     if self.kda_backend not in KDA_BACKENDS:
-      why = (" (the Pallas GPU kernel is not written yet)" if self.kda_backend == "pallas_gpu"
-             else "")
-      bad(f"kda_backend={self.kda_backend!r} cannot run{why}; choose one of {KDA_BACKENDS}")
+      bad(f"kda_backend={self.kda_backend!r} cannot run; choose one of {KDA_BACKENDS}")
     if self.qb_cutoff not in QB_CUTOFFS:
       bad(f"qb_cutoff={self.qb_cutoff!r} must be one of {QB_CUTOFFS}")
     if self.ep_exchange not in EP_EXCHANGES:

@@ -9,8 +9,8 @@ from sparse_lm.config import get_preset
 
 
 @pytest.mark.parametrize("field, value, match", [
-    ("kda_backend", "pallas_gpu", r"kda_backend='pallas_gpu' cannot run \(the Pallas GPU kernel "
-     r"is not written yet\); choose one of \('auto', 'xla', 'reference', 'pallas_tpu'\)"),
+    ("kda_backend", "triton", r"kda_backend='triton' cannot run; choose one of \('auto', 'xla', "
+     r"'reference', 'pallas_tpu', 'pallas_gpu'\)"),
     ("qb_cutoff", "median", r"qb_cutoff='median' must be one of \('midpoint', 'kplus1'\)"),
     ("ep_exchange", "fast", r"ep_exchange='fast' must be one of \('auto', 'ragged', 'dense', "
      r"'allgather'\)"),

@@ -9,7 +9,10 @@ Backends (`backend=`), one file each, each declaring `supported_on(device)`; api
   "pallas_tpu" Mosaic TPU kernels with custom_vjp (wrapper pallas_tpu.py, kernel bodies
                pallas_tpu_kernels.py), TPU (interpret mode on CPU when `interpret=True` is
                passed, for tests).
-  "auto"       pallas_tpu on TPU, xla elsewhere (api.AUTO_ORDER).
+  "pallas_gpu" batched-XLA intra-chunk work plus a Pallas (Triton lowering) state-pass kernel
+               with custom_vjp (pallas_gpu.py, pallas_gpu_kernels.py), NVIDIA GPUs
+               (interpret mode on CPU when `interpret=True` is passed, for tests).
+  "auto"       pallas_tpu on TPU, pallas_gpu on Hopper GPUs, xla elsewhere (api.AUTO_ORDER).
 Shared rules (chunk sizes, 16-token sub-tiles, the diagonal-tile method, segment resets) are
 in tiles.py; the context-parallel state passing in context_parallel.py.
 

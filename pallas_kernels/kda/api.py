@@ -1,8 +1,8 @@
 """`chunk_kda`: input validation and backend dispatch (ARCHITECTURE.md §2.5).
 
 Source: Kimi Linear (arXiv 2510.26692). Each backend is its own file and declares where it runs
-with `supported_on(device)`: reference.py and xla.py everywhere, pallas_tpu.py on TPU
-(interpret mode on CPU for tests), pallas_gpu.py where it is added. "auto" takes the first
+with `supported_on(device)`: reference.py and xla.py everywhere, pallas_tpu.py on TPU,
+pallas_gpu.py on Hopper GPUs (both in interpret mode on CPU for tests). "auto" takes the first
 backend of AUTO_ORDER that supports the default device. Adding a backend is one file and one
 entry in BACKENDS.
 """
@@ -25,7 +25,8 @@ BACKENDS = {
     "pallas_tpu": ("pallas_kernels.kda.pallas_tpu", "chunk_kda_pallas_tpu"),
     "pallas_gpu": ("pallas_kernels.kda.pallas_gpu", "chunk_kda_pallas_gpu"),
 }
-AUTO_ORDER = ("pallas_tpu", "xla")  # "auto": the first that supports the default device
+# "auto": the first that supports the default device
+AUTO_ORDER = ("pallas_tpu", "pallas_gpu", "xla")
 
 
 def backend_module(name: str):

@@ -2,8 +2,9 @@
 gate lower bound's checked mode, and where packed documents reset the state.
 
 Source: ARCHITECTURE.md §2.4 (chunked algorithm, exponent safety) and §2.5 (the contract).
-The backends (reference.py, xla.py, pallas_tpu.py) import this module and nothing else of the
-package (pallas_tpu.py also its own kernel file); api.py picks among them.
+The backends (reference.py, xla.py, pallas_tpu.py, pallas_gpu.py) import this module and
+nothing else of the package (the Pallas ones also their own kernel file; pallas_gpu.py also
+xla.py, whose intra-chunk functions it runs); api.py picks among them.
 """
 
 from __future__ import annotations

@@ -171,7 +171,22 @@ def _diag_safe_group(q, k, g, tri):
   return bq, bk
 
 
-@jax.custom_jvp
+def inverse_with_closed_form_jvp(inverse):
+  """Wrap A ↦ (I + A)⁻¹ in a custom_jvp with the closed form dX = −X dA X (HIGHEST matmuls), so
+  autodiff stores nothing of the inverse's inner steps and costs two matmuls."""
+  inverse = jax.custom_jvp(inverse)
+
+  @inverse.defjvp
+  def _jvp(primals, tangents):
+    (A,), (dA,) = primals, tangents
+    X = inverse(A)
+    hi = jax.lax.Precision.HIGHEST
+    return X, -jnp.matmul(jnp.matmul(X, dA, precision=hi), X, precision=hi)
+
+  return inverse
+
+
+@inverse_with_closed_form_jvp
 def _unit_lower_inverse(A):
   """(I + A)^(−1) for strictly lower-triangular A [..., C, C] (fp32 or fp64).
 
@@ -190,14 +205,6 @@ def _unit_lower_inverse(A):
     return jax.lax.dynamic_update_index_in_dim(X, row.astype(X.dtype), i, axis=-2)
 
   return jax.lax.fori_loop(0, C, body, jnp.zeros_like(A))
-
-
-@_unit_lower_inverse.defjvp
-def _unit_lower_inverse_jvp(primals, tangents):
-  (A,), (dA,) = primals, tangents
-  X = _unit_lower_inverse(A)
-  hi = jax.lax.Precision.HIGHEST
-  return X, -jnp.matmul(jnp.matmul(X, dA, precision=hi), X, precision=hi)
 
 
 def _chunk_masks(segment_ids, B, T, Tp, C):
@@ -222,11 +229,14 @@ def _chunk_masks(segment_ids, B, T, Tp, C):
   return valid, same, m0, mlast
 
 
-def _intra_chunk(qc, kc, vc, gc, bc, same, m0, mlast, *, scale, diag, precision):
+def _intra_chunk(qc, kc, vc, gc, bc, same, m0, mlast, *, scale, diag, precision,
+                 inverse=None):
   """Everything that does not depend on the state entering a chunk (ARCHITECTURE §2.4).
 
   Args: [M, C, ·] chunked fp32 q, k, v, g; β [M, C]; document masks [M, C, C], [M, C], [M, C]
-  (bool) or None. Returns W, U, Q ⊙ Γ · scale, A_qk, (K ⊙ e^(G_C − G))ᵀ, e^(G_C) (masked).
+  (bool) or None; inverse: (I + A)⁻¹ of strictly lower-triangular A (default
+  `_unit_lower_inverse`; pallas_gpu passes a blocked one).
+  Returns W, U, Q ⊙ Γ · scale, A_qk, (K ⊙ e^(G_C − G))ᵀ, e^(G_C) (masked).
   """
   C = qc.shape[-2]
   G = jnp.cumsum(gc, axis=-2)  # inclusive cumulative log-decay in the chunk, ≤ 0
@@ -241,7 +251,7 @@ def _intra_chunk(qc, kc, vc, gc, bc, same, m0, mlast, *, scale, diag, precision)
   if same is not None:
     A_kk = jnp.where(same, A_kk, 0.0)
     A_qk = jnp.where(same, A_qk, 0.0)
-  T_c = _unit_lower_inverse(A_kk) * bc[..., None, :]  # (I + A_kk)^-1 diag(β)
+  T_c = (inverse or _unit_lower_inverse)(A_kk) * bc[..., None, :]  # (I + A_kk)^-1 diag(β)
 
   Gam = jnp.exp(G)  # ≤ 1
   decay_out = jnp.exp(tail)  # ≤ 1

@@ -73,13 +73,13 @@ def shard_specs(mesh, axis, B, H):
 def kda_under_mesh(mesh: jax.sharding.Mesh | None, backend: str) -> bool:
   """Whether a KDA layer must call `cp_chunk_kda` under `mesh`: with the sequence sharded
   (context parallelism over the `activation_length` axes), or when the kernel is a Pallas
-  (Mosaic) one, which GSPMD cannot partition (backend "pallas_*", or "auto" on a TPU mesh)."""
+  (Mosaic / Triton) one, which GSPMD cannot partition (backend "pallas_*", or "auto" where it
+  resolves to one: a TPU or Hopper GPU mesh)."""
   if mesh is None:
     return False
   if seq_shards(mesh) > 1:
     return True
-  platform = mesh.devices.flat[0].platform
-  return backend.startswith("pallas") or (backend == "auto" and platform == "tpu")
+  return resolve_backend(backend, mesh.devices.flat[0]).startswith("pallas")
 
 
 def mla_under_mesh(mesh: jax.sharding.Mesh | None, backend: str = "auto") -> str | None:

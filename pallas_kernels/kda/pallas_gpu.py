@@ -1,0 +1,238 @@
+"""KDA on NVIDIA GPUs: the chunk-parallel parts as batched XLA matmuls, the sequential
+inter-chunk state pass as a Pallas kernel (Triton lowering) with its own backward kernel.
+
+Where it runs: CUDA GPUs (measured on an H200, docs/benchmarks.md); "auto" picks it on Hopper
+(compute capability ≥ 9.0). On CPU only with `interpret=True` (slow emulation, for tests).
+Source: Kimi Linear (arXiv 2510.26692) §3 (chunkwise WY form of the gated delta rule);
+ARCHITECTURE.md §2.4 (algorithm, exponent safety) and §2.5 (contract).
+
+Structure (C-token chunks, N = T / C of them, every equation as in xla.py's docstring):
+  1. intra-chunk, parallel over all B·H·N chunks (xla._intra_chunk, differentiated by autodiff):
+     the pairwise scores A_kk, A_qk on 16-token sub-tiles (with the lower-bounded gate the
+     diagonal tiles are plain matmuls too, "dense"; otherwise the element-wise "safe" tiles),
+     X = (I + A_kk)⁻¹ (`blocked_unit_lower_inverse`), W, U, Q ⊙ Γ,
+     Kd = (K ⊙ e^(G_C − G) ⊙ m_C)ᵀ and the chunk decay.
+  2. state pass, sequential over chunks only (pallas_gpu_kernels.py, custom VJP): the states H_n
+     entering every chunk and V'_n = U_n − W_n H_n, one Pallas program per (head, value block).
+  3. output, parallel: O_n = (Q ⊙ Γ)_n H_n + A_qk,n V'_n (batched matmul).
+What this is not (yet): one fused Mosaic GPU (wgmma/TMA) kernel per chunk as issue 16 asks;
+steps 1 and 3 are XLA fusions and matmuls, and their backward is XLA autodiff.
+
+Precision: `precision=None` runs the matmuls of steps 1-3 at DEFAULT (TF32 tensor cores on
+NVIDIA) for bf16 inputs and HIGHEST (true fp32) for fp32/fp64 inputs; the triangular inverse is
+always HIGHEST. Accumulation and the state are fp32.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+
+from pallas_kernels.kda import xla as kda_xla
+from pallas_kernels.kda.pallas_gpu_kernels import state_bwd_kernel, state_fwd_kernel
+from pallas_kernels.kda.tiles import SUB, resolve_diag
+
+MIN_HOPPER = 9.0  # compute capability from which "auto" picks this backend
+
+
+def supported_on(device) -> bool:
+  """Where "auto" picks this backend: NVIDIA GPUs of compute capability ≥ 9.0 (Hopper)."""
+  if device.platform != "gpu":
+    return False
+  try:
+    return float(getattr(device, "compute_capability", "0")) >= MIN_HOPPER
+  except ValueError:
+    return False
+
+
+@kda_xla.inverse_with_closed_form_jvp
+def blocked_unit_lower_inverse(A):
+  """(I + A)⁻¹ for strictly lower-triangular A [..., C, C] fp32, C a multiple of SUB = 16.
+
+  The SUB × SUB diagonal blocks are inverted by row-wise forward substitution
+  (xla._unit_lower_inverse, a quarter of the data per step at C = 64); block row a is then
+  X[a, :a] = −X_aa (A[a, :a] X[:a, :a]), one pair of batched matmuls per block row (HIGHEST).
+  Row i depends only on rows ≤ i of A (the zeros above the diagonal are exact): causal bit for
+  bit. Derivative: the closed form dX = −X dA X.
+  """
+  C = A.shape[-1]
+  n = C // SUB
+  hi = jax.lax.Precision.HIGHEST
+  blocks = jnp.stack([A[..., a * SUB:(a + 1) * SUB, a * SUB:(a + 1) * SUB] for a in range(n)],
+                     axis=-3)
+  Xd = kda_xla._unit_lower_inverse(blocks)  # [..., n, SUB, SUB]
+  X = Xd[..., 0, :, :]
+  for a in range(1, n):
+    rows = A[..., a * SUB:(a + 1) * SUB, :a * SUB]
+    off = -jnp.matmul(Xd[..., a, :, :], jnp.matmul(rows, X, precision=hi), precision=hi)
+    top = jnp.concatenate([X, jnp.zeros(X.shape[:-1] + (SUB,), X.dtype)], axis=-1)
+    X = jnp.concatenate([top, jnp.concatenate([off, Xd[..., a, :, :]], axis=-1)], axis=-2)
+  return X
+
+
+def _pow2(n: int) -> int:
+  return max(16, 1 << (n - 1).bit_length())
+
+
+def _params(interpret, num_warps=4):
+  if interpret:
+    return None
+  from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
+  return pltriton.CompilerParams(num_warps=num_warps, num_stages=2)
+
+
+def _fwd_call(w, u, kd, dec, h0, C, BV, precision, interpret):
+  BH, Tp, Kp = w.shape
+  Vp = u.shape[-1]
+  N = Tp // C
+  f32 = jnp.float32
+  out_shape = [jax.ShapeDtypeStruct((BH, N, Kp, Vp), f32),
+               jax.ShapeDtypeStruct((BH, Tp, Vp), f32),
+               jax.ShapeDtypeStruct((BH, Kp, Vp), f32)]
+  kernel = functools.partial(state_fwd_kernel, num_chunks=N, C=C, BV=BV, precision=precision)
+  return pl.pallas_call(kernel, grid=(BH, Vp // BV), out_shape=out_shape,
+                        compiler_params=_params(interpret), interpret=interpret,
+                        name="kda_state_fwd")(w, u, kd, dec, h0)
+
+
+def _bwd_call(w, kd, dec, hs, vn, dhs, dvn, dht, C, BV, precision, interpret):
+  BH, Tp, Kp = w.shape
+  Vp = vn.shape[-1]
+  N, J = Tp // C, Vp // BV
+  f32 = jnp.float32
+  out_shape = [jax.ShapeDtypeStruct((BH, Tp, Vp), f32),
+               jax.ShapeDtypeStruct((J, BH, Tp, Kp), f32),
+               jax.ShapeDtypeStruct((J, BH, N, Kp, C), f32),
+               jax.ShapeDtypeStruct((J, BH, N, Kp), f32),
+               jax.ShapeDtypeStruct((BH, Kp, Vp), f32)]
+  kernel = functools.partial(state_bwd_kernel, num_chunks=N, C=C, BV=BV, precision=precision)
+  return pl.pallas_call(kernel, grid=(BH, J), out_shape=out_shape,
+                        compiler_params=_params(interpret), interpret=interpret,
+                        name="kda_state_bwd")(w, kd, dec, hs, vn, dhs, dvn, dht)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
+def state_pass(w, u, kd, dec, h0, C, BV, precision, interpret):
+  """The inter-chunk state pass (module docstring, step 2) with a hand-written backward.
+
+  Args:
+    w [BH, Tp, K], u [BH, Tp, V], kd [BH, N, K, C], dec [BH, N, K], h0 [BH, K, V]: fp32, K and
+      V powers of two ≥ 16, Tp = N·C. C: chunk size; BV: value columns per program (divides V);
+      precision: of the in-kernel matmuls; interpret: Pallas interpret mode.
+
+  Returns:
+    hs [BH, N, K, V] (the state entering each chunk), vn [BH, Tp, V] (V' = U − W H), and the
+    final state [BH, K, V], all fp32.
+  """
+  return _fwd_call(w, u, kd, dec, h0, C, BV, precision, interpret)
+
+
+def _state_pass_fwd(w, u, kd, dec, h0, C, BV, precision, interpret):
+  hs, vn, ht = _fwd_call(w, u, kd, dec, h0, C, BV, precision, interpret)
+  return (hs, vn, ht), (w, kd, dec, hs, vn)
+
+
+def _state_pass_bwd(C, BV, precision, interpret, res, cts):
+  w, kd, dec, hs, vn = res
+  dhs, dvn, dht = (x.astype(jnp.float32) for x in cts)
+  du, dw, dkd, ddec, dh0 = _bwd_call(w, kd, dec, hs, vn, dhs, dvn, dht, C, BV, precision,
+                                     interpret)
+  return jnp.sum(dw, 0), du, jnp.sum(dkd, 0), jnp.sum(ddec, 0), dh0
+
+
+state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
+
+
+def chunk_kda_pallas_gpu(
+    q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
+    scale: float | None = None, initial_state: jax.Array | None = None,
+    output_final_state: bool = False, segment_ids: jax.Array | None = None,
+    chunk_size: int = 64, interpret: bool = False, diag: str = "auto",
+    gate_lower_bound: float | None = None, precision=None, block_v: int = 32,
+) -> tuple[jax.Array, jax.Array | None]:
+  """Chunked KDA with a Pallas GPU state pass (Kimi Linear, arXiv 2510.26692; ARCH §2.4).
+
+  Args:
+    q, k: [B, T, H, K]; v: [B, T, H, V]; g: [B, T, H, K] log-decay after the gate (≤ 0);
+      beta: [B, T, H]. bfloat16 or float32 (fp32 math inside; with float64 inputs the state
+      pass still runs in fp32: use "xla" for fp64 work).
+    scale: query scale, default K ** -0.5.
+    initial_state: [B, H, K, V] (cast to fp32) or None (zeros).
+    output_final_state: return the final state [B, H, K, V] fp32.
+    segment_ids: [B, T] int32 packed-document ids, 0 = padding (identity step, zero output).
+    chunk_size: 16, 32 or 64. T need not be a multiple (identity tokens are appended).
+    interpret: run the Pallas kernels in interpret mode (CPU tests).
+    diag: diagonal-tile method, "auto" | "dense" | "safe" (tiles.resolve_diag): "auto" is dense
+      only when `gate_lower_bound` promises g ≥ g_min with |g_min| ≤ 88/15.
+    gate_lower_bound: g_min of the gate that produced g (−5.0 for the bounded gate), or None.
+    precision: matmul precision of all steps; None = DEFAULT for bf16 inputs, else HIGHEST.
+    block_v: value columns per state-pass program (a power of two; capped at the padded V).
+
+  Returns:
+    (o [B, T, H, V] in q's dtype, 0 at padding tokens; final state [B, H, K, V] fp32 or None).
+
+  Raises:
+    ValueError: chunk_size not in {16, 32, 64}; block_v not a power of two ≥ 16; unknown diag.
+  """
+  C = chunk_size
+  if C not in (16, 32, 64):
+    raise ValueError(f"chunk_size={C}: expected 16, 32 or 64")
+  if block_v < 16 or block_v & (block_v - 1):
+    raise ValueError(f"block_v={block_v}: expected a power of two >= 16")
+  diag = resolve_diag(diag, gate_lower_bound)
+  if precision is None:
+    hi = q.dtype != jnp.bfloat16
+    precision = jax.lax.Precision.HIGHEST if hi else jax.lax.Precision.DEFAULT
+  B, T, H, K = q.shape
+  V = v.shape[-1]
+  Kp, Vp = _pow2(K), _pow2(V)
+  BV = min(block_v, Vp)
+  N = max(1, math.ceil(T / C))
+  Tp, BH = N * C, B * H
+  M = BH * N
+  acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
+  scale = K ** -0.5 if scale is None else scale
+
+  valid, same, m0, mlast = kda_xla._chunk_masks(segment_ids, B, T, Tp, C)
+  if segment_ids is not None:  # padding tokens are identity steps (g = 0, β = 0)
+    g = jnp.where(valid[:, :T, None, None], g.astype(acc), 0)
+    beta = jnp.where(valid[:, :T, None], beta.astype(acc), 0)
+
+  def to_chunks(x, dp=None):  # [B, T, H, d] -> [B·H·N, C, dp] in acc (zero padded)
+    x = x.astype(acc)
+    pad = [(0, 0), (0, Tp - T), (0, 0)] + ([(0, dp - x.shape[-1])] if dp else [])
+    x = jnp.moveaxis(jnp.pad(x, pad), 2, 1)  # [B, H, Tp, ...]
+    return x.reshape((M, C) + x.shape[3:])
+
+  def mask_chunks(m):  # [B, N, ...] -> [B·H·N, ...]
+    m = jnp.broadcast_to(m[:, None], (B, H) + m.shape[1:])
+    return m.reshape((M,) + m.shape[3:])
+
+  qc, kc, gc = (to_chunks(x, Kp) for x in (q, k, g))
+  vc = to_chunks(v, Vp)
+  bc = to_chunks(beta)
+  if same is not None:
+    same, m0, mlast = mask_chunks(same), mask_chunks(m0), mask_chunks(mlast)
+  W, U, Qg, A_qk, Kd, dec = kda_xla._intra_chunk(qc, kc, vc, gc, bc, same, m0, mlast,
+                                                 scale=scale, diag=diag, precision=precision,
+                                                 inverse=blocked_unit_lower_inverse)
+  if initial_state is None:
+    h0 = jnp.zeros((BH, Kp, Vp), jnp.float32)
+  else:
+    h0 = initial_state.astype(jnp.float32).reshape(BH, K, V)
+    h0 = jnp.pad(h0, ((0, 0), (0, Kp - K), (0, Vp - V)))
+  f32 = lambda x: x.astype(jnp.float32)
+  hs, vn, ht = state_pass(f32(W).reshape(BH, Tp, Kp), f32(U).reshape(BH, Tp, Vp),
+                          f32(Kd).reshape(BH, N, Kp, C), f32(dec).reshape(BH, N, Kp), h0,
+                          C, BV, precision, interpret)
+  hs, vn = hs.astype(acc).reshape(M, Kp, Vp), vn.astype(acc).reshape(M, C, Vp)
+  o = kda_xla._mm(Qg, hs, precision) + kda_xla._mm(A_qk, vn, precision)  # [M, C, Vp]
+  o = jnp.moveaxis(o.reshape(B, H, Tp, Vp), 1, 2)[:, :T, :, :V]
+  o = jnp.where(valid[:, :T, None, None], o, 0).astype(q.dtype)
+  if not output_final_state:
+    return o, None
+  return o, ht.reshape(B, H, Kp, Vp)[:, :, :K, :V]

@@ -1,0 +1,187 @@
+"""The pallas_gpu KDA backend against the naive reference: the real kernels on a GPU, Pallas
+interpret mode elsewhere (CPU CI).
+
+Test contract: ARCHITECTURE.md §2.5 (relative RMSE against `recurrent_kda` in float64 on fresh
+random inputs; bf16: o, S ≤ 5e-3, dq dk dv dh0 ≤ 8e-3, dg dβ ≤ 2e-2; fp32 much tighter), causality
+bit for bit, packed segments, initial/final state, K and V padding. The state-pass kernel alone is
+also checked against a plain `lax.scan` of its equations (forward and vjp). Shapes are tiny:
+interpret mode is a slow emulation; the GPU-only case is larger.
+"""
+
+from __future__ import annotations
+
+import functools
+import zlib
+
+import numpy as np
+import pytest
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.kda import api, chunk_kda, pallas_gpu
+import kda_testing as kt  # tests/pallas_kernels/kda_testing.py
+
+BF16, F32 = jnp.bfloat16, jnp.float32
+ON_GPU = jax.default_backend() == "gpu"
+INTERPRET = not ON_GPU  # the real Triton kernels on a GPU, interpret mode elsewhere
+NAMES = ("q", "k", "v", "g", "beta")
+
+
+@functools.lru_cache(maxsize=None)
+def _fn(static: tuple):
+  def fn(q, k, v, g, beta, *, initial_state=None, segment_ids=None, output_final_state=True):
+    return pallas_gpu.chunk_kda_pallas_gpu(
+        q, k, v, g, beta, initial_state=initial_state, segment_ids=segment_ids,
+        output_final_state=output_final_state, interpret=INTERPRET, **dict(static))
+  return jax.jit(fn, static_argnames=("output_final_state",))
+
+
+def _kernel_fn(**static):
+  return _fn(tuple(sorted(static.items())))
+
+
+CASES = [
+    # label, (B, T, H, K, V), dtype, gate, static kwargs, initial_state, segments
+    ("T100_bf16_dense_h0", (1, 100, 2, 64, 64), BF16, "bounded",
+     dict(gate_lower_bound=-5.0), True, False),
+    ("T77_K96_V48_segments_C32", (2, 77, 1, 96, 48), BF16, "bounded",
+     dict(gate_lower_bound=-5.0, chunk_size=32), True, True),
+    ("T64_saturated_K128_C16_fp32", (1, 64, 1, 128, 128), F32, "saturated",
+     dict(gate_lower_bound=-5.0, chunk_size=16), True, False),
+    ("T70_unbounded_safe_fp32_segments", (1, 70, 2, 64, 64), F32, "unbounded", dict(), True,
+     True),
+]
+
+
+@pytest.mark.parametrize("label,shape,dtype,gate,static,init,segs", CASES,
+                         ids=[c[0] for c in CASES])
+def test_matches_reference(label, shape, dtype, gate, static, init, segs):
+  seed = zlib.crc32(label.encode()) % 1000
+  print(f"seed={seed} interpret={INTERPRET}")
+  B, T, H, K, V = shape
+  inp = kt.make_inputs(seed, B, T, H, K, V, dtype=dtype, gate=gate, initial_state=init,
+                       segments=segs)
+  ref = kt.reference_fp64(inp)
+  out = kt.run_with_grads(_kernel_fn(**static), inp)
+  kt.assert_all_finite(out, label)
+  tol = kt.TOL_BF16 if dtype == BF16 else kt.TOL_FP32
+  if gate == "saturated" and dtype == F32:
+    # g = −5 everywhere on the dense path (e^±75 factors): dg is small and absorbs O(eps)
+    # cancellations of the e^75·e^−75 pairs, ~1e−3 relative (as test_kda_xla's saturated case).
+    tol = dict(tol, g=5e-3)
+  errs = kt.check_against_reference(ref, out, tol, label=label)
+  print(label, {n: f"{e:.1e}" for n, e in errs.items()})
+
+
+def _state_pass_scan(w, u, kd, dec, h0, C):
+  """The state pass written from its equations (pallas_gpu_kernels docstring) as a lax.scan."""
+  BH, Tp, K = w.shape
+  N = Tp // C
+  hi = jax.lax.Precision.HIGHEST
+  ws = jnp.moveaxis(w.reshape(BH, N, C, K), 1, 0)
+  us = jnp.moveaxis(u.reshape(BH, N, C, -1), 1, 0)
+
+  def step(S, xs):
+    w_n, u_n, kd_n, d_n = xs
+    vn = u_n - jnp.einsum("bck,bkv->bcv", w_n, S, precision=hi)
+    return d_n[..., None] * S + jnp.einsum("bkc,bcv->bkv", kd_n, vn, precision=hi), (S, vn)
+
+  S, (hs, vn) = jax.lax.scan(step, h0, (ws, us, jnp.moveaxis(kd, 1, 0), jnp.moveaxis(dec, 1, 0)))
+  return jnp.moveaxis(hs, 0, 1), jnp.moveaxis(vn, 0, 1).reshape(BH, Tp, -1), S
+
+
+def test_state_pass_kernel_and_its_vjp_match_a_scan():
+  """Two value blocks per head (block partial sums of dW, dKd, dd), fp32, random cotangents."""
+  seed = 5
+  print(f"seed={seed}")
+  rng = np.random.default_rng(seed)
+  BH, N, C, K, V, BV = 2, 5, 16, 32, 32, 16
+  r = lambda *s: jnp.asarray(rng.normal(size=s) * 0.3, F32)
+  args = (r(BH, N * C, K), r(BH, N * C, V), r(BH, N, K, C),
+          jnp.asarray(rng.uniform(0.2, 1.0, (BH, N, K)), F32), r(BH, K, V))
+  prec = jax.lax.Precision.HIGHEST
+  kern = lambda *a: pallas_gpu.state_pass(*a, C, BV, prec, INTERPRET)
+  out, vjp = jax.vjp(kern, *args)
+  out_r, vjp_r = jax.vjp(lambda *a: _state_pass_scan(*a, C), *args)
+  cts = tuple(r(*x.shape) for x in out)
+  for name, a, b in zip(("hs", "vn", "ht", "dw", "du", "dkd", "ddec", "dh0"),
+                        out + vjp(cts), out_r + vjp_r(cts)):
+    assert kt.rel_rmse(b, a) <= 1e-5, name
+
+
+def test_blocked_unit_lower_inverse():
+  """(I + A)⁻¹ by 16-row blocks against numpy's inverse in fp64, and its jvp (−X dA X)."""
+  seed = 9
+  print(f"seed={seed}")
+  rng = np.random.default_rng(seed)
+  A = np.tril(rng.normal(size=(3, 64, 64)) * 0.2, -1)
+  dA = np.tril(rng.normal(size=A.shape), -1)
+  X_ref = np.linalg.inv(np.eye(64) + A)
+  X, dX = jax.jvp(pallas_gpu.blocked_unit_lower_inverse, (jnp.asarray(A, F32),),
+                  (jnp.asarray(dA, F32),))
+  assert kt.rel_rmse(X_ref, X) <= 1e-5
+  assert kt.rel_rmse(-X_ref @ dA @ X_ref, dX) <= 1e-5
+  assert np.all(np.triu(np.asarray(X), 1) == 0) and np.all(np.diagonal(X, 0, 1, 2) == 1)
+
+
+def test_causal_bit_for_bit():
+  """Outputs and gradients at t < P are identical when only q, k, v, g, β at t ≥ P change."""
+  B, T, H, K, V, P = 1, 100, 2, 64, 64, 45   # P inside a chunk and inside a 16-token tile
+  print("seeds=21,22")
+  base = kt.make_inputs(21, B, T, H, K, V, dtype=BF16, initial_state=True, segments=True)
+  other = kt.make_inputs(22, B, T, H, K, V, dtype=BF16)
+  changed = dict(base)
+  for n in NAMES:
+    changed[n] = base[n].at[:, P:].set(other[n][:, P:])
+  do = jnp.asarray(np.random.default_rng(3).normal(size=(B, T, H, V)), F32).at[:, P:].set(0)
+  fn = _kernel_fn(gate_lower_bound=-5.0)
+
+  @jax.jit
+  def run(q, k, v, g, beta, h0, seg):
+    def loss(q, k, v, g, beta, h0):
+      o, _ = fn(q, k, v, g, beta, initial_state=h0, segment_ids=seg)
+      return jnp.sum(o.astype(F32) * do), o
+    return jax.grad(loss, argnums=tuple(range(6)), has_aux=True)(q, k, v, g, beta, h0)
+
+  (g1, o1), (g2, o2) = (run(*[d[n] for n in NAMES], d["initial_state"], d["segment_ids"])
+                        for d in (base, changed))
+  assert not np.array_equal(np.asarray(o1[:, P:], F32), np.asarray(o2[:, P:], F32))
+  np.testing.assert_array_equal(np.asarray(o1[:, :P], F32), np.asarray(o2[:, :P], F32))
+  for n, a, b in zip(NAMES, g1, g2):
+    np.testing.assert_array_equal(np.asarray(a[:, :P], F32), np.asarray(b[:, :P], F32),
+                                  err_msg=f"d{n}")
+  np.testing.assert_array_equal(np.asarray(g1[5]), np.asarray(g2[5]), err_msg="dh0")
+
+
+def test_dispatch_errors_and_where_it_runs():
+  inp = kt.make_inputs(11, 1, 20, 1, 32, 32, dtype=F32, initial_state=True)
+  args = [inp[n] for n in NAMES]
+  f = jax.jit(functools.partial(chunk_kda, backend="pallas_gpu", interpret=INTERPRET))
+  o, S = f(*args, initial_state=inp["initial_state"])
+  assert S is None
+  o_ref, _, _ = kt.reference_fp64(inp, grads=False)
+  assert kt.rel_rmse(o_ref, o) <= kt.TOL_FP32["o"]
+  with pytest.raises(ValueError, match="chunk_size"):
+    pallas_gpu.chunk_kda_pallas_gpu(*args, chunk_size=48, interpret=True)
+  with pytest.raises(ValueError, match="block_v"):
+    pallas_gpu.chunk_kda_pallas_gpu(*args, block_v=24, interpret=True)
+  fake = lambda platform, cc: type("Dev", (), dict(platform=platform, compute_capability=cc))()
+  assert pallas_gpu.supported_on(fake("gpu", "9.0"))
+  assert not pallas_gpu.supported_on(fake("gpu", "8.0"))
+  assert not pallas_gpu.supported_on(fake("cpu", "9.0"))
+  assert api.resolve_backend("auto", fake("gpu", "9.0")) == "pallas_gpu"
+  assert api.resolve_backend("auto", fake("gpu", "8.6")) == "xla"
+
+
+@pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the real Triton kernels, T=1024)")
+def test_gpu_longer_sequence_bf16():
+  """K = V = 128, T = 1024 (16 chunks), bf16, TF32 matmuls (the default for bf16 inputs)."""
+  seed = 31
+  print(f"seed={seed}")
+  inp = kt.make_inputs(seed, 1, 1024, 2, 128, 128, dtype=BF16, initial_state=True,
+                       segments=True)
+  ref = kt.reference_fp64(inp)
+  out = kt.run_with_grads(_kernel_fn(gate_lower_bound=-5.0), inp)
+  errs = kt.check_against_reference(ref, out, kt.TOL_BF16, label="gpu_T1024")
+  print({n: f"{e:.1e}" for n, e in errs.items()})
