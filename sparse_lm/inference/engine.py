@@ -35,7 +35,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from sparse_lm.inference import cache as cache_lib, decode_fused
+from sparse_lm.inference import cache as cache_lib
 from sparse_lm.inference.forward import DecoderStack, forward_cached
 from sparse_lm.inference.sampling import SamplingParams, sample
 
@@ -100,10 +100,6 @@ def _step(graphdef, weights, cache, tokens, start, n_valid, req_keys, counts, mo
   return cache, tok, logp
 
 
-# The decode loop's projections fused per layer (decode_fused), built once per device call.
-FUSE_DECODE_PROJECTIONS = True
-
-
 @functools.partial(jax.jit, static_argnames=("graphdef", "num_steps"), donate_argnums=(2,))
 def _decode(graphdef, weights, cache, tokens, lengths, active, req_keys, counts, max_new,
             max_length, stop_mask, exit_on_finish, mode, temperature, top_k, top_p, *,
@@ -119,7 +115,6 @@ def _decode(graphdef, weights, cache, tokens, lengths, active, req_keys, counts,
   """
   stack = nnx.merge(graphdef, weights)
   B = tokens.shape[0]
-  fused = decode_fused.fused_weights(stack) if FUSE_DECODE_PROJECTIONS else None
 
   def cond(carry):
     i, _, _, _, _, act, _, _, finished = carry
@@ -128,8 +123,7 @@ def _decode(graphdef, weights, cache, tokens, lengths, active, req_keys, counts,
   def body(carry):
     i, cache, tok, lengths, counts, act, out_tok, out_logp, finished = carry
     n_valid = act.astype(jnp.int32)
-    logits, cache = forward_cached(stack, tok[:, None], cache, lengths, n_valid, kv_block=1,
-                                   fused=fused)
+    logits, cache = forward_cached(stack, tok[:, None], cache, lengths, n_valid, kv_block=1)
     keys = jax.vmap(jax.random.fold_in)(req_keys, counts)
     new, logp = sample(logits, keys, mode=mode, temperature=temperature, top_k=top_k,
                        top_p=top_p)

@@ -31,8 +31,6 @@ from flax import nnx
 
 from pallas_kernels.kda import chunk_kda, recurrent_step
 from sparse_lm import nn
-from sparse_lm.inference import decode_fused
-from sparse_lm.inference.decode_fused import pad_rows
 from sparse_lm.model import attnres
 from sparse_lm.model.kda import kda_output, kda_projections
 from sparse_lm.moe import router as router_lib
@@ -77,6 +75,22 @@ def _project(x, w, dtype):
 # A decode step of fewer rows than this runs its projections on this many rows (zero rows
 # appended, `pad_rows`); 0 turns the padding off (the reference path of the tests).
 DECODE_MIN_ROWS = 2
+
+
+def pad_rows(x: jax.Array, rows: int) -> jax.Array:
+  """x [B, ...] -> [max(B, rows), ...]: zero rows appended behind an optimization barrier.
+
+  A batch-1 decode step's matmuls are matrix-vector products, which XLA's GPU compiler
+  strength-reduces to elementwise multiplies and reductions; for the gathered experts those
+  ran at about 0.4 TB/s on an H200 (docs/inference.md). With two rows a matmul stays a GEMM
+  (cuBLAS / Triton), which reads its weights near the bandwidth limit. The barrier keeps the
+  simplifier from seeing the zeros. Row b < B of any row-wise function of the result is
+  unchanged (up to the GEMM's summation order).
+  """
+  if x.shape[0] >= rows:
+    return x
+  zeros = jnp.zeros((rows - x.shape[0],) + x.shape[1:], x.dtype)
+  return jax.lax.optimization_barrier(jnp.concatenate([x, zeros], axis=0))
 
 
 def conv_tails(p: dict, x: jax.Array, old: dict, n_valid: jax.Array, dtype) -> dict:
@@ -256,15 +270,12 @@ def gathered_experts(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
   return jnp.sum((w * out).reshape(N, k, -1), axis=1)
 
 
-def moe_decode(moe, x: jax.Array, valid: jax.Array, fused_in: jax.Array | None = None
-               ) -> jax.Array:
+def moe_decode(moe, x: jax.Array, valid: jax.Array) -> jax.Array:
   """A LatentMoE (sparse_lm.moe.latent_moe, ARCHITECTURE §5) at inference: the frozen biases
   route, nothing is dropped, no statistics. x [B, T, D] in the compute dtype, valid [B, T]
   bool -> y [B, T, D]. The routed experts run as `gathered_experts` when N k <= E x
   GATHER_MAX_ASSIGNMENTS_PER_EXPERT, else every expert on every token (`dense_reference`).
-  With fewer than DECODE_MIN_ROWS tokens the projections run on zero-padded rows (`pad_rows`);
-  fused_in (decode_fused.fused_weights' "moe_in") makes the latent down projection and the
-  shared expert's gate and up one matmul."""
+  With fewer than DECODE_MIN_ROWS tokens the projections run on zero-padded rows (`pad_rows`)."""
   B, T, D = x.shape
   n, E, k = B * T, moe.num_experts, moe.experts_per_token
   dt = jnp.dtype(moe.compute_dtype)
@@ -275,12 +286,7 @@ def moe_decode(moe, x: jax.Array, valid: jax.Array, fused_in: jax.Array | None =
   routing = router_lib.route(scores, moe.balancer_bias[...], k, moe.route_scale,
                              cutoff=moe.qb_cutoff)
   ids = jnp.where(valid.reshape(n, 1), routing.expert_ids, E)
-  shared = None
-  if fused_in is not None:
-    z, shared = decode_fused.moe_shared_fused(moe, fused_in, xp)
-    z, shared = z[:n], shared[:n]
-  else:
-    z = jnp.dot(xp, moe.w_down[...].astype(dt))[:n] if moe.latent else xf.astype(dt)
+  z = jnp.dot(xp, moe.w_down[...].astype(dt))[:n] if moe.latent else xf.astype(dt)
   if n * k <= E * GATHER_MAX_ASSIGNMENTS_PER_EXPERT:
     u = gathered_experts(z, ids, routing.gates, moe.expert_params(), beta1=moe.beta1,
                          beta2=moe.beta2, min_rows=rows)
@@ -294,26 +300,19 @@ def moe_decode(moe, x: jax.Array, valid: jax.Array, fused_in: jax.Array | None =
     y = u.astype(dt)
   y = y.reshape(B, T, D)
   if moe.shared is not None:
-    if shared is None:
-      shared = moe.shared(xp[:, None])[:n, 0]
-    y = y + shared.reshape(B, T, D)
+    y = y + moe.shared(xp[:, None])[:n].reshape(B, T, D)
   return y.astype(x.dtype)
 
 
 def layer_cached(layer, stream: dict, cache: dict, *, opens: bool, start, valid, n_valid,
-                 kv_block: int, fused: dict | None = None) -> tuple[dict, dict]:
+                 kv_block: int) -> tuple[dict, dict]:
   """One DecoderLayer (transformer.py) from its cache: the same sub-layer order and AttnRes
-  reads; MoE without capacity drops. `fused`: this layer's decode_fused.fused_weights entry
-  (decode steps only)."""
-  fused = fused or {}
+  reads; MoE without capacity drops."""
   cfg = layer.cfg
   dtype = jnp.dtype(cfg.dtype)
   stream = attnres.open_block(cfg, stream, opens)
   x = layer.attn_norm(attnres.sublayer_input(cfg, stream, layer.attn_query[...])).astype(dtype)
-  if layer.mixer_kind == "kda" and "kda_in" in fused and x.shape[1] == 1:
-    y, cache = decode_fused.kda_step_fused(cfg, layer.mixer.arrays(), fused["kda_in"], x, cache,
-                                           n_valid, min_rows=DECODE_MIN_ROWS)
-  elif layer.mixer_kind == "kda":
+  if layer.mixer_kind == "kda":
     y, cache = kda_cached(layer.mixer, x, cache, n_valid)
   else:
     y, cache = mla_cached(layer.mixer, x, cache, start, kv_block=kv_block)
@@ -323,7 +322,7 @@ def layer_cached(layer, stream: dict, cache: dict, *, opens: bool, start, valid,
     rows = DECODE_MIN_ROWS if x.shape[1] == 1 else 0
     y = layer.ffn(pad_rows(x, rows))[:x.shape[0]]
   elif x.shape[1] == 1 and DECODE_MOE == "moe_decode":
-    y = moe_decode(layer.ffn, x, valid, fused.get("moe_in"))
+    y = moe_decode(layer.ffn, x, valid)
   else:
     layer.ffn.capacity_factor = None  # inference never drops (this is a traced copy)
     y, _ = layer.ffn(x, valid=valid, train=False)
@@ -331,8 +330,7 @@ def layer_cached(layer, stream: dict, cache: dict, *, opens: bool, start, valid,
 
 
 def forward_cached(stack: DecoderStack, tokens: jax.Array, cache: list[dict], start: jax.Array,
-                   n_valid: jax.Array, *, kv_block: int, fused: list | None = None
-                   ) -> tuple[jax.Array, list[dict]]:
+                   n_valid: jax.Array, *, kv_block: int) -> tuple[jax.Array, list[dict]]:
   """Run T new tokens per row through the decoder from its caches.
 
   Args:
@@ -342,7 +340,6 @@ def forward_cached(stack: DecoderStack, tokens: jax.Array, cache: list[dict], st
     start: [B] int32, tokens already in each row's cache (its length).
     n_valid: [B] int32 in [0, T].
     kv_block: key block of the latent attention for T > 1.
-    fused: decode_fused.fused_weights(stack) or None; used by decode steps (T = 1) only.
 
   Returns:
     logits [B, vocab] fp32 after each row's last real token (garbage for n_valid = 0), and the
@@ -354,11 +351,9 @@ def forward_cached(stack: DecoderStack, tokens: jax.Array, cache: list[dict], st
   valid = jnp.arange(T)[None] < n_valid[:, None]
   stream = attnres.init_stream(cfg, stack.embed(tokens))
   new_cache = []
-  fused = fused or [None] * len(cache)
   for i, (layer, c) in enumerate(zip(stack.layers, cache)):
     stream, c = layer_cached(layer, stream, c, opens=i % cfg.attnres_block_layers == 0,
-                             start=start, valid=valid, n_valid=n_valid, kv_block=kv_block,
-                             fused=fused[i])
+                             start=start, valid=valid, n_valid=n_valid, kv_block=kv_block)
     new_cache.append(c)
   h = attnres.final_output(cfg, stream, stack.final_query[...])  # [B, T, D]
   last = jnp.clip(n_valid - 1, 0, T - 1)

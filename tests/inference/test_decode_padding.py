@@ -1,6 +1,5 @@
-"""A batch-1 decode step with its projections fused per layer (decode_fused) and run on
-zero-padded rows (pad_rows): the GPU fast path, against the same step with neither (the layers'
-own projections, DECODE_MIN_ROWS = 0), from a random cache:
+"""A batch-1 decode step with its projections on zero-padded rows (forward.pad_rows, the GPU
+fast path) against the same step without padding (DECODE_MIN_ROWS = 0), from a random cache:
 random conv tails, KDA states and latent cache entries (never zeros). tiny preset, fp32, random
 weights. The unpadded step is itself checked against the full forward pass in test_engine.py."""
 
@@ -10,18 +9,16 @@ import numpy as np
 from flax import nnx
 
 from sparse_lm.config import get_preset
-from sparse_lm.inference import cache as cache_lib, decode_fused, forward as forward_lib
+from sparse_lm.inference import cache as cache_lib, forward as forward_lib
 from sparse_lm.model import Transformer
 
 SEED = 5
 
 
-def test_fused_padded_decode_step_equals_plain(monkeypatch):
+def test_padded_decode_step_equals_unpadded(monkeypatch):
   print(f"seed {SEED}")
   cfg = get_preset("tiny", num_layers=5)  # KDA layers (dense FFN, MoE), MLA, the last MLA
   stack = forward_lib.DecoderStack(Transformer(cfg, rngs=nnx.Rngs(SEED)))
-  fused = decode_fused.fused_weights(stack)
-  assert any("kda_in" in f for f in fused if f) and any("moe_in" in f for f in fused if f)
   graphdef, state = nnx.split(stack)
   length = 32
   cache = cache_lib.init_cache(cfg, 1, length)
@@ -33,16 +30,14 @@ def test_fused_padded_decode_step_equals_plain(monkeypatch):
   tokens = jnp.array([[7]], jnp.int32)
   start, n_valid = jnp.array([20], jnp.int32), jnp.array([1], jnp.int32)
 
-  def step(state, cache, fuse):
-    stack = nnx.merge(graphdef, state)
-    fused = decode_fused.fused_weights(stack) if fuse else None
-    return forward_lib.forward_cached(stack, tokens, cache, start, n_valid, kv_block=1,
-                                      fused=fused)
+  def step(state, cache):
+    return forward_lib.forward_cached(nnx.merge(graphdef, state), tokens, cache, start,
+                                      n_valid, kv_block=1)
 
   outs = {}
   for rows in (2, 0):
     monkeypatch.setattr(forward_lib, "DECODE_MIN_ROWS", rows)
-    outs[rows] = jax.jit(step, static_argnums=2)(state, cache, rows > 0)
+    outs[rows] = jax.jit(step)(state, cache)
   (logits, new_cache), (ref_logits, ref_cache) = outs[2], outs[0]
   assert float(jnp.std(ref_logits)) > 1e-2
   np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), rtol=1e-5, atol=1e-5)
