@@ -47,7 +47,7 @@ import numpy as np
 from flax import nnx
 
 from sparse_lm.config import get_preset
-from sparse_lm.inference import Engine, cache_bytes, forward as forward_lib
+from sparse_lm.inference import Engine, cache_bytes, engine as engine_lib, forward as forward_lib
 from sparse_lm.model import Transformer
 
 
@@ -87,9 +87,10 @@ def _median_s(fn, repeats: int, label: str = "") -> float:
     t0 = time.perf_counter()
     jax.block_until_ready(fn())
     times.append(time.perf_counter() - t0)
-  if label:
-    print(f"  {label}: " + ", ".join(f"{t:.4f}" for t in times) + " s (first: warm-up)",
-          flush=True)
+  if label:  # with the engine's compiled programs so far (a recompile shows as a jump)
+    compiled = engine_lib._step._cache_size() + engine_lib._decode._cache_size()
+    print(f"  {label}: " + ", ".join(f"{t:.4f}" for t in times) + " s (first: warm-up); "
+          f"{compiled} engine programs compiled", flush=True)
   return statistics.median(times[1:])
 
 
