@@ -47,7 +47,7 @@ import numpy as np
 from flax import nnx
 
 from sparse_lm.config import get_preset
-from sparse_lm.inference import Engine, cache_bytes, forward as forward_lib
+from sparse_lm.inference import Engine, cache_bytes, engine as engine_lib, forward as forward_lib
 from sparse_lm.model import Transformer
 
 
@@ -79,14 +79,19 @@ def cache_bytes_per_step(cfg, batch: int, length: int) -> float:
   return cache_bytes(cfg, length, batch) + batch * cfg.num_kda_layers * H * K * V * 4
 
 
-def _median_s(fn, repeats: int) -> float:
-  jax.block_until_ready(fn())  # compile and warm up
+def _median_s(fn, repeats: int, label: str = "") -> float:
+  """Median wall time of `repeats` calls after one compile-and-warm-up call; with a label,
+  prints every call's time (the warm-up's too)."""
   times = []
-  for _ in range(repeats):
+  for _ in range(repeats + 1):
     t0 = time.perf_counter()
     jax.block_until_ready(fn())
     times.append(time.perf_counter() - t0)
-  return statistics.median(times)
+  if label:  # with the engine's compiled programs so far (a recompile shows as a jump)
+    compiled = engine_lib._step._cache_size() + engine_lib._decode._cache_size()
+    print(f"  {label}: " + ", ".join(f"{t:.4f}" for t in times) + " s (first: warm-up); "
+          f"{compiled} engine programs compiled", flush=True)
+  return statistics.median(times[1:])
 
 
 def top_ops(trace_dir: str, n: int = 12) -> str:
@@ -111,13 +116,21 @@ def top_ops(trace_dir: str, n: int = 12) -> str:
         count[e["name"]] += 1
     lines.append(f"  {where}: {sum(total.values()) / 1e3:.3f} ms in {sum(count.values())} "
                  f"events on {sorted(names[p] for p in pids)}")
+    first = {}
+    for e in events:
+      if e.get("ph") == "X" and e["pid"] in pids:
+        first.setdefault(e["name"], e.get("args", {}))
     for name, us in total.most_common(n if where == "device" else n // 2):
       lines.append(f"  {us / 1e3:9.3f} ms  {count[name]:6d} x  {name[:100]}")
+      if where == "device" and os.environ.get("DECODE_PROFILE_ARGS"):
+        lines.append(f"      {str(first[name])[:400]}")
   return "\n".join(lines)
 
 
-def profile(engine, batch: int, length: int, trace_dir: str, repeats: int) -> None:
-  """Trace one decode call, one single step, and one single step with the model's MoE."""
+def profile(engine, batch: int, length: int, trace_dir: str, repeats: int, top: int = 12,
+            cases_wanted: str = "decode call,single step,single step model MoE") -> None:
+  """Trace one decode call, one single step, and one single step with the model's MoE
+  (`cases_wanted`: which of them, comma-separated); print the `top` device ops of each."""
   rng = np.random.default_rng(1)
   tok = rng.integers(0, engine.cfg.vocab_size, (batch,))
   at = np.full(batch, length)
@@ -125,6 +138,8 @@ def profile(engine, batch: int, length: int, trace_dir: str, repeats: int) -> No
            ("single step", lambda: engine.step(tok[:, None], at, np.ones(batch))[0]),
            ("single step, model MoE", lambda: engine.step(tok[:, None], at, np.ones(batch))[0])]
   for name, fn in cases:
+    if name.replace(",", "") not in cases_wanted.split(","):
+      continue
     if name.endswith("model MoE"):
       forward_lib.DECODE_MOE = "model"
       jax.clear_caches()
@@ -136,7 +151,7 @@ def profile(engine, batch: int, length: int, trace_dir: str, repeats: int) -> No
       wall = time.perf_counter() - t0
     print(f"profile B={batch} L={length}: {name}: {median * 1e3:.2f} ms (median of "
           f"{repeats}), {wall * 1e3:.2f} ms traced\n"
-          f"{top_ops(sub)}", flush=True)
+          f"{top_ops(sub, top)}", flush=True)
   forward_lib.DECODE_MOE = "moe_decode"
   jax.clear_caches()
 
@@ -154,7 +169,8 @@ def decode_row(cfg, model, batch: int, context: int, args) -> dict:
   row["floor_ms"] = (weight_bytes_per_step(cfg, batch) + cache_bytes_per_step(
       cfg, batch, context)) / (args.hbm_tbs * 1e12) * 1e3
   if args.profile:
-    profile(engine, batch, context - args.decode_steps - 1, args.profile, args.repeats)
+    profile(engine, batch, context - args.decode_steps - 1, args.profile, args.repeats,
+            args.top, args.profile_cases)
     args.profile = None
   return row
 
@@ -166,9 +182,10 @@ def prefill_row(cfg, model, batch: int, context: int, args) -> dict:
   P = engine.prefill_chunk
   toks = np.random.default_rng(0).integers(0, cfg.vocab_size, (batch, P))
   n = np.full(batch, P)
-  first = _median_s(lambda: engine.step(toks, np.zeros(batch), n)[0], args.prefill_repeats)
+  first = _median_s(lambda: engine.step(toks, np.zeros(batch), n)[0], args.prefill_repeats,
+                    f"prefill B={batch} L={context} first piece")
   last = _median_s(lambda: engine.step(toks, np.full(batch, context - P), n)[0],
-                   args.prefill_repeats)
+                   args.prefill_repeats, f"prefill B={batch} L={context} last piece")
   return {"prefill_piece": P, "prefill_first_s": first, "prefill_last_s": last,
           "prefill_tok_s": batch * context / (context / P * (first + last) / 2)}
 
@@ -189,6 +206,9 @@ def main(argv=None):
   p.add_argument("--single-step", action="store_true",
                  help="also time one Engine.step call per token")
   p.add_argument("--profile", metavar="DIR", help="trace the first configuration into DIR")
+  p.add_argument("--top", type=int, default=12, help="device ops listed per profiled case")
+  p.add_argument("--profile-cases", default="decode call,single step,single step model MoE",
+                 help="which of the profiled cases to run (comma-separated)")
   p.add_argument("--prefill-repeats", type=int, default=3)
   p.add_argument("--skip-prefill", action="store_true")
   p.add_argument("--hbm-tbs", type=float, default=4.8, help="HBM bandwidth, TB/s")

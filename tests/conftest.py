@@ -16,6 +16,18 @@ import pytest
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 
+# On a GPU (JAX_PLATFORMS=cuda, ...) the tests keep their CPU meaning, written down once here:
+# fp32 matmuls at full precision (the GPU default is TF32, about 3e-4 relative: the tests
+# compare with fp64 / NumPy references at the fp32 tolerances of ARCHITECTURE.md), and
+# deterministic reductions (the bit-for-bit tests: causality, packing, resume). Speed is
+# measured in benchmarks/, never here. Tests that only mean something on a CPU host skip
+# elsewhere and say so.
+ON_GPU = any(p in os.environ["JAX_PLATFORMS"] for p in ("cuda", "gpu", "rocm"))
+if ON_GPU:
+  os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                             " --xla_gpu_deterministic_ops=true").strip()
+
 DEFAULT_WORKERS = 2  # CI's cores; each worker peaks at ~3 GB of host memory
 
 

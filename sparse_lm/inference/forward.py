@@ -72,6 +72,27 @@ def _project(x, w, dtype):
   return y.astype(dtype)
 
 
+# A decode step of fewer rows than this runs its projections on this many rows (zero rows
+# appended, `pad_rows`); 0 turns the padding off (the reference path of the tests).
+DECODE_MIN_ROWS = 2
+
+
+def pad_rows(x: jax.Array, rows: int) -> jax.Array:
+  """x [B, ...] -> [max(B, rows), ...]: zero rows appended behind an optimization barrier.
+
+  A batch-1 decode step's matmuls are matrix-vector products, which XLA's GPU compiler
+  strength-reduces to elementwise multiplies and reductions; for the gathered experts those
+  ran at about 0.4 TB/s on an H200 (docs/inference.md). With two rows a matmul stays a GEMM
+  (cuBLAS / Triton), which reads its weights near the bandwidth limit. The barrier keeps the
+  simplifier from seeing the zeros. Row b < B of any row-wise function of the result is
+  unchanged (up to the GEMM's summation order).
+  """
+  if x.shape[0] >= rows:
+    return x
+  zeros = jnp.zeros((rows - x.shape[0],) + x.shape[1:], x.dtype)
+  return jax.lax.optimization_barrier(jnp.concatenate([x, zeros], axis=0))
+
+
 def conv_tails(p: dict, x: jax.Array, old: dict, n_valid: jax.Array, dtype) -> dict:
   """The last W-1 conv inputs after each row's n_valid[b] real tokens of x.
 
@@ -103,9 +124,13 @@ def kda_cached(mixer, x: jax.Array, cache: dict, n_valid: jax.Array) -> tuple[ja
   cfg = mixer.cfg
   dtype = jnp.dtype(cfg.dtype)
   p = mixer.arrays()
-  T = x.shape[1]
-  proj, tails = kda_projections(p, x, gate_lower_bound=cfg.kda_gate_lower_bound,
-                                eps=cfg.l2_norm_eps, dtype=dtype, conv_state=cache["conv"])
+  B, T = x.shape[:2]
+  rows = DECODE_MIN_ROWS if T == 1 else 0  # see pad_rows
+  xp = pad_rows(x, rows)
+  conv_p = {name: pad_rows(c, rows) for name, c in cache["conv"].items()}
+  proj, tails = kda_projections(p, xp, gate_lower_bound=cfg.kda_gate_lower_bound,
+                                eps=cfg.l2_norm_eps, dtype=dtype, conv_state=conv_p)
+  proj, tails = jax.tree.map(lambda a: a[:B], (proj, tails))
   valid = jnp.arange(T)[None] < n_valid[:, None]
   g = jnp.where(valid[..., None, None], proj.g, 0.0)  # padding: identity step
   beta = jnp.where(valid[..., None], proj.beta, 0.0)
@@ -122,7 +147,7 @@ def kda_cached(mixer, x: jax.Array, cache: dict, n_valid: jax.Array) -> tuple[ja
             for name, old in cache["conv"].items()}
   else:
     conv = conv_tails(p, x, cache["conv"], n_valid, dtype)
-  y = kda_output(p, x, o.astype(dtype), eps=cfg.norm_eps, dtype=dtype)
+  y = kda_output(p, xp, pad_rows(o.astype(dtype), rows), eps=cfg.norm_eps, dtype=dtype)[:B]
   return y, {"conv": conv, "S": S}
 
 
@@ -185,12 +210,14 @@ def mla_cached(mixer, x: jax.Array, cache: dict, start: jax.Array, *,
   cfg = mixer.cfg
   dtype = jnp.dtype(cfg.dtype)
   B, T, _ = x.shape
-  q = mixer.query(x).astype(jnp.float32)
-  c_kv, k_rope = mixer.latent(x)
+  rows = DECODE_MIN_ROWS if T == 1 else 0  # see pad_rows
+  xp = pad_rows(x, rows)
+  q = mixer.query(xp)[:B].astype(jnp.float32)
+  c_kv, k_rope = jax.tree.map(lambda a: a[:B], mixer.latent(xp))
   pos = start[:, None] + jnp.arange(T)[None]
-  rows = jnp.arange(B)[:, None]
-  c_all = cache["c_kv"].at[rows, pos].set(c_kv.astype(cache["c_kv"].dtype), mode="drop")
-  r_all = cache["k_rope"].at[rows, pos].set(k_rope.astype(cache["k_rope"].dtype), mode="drop")
+  row = jnp.arange(B)[:, None]
+  c_all = cache["c_kv"].at[row, pos].set(c_kv.astype(cache["c_kv"].dtype), mode="drop")
+  r_all = cache["k_rope"].at[row, pos].set(k_rope.astype(cache["k_rope"].dtype), mode="drop")
   nope = cfg.qk_nope_head_dim
   w_ukv = mixer.w_ukv[...].astype(jnp.float32)
   w_uk, w_uv = w_ukv[..., :nope], w_ukv[..., nope:]
@@ -198,7 +225,7 @@ def mla_cached(mixer, x: jax.Array, cache: dict, start: jax.Array, *,
   o_lat = latent_attention(q_lat, q[..., nope:], c_all, r_all, pos, scale=mixer.scale,
                            block=kv_block if T > 1 else c_all.shape[1])
   o = jnp.einsum("bthc,chd->bthd", o_lat, w_uv).astype(dtype)
-  return mixer.output(x, o), {"c_kv": c_all, "k_rope": r_all}
+  return mixer.output(xp, pad_rows(o, rows))[:B], {"c_kv": c_all, "k_rope": r_all}
 
 
 # "moe_decode" (decode steps use `moe_decode`) or "model" (the model's own MoE, as prefill;
@@ -209,60 +236,71 @@ GATHER_MAX_ASSIGNMENTS_PER_EXPERT = 1.0
 
 
 def gathered_experts(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
-                     params: dict[str, jax.Array], *, beta1: float, beta2: float) -> jax.Array:
+                     params: dict[str, jax.Array], *, beta1: float, beta2: float,
+                     min_rows: int = 0) -> jax.Array:
   """u = sum_j gates_j E_{id_j}(z) with each token's chosen experts' weights gathered.
 
   Reads N k experts' weights (not all E): the decode step's MoE for a small batch. Same
   contract and rounding as `sparse_lm.moe.latent_moe.dispatch_and_compute` (matmul outputs in
-  z's dtype, SiTU-GLU in fp32, fp32 combine).
+  z's dtype, SiTU-GLU in fp32, fp32 combine). Each of the N k assignments is one batch entry
+  of a batched matmul; gate and up weights are gathered side by side ([A, L, 2F]: one gather
+  and one matmul). min_rows > 1 pads each entry's single row with zero rows (`pad_rows`), so
+  the GPU compiler keeps the products as GEMMs.
 
   Args:
     z: [N, L] latent activations in the compute dtype; expert_ids: [N, k] int32 in [0, E]
       (E = sentinel, contributes 0); gates: [N, k] fp32; params: {"w_gate", "w_up": [E, L, F],
-      "w_down": [E, F, L]}; beta1, beta2: SiTU-GLU clip levels.
+      "w_down": [E, F, L]}; beta1, beta2: SiTU-GLU clip levels; min_rows: see above.
 
   Returns:
     u [N, L] fp32.
   """
-  E = params["w_gate"].shape[0]
-  ids = jnp.minimum(expert_ids, E - 1)
+  E, _, F = params["w_gate"].shape
+  N, k = expert_ids.shape
+  ids = jnp.minimum(expert_ids, E - 1).reshape(N * k)  # [A]
   dt = z.dtype
-
-  def mm(x, w, spec):
-    return jnp.einsum(spec, x, w[ids].astype(dt), preferred_element_type=jnp.float32).astype(dt)
-  g = mm(z, params["w_gate"], "nl,nklf->nkf")
-  u = mm(z, params["w_up"], "nl,nklf->nkf")
-  h = situ_activation(g, u, beta1, beta2).astype(dt)
-  out = mm(h, params["w_down"], "nkf,nkfl->nkl").astype(jnp.float32)
-  w = jnp.where(expert_ids < E, gates.astype(jnp.float32), 0.0)
-  return jnp.einsum("nk,nkl->nl", w, out)
+  x = jnp.repeat(z, k, axis=0)[:, None]  # [A, 1, L]
+  x = jnp.moveaxis(pad_rows(jnp.moveaxis(x, 1, 0), min_rows), 0, 1)  # [A, R, L]
+  w_gu = jnp.concatenate([params["w_gate"][ids], params["w_up"][ids]], axis=-1).astype(dt)
+  gu = jnp.einsum("arl,alf->arf", x, w_gu, preferred_element_type=jnp.float32).astype(dt)
+  h = situ_activation(gu[..., :F], gu[..., F:], beta1, beta2).astype(dt)
+  out = jnp.einsum("arf,afl->arl", h, params["w_down"][ids].astype(dt),
+                   preferred_element_type=jnp.float32).astype(dt)[:, 0].astype(jnp.float32)
+  w = jnp.where(expert_ids < E, gates.astype(jnp.float32), 0.0).reshape(N * k, 1)
+  return jnp.sum((w * out).reshape(N, k, -1), axis=1)
 
 
 def moe_decode(moe, x: jax.Array, valid: jax.Array) -> jax.Array:
   """A LatentMoE (sparse_lm.moe.latent_moe, ARCHITECTURE §5) at inference: the frozen biases
   route, nothing is dropped, no statistics. x [B, T, D] in the compute dtype, valid [B, T]
   bool -> y [B, T, D]. The routed experts run as `gathered_experts` when N k <= E x
-  GATHER_MAX_ASSIGNMENTS_PER_EXPERT, else every expert on every token (`dense_reference`)."""
+  GATHER_MAX_ASSIGNMENTS_PER_EXPERT, else every expert on every token (`dense_reference`).
+  With fewer than DECODE_MIN_ROWS tokens the projections run on zero-padded rows (`pad_rows`)."""
   B, T, D = x.shape
   n, E, k = B * T, moe.num_experts, moe.experts_per_token
   dt = jnp.dtype(moe.compute_dtype)
+  rows = DECODE_MIN_ROWS
   xf = x.reshape(n, D)
+  xp = pad_rows(xf.astype(dt), rows)  # [max(n, rows), D]
   scores = router_lib.router_scores(xf, moe.router[...])
   routing = router_lib.route(scores, moe.balancer_bias[...], k, moe.route_scale,
                              cutoff=moe.qb_cutoff)
   ids = jnp.where(valid.reshape(n, 1), routing.expert_ids, E)
-  z = jnp.dot(xf.astype(dt), moe.w_down[...].astype(dt)) if moe.latent else xf.astype(dt)
-  experts = (gathered_experts if n * k <= E * GATHER_MAX_ASSIGNMENTS_PER_EXPERT
-             else dense_reference)
-  u = experts(z, ids, routing.gates, moe.expert_params(), beta1=moe.beta1, beta2=moe.beta2)
+  z = jnp.dot(xp, moe.w_down[...].astype(dt))[:n] if moe.latent else xf.astype(dt)
+  if n * k <= E * GATHER_MAX_ASSIGNMENTS_PER_EXPERT:
+    u = gathered_experts(z, ids, routing.gates, moe.expert_params(), beta1=moe.beta1,
+                         beta2=moe.beta2, min_rows=rows)
+  else:
+    u = dense_reference(z, ids, routing.gates, moe.expert_params(), beta1=moe.beta1,
+                        beta2=moe.beta2)
   if moe.latent:
-    y = jnp.dot(nn.rms_norm(u, moe.latent_norm[...], moe.norm_eps).astype(dt),
-                moe.w_up[...].astype(dt))
+    y = jnp.dot(pad_rows(nn.rms_norm(u, moe.latent_norm[...], moe.norm_eps).astype(dt), rows),
+                moe.w_up[...].astype(dt))[:n]
   else:
     y = u.astype(dt)
   y = y.reshape(B, T, D)
   if moe.shared is not None:
-    y = y + moe.shared(x.astype(dt))
+    y = y + moe.shared(xp[:, None])[:n].reshape(B, T, D)
   return y.astype(x.dtype)
 
 
@@ -281,7 +319,8 @@ def layer_cached(layer, stream: dict, cache: dict, *, opens: bool, start, valid,
   stream = attnres.add_output(cfg, stream, y)
   x = layer.ffn_norm(attnres.sublayer_input(cfg, stream, layer.ffn_query[...])).astype(dtype)
   if layer.dense_ffn:
-    y = layer.ffn(x)
+    rows = DECODE_MIN_ROWS if x.shape[1] == 1 else 0
+    y = layer.ffn(pad_rows(x, rows))[:x.shape[0]]
   elif x.shape[1] == 1 and DECODE_MOE == "moe_decode":
     y = moe_decode(layer.ffn, x, valid)
   else:

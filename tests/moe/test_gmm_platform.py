@@ -17,11 +17,15 @@ from sparse_lm.moe import gmm as gmm_lib
     ("auto", "tpu", 96, 256, "ragged_dot"),    # Mosaic needs K, N multiples of 128
     ("ragged_dot", "tpu", 256, 256, "ragged_dot"),
 ])
+@pytest.mark.skipif(jax.default_backend() != "cpu",
+                    reason="CPU-host test: backend resolution from a host without accelerators")
 def test_backend_follows_the_target_platform(backend, platform, k, n, want):
   assert jax.default_backend() == "cpu"
   assert gmm_lib.resolve_backend(backend, platform, k=k, n=n) == want
 
 
+@pytest.mark.skipif(jax.default_backend() != "cpu",
+                    reason="CPU-host test: lowers a TPU program from a host without accelerators")
 def test_tpu_target_lowers_to_the_mosaic_kernel_from_a_cpu_host():
   lhs = jax.ShapeDtypeStruct((512, 256), jnp.bfloat16)
   rhs = jax.ShapeDtypeStruct((4, 256, 256), jnp.bfloat16)

@@ -18,6 +18,10 @@ import sys
 
 import pytest
 
+# These compile TPU programs from this host through libtpu (jax[tpu] in requirements.txt); an
+# image without it (the GPU machine's) cannot build a TPU topology.
+pytest.importorskip("libtpu", reason="needs libtpu (jax[tpu]) to compile TPU programs here")
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
 SMALLER = ["num_layers=5", "d_model=32", "vocab_size=128", "dense_hidden=64",
