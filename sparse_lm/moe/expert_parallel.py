@@ -48,6 +48,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sparse_lm import sharding as shd
 from sparse_lm.config import EP_EXCHANGES
+from sparse_lm.moe import permute
 from sparse_lm.moe.gmm import gmm
 from sparse_lm.moe.situ_glu import situ_activation
 
@@ -78,16 +79,17 @@ def expert_ffn_local(x: jax.Array, local_ids: jax.Array, w_gate: jax.Array, w_up
   w_gate, w_up: [G, L, F]; w_down: [G, F, L]. Returns [R, L] in x's dtype; empty rows give 0.
   """
   G = w_gate.shape[0]
-  order = jnp.argsort(local_ids, stable=True)
-  xs = x[order]
-  sizes = jax.ops.segment_sum(jnp.ones_like(local_ids), local_ids, num_segments=G)
+  order = jnp.argsort(local_ids, stable=True).astype(jnp.int32)
+  inverse = permute.inverse_permutation(order)
+  xs = permute.permute_rows(x, order, inverse)
+  sizes = permute.one_hot_counts(local_ids, G)
   g = gmm(xs, w_gate, sizes, backend=gmm_backend, platform=platform)
   u = gmm(xs, w_up, sizes, backend=gmm_backend, platform=platform)
   h = situ_activation(g, u, beta1, beta2).astype(x.dtype)
   ys = gmm(h, w_down, sizes, backend=gmm_backend, platform=platform)
   valid = (jnp.arange(x.shape[0]) < jnp.sum(sizes))[:, None]
   ys = jnp.where(valid, ys, 0)  # rows past the groups: zero whatever the backend returns
-  return jnp.zeros_like(ys).at[order].set(ys)
+  return permute.permute_rows(ys, inverse, order)
 
 
 def _exclusive_cumsum(x, axis=-1):
@@ -96,8 +98,7 @@ def _exclusive_cumsum(x, axis=-1):
 
 def _count_by_dest(mask, dest, num_ranks):
   """Per-destination count of the pairs where `mask` holds ([num_ranks] int32)."""
-  return jax.ops.segment_sum(mask.astype(jnp.int32), dest, num_segments=num_ranks + 1
-                             )[:num_ranks]
+  return permute.one_hot_counts(dest, num_ranks, mask)
 
 
 def _keep_plan(dest, positions, margin, num_ranks, me, axis, recv_cap, num_positions):
@@ -171,8 +172,10 @@ def _ep_body(z, ids, gates, positions, margin, w_gate, w_up, w_down, *, axis, im
   pos_f = jnp.repeat(positions.astype(jnp.int32), k)
   order, dest_s, pos, keep_s, C, S = _keep_plan(dest, pos_f, margin.reshape(-1), num_ranks, me,
                                                 axis, recv_cap, num_positions)
+  order = order.astype(jnp.int32)
+  inverse = permute.inverse_permutation(order)
+  keep_pairs = keep_s[inverse]  # the kept mask in pair order
   ids_s = ids_f[order]
-  tok_s = order // k
   ffn = functools.partial(expert_ffn_local, w_gate=w_gate, w_up=w_up, w_down=w_down,
                           beta1=beta1, beta2=beta2, gmm_backend=gmm_backend,
                           platform=platform)
@@ -182,7 +185,6 @@ def _ep_body(z, ids, gates, positions, margin, w_gate, w_up, w_down, *, axis, im
 
   if impl == "allgather":
     z_all = jax.lax.all_gather(z, axis, tiled=True)  # [P n, L]
-    keep_pairs = jnp.zeros_like(keep_s).at[order].set(keep_s)
     ids_all = jax.lax.all_gather(ids_f, axis, tiled=True)  # [P n k]
     keep_all = jax.lax.all_gather(keep_pairs, axis, tiled=True)
     gates_all = jax.lax.all_gather(gates_f, axis, tiled=True)
@@ -193,7 +195,7 @@ def _ep_body(z, ids, gates, positions, margin, w_gate, w_up, w_down, *, axis, im
     u_all = jnp.sum((y.astype(jnp.float32) * w[:, None]).reshape(-1, k, L), axis=1)
     u = jax.lax.psum_scatter(u_all, axis, scatter_dimension=0, tiled=True)
   else:
-    x_s = z[tok_s]  # [n k, L] rows sorted by destination
+    x_s = permute.permute_rows(z, order, inverse, k)  # [n k, L] rows sorted by destination
     starts = _exclusive_cumsum(C[me])
     if impl == "ragged":
       cap_rows = num_ranks * n * k if recv_cap is None else int(recv_cap)
@@ -231,9 +233,8 @@ def _ep_body(z, ids, gates, positions, margin, w_gate, w_up, w_down, *, axis, im
       dst = jnp.where(valid, src, n * k)  # out of range -> dropped
       y_s = jnp.zeros((n * k, L), y_blk.dtype).at[dst.reshape(-1)].add(
           y_blk.reshape(-1, L), mode="drop")
-    y_pairs = jnp.zeros_like(y_s).at[order].set(y_s)
-    w = jnp.zeros_like(gates_f, jnp.float32).at[order].set(
-        jnp.where(keep_s, gates_f[order], 0).astype(jnp.float32))
+    y_pairs = permute.permute_rows(y_s, inverse, order)
+    w = jnp.where(keep_pairs, gates_f, 0).astype(jnp.float32)
     u = jnp.sum((y_pairs.astype(jnp.float32) * w[:, None]).reshape(n, k, L), axis=1)
 
   total = jnp.sum(C[me]).astype(jnp.float32)  # my pairs

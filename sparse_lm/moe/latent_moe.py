@@ -28,7 +28,8 @@ from flax import nnx
 
 from sparse_lm import nn, sharding
 from sparse_lm.config import ModelConfig
-from sparse_lm.moe import balancing, expert_parallel, gmm as gmm_lib, router as router_lib
+from sparse_lm.moe import balancing, expert_parallel, gmm as gmm_lib, permute
+from sparse_lm.moe import router as router_lib
 from sparse_lm.moe.situ_glu import SiTUGLU, situ_activation
 
 BATCH_AXES = ("activation_batch", "activation_length", "activation_embed")
@@ -55,12 +56,12 @@ def capacity_keep(expert_ids: jax.Array, margin: jax.Array, positions: jax.Array
   flat_ids = expert_ids.reshape(-1)
   flat_pos = jnp.repeat(positions, expert_ids.shape[-1])
   order = jnp.lexsort((-margin.reshape(-1), flat_pos, flat_ids))  # expert, position, margin
-  counts = jnp.zeros((num_experts + 1,), jnp.int32).at[flat_ids].add(1)
+  counts = permute.one_hot_counts(flat_ids, num_experts + 1)
   starts = jnp.cumsum(counts) - counts
   sorted_ids = flat_ids[order]
   rank = jnp.arange(flat_ids.shape[0], dtype=jnp.int32) - starts[sorted_ids]
   keep_sorted = (rank < capacity) & (sorted_ids < num_experts)
-  keep = jnp.zeros_like(keep_sorted).at[order].set(keep_sorted)
+  keep = keep_sorted[permute.inverse_permutation(order.astype(jnp.int32))]
   return keep.reshape(expert_ids.shape)
 
 
@@ -100,16 +101,15 @@ def sorted_dispatch(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
   num_tokens, k = expert_ids.shape
   num_experts = params["w_gate"].shape[0]
   flat_ids = expert_ids.reshape(-1)
-  order = jnp.argsort(flat_ids, stable=True)  # [N k]
-  inverse = jnp.zeros_like(order).at[order].set(jnp.arange(order.shape[0], dtype=order.dtype))
-  token_of = order // k
-  group_sizes = jnp.zeros((num_experts + 1,), jnp.int32).at[flat_ids].add(1)[:num_experts]
-  zs = z[token_of]  # [N k, L] sorted by expert
+  order = jnp.argsort(flat_ids, stable=True).astype(jnp.int32)  # [N k]
+  inverse = permute.inverse_permutation(order)
+  group_sizes = permute.one_hot_counts(flat_ids, num_experts)
+  zs = permute.permute_rows(z, order, inverse, k)  # [N k, L] sorted by expert
   g = gmm_lib.gmm(zs, params["w_gate"], group_sizes, backend=backend)
   u = gmm_lib.gmm(zs, params["w_up"], group_sizes, backend=backend)
   h = situ_activation(g, u, beta1, beta2).astype(z.dtype)
   out = gmm_lib.gmm(h, params["w_down"], group_sizes, backend=backend)  # [N k, L]
-  out = out[inverse].reshape(num_tokens, k, -1).astype(jnp.float32)
+  out = permute.permute_rows(out, inverse, order).reshape(num_tokens, k, -1).astype(jnp.float32)
   w = jnp.where(expert_ids < num_experts, gates.astype(jnp.float32), 0.0)
   return jnp.einsum("nk,nkl->nl", w, out)
 

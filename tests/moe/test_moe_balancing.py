@@ -91,6 +91,30 @@ def test_quantile_update_matches_exact_quantiles():
   assert np.all(np.abs(counts - n * k / e) <= 0.002 * n)  # within one bin's count
 
 
+@pytest.mark.parametrize("bins", [1000, 64, 7])
+def test_histogram_and_load_equal_a_numpy_count(bins):
+  """The scatter-free histogram / load (one-hot contractions) against np.add.at counts."""
+  seed = int(np.random.SeedSequence().entropy % 2**31)
+  print(f"seed={seed}")
+  rng = np.random.default_rng(seed)
+  n, e, k = 777, 24, 3
+  lo, hi = -1.0, 1.5
+  r = rng.uniform(-1.4, 1.9, size=(n, e)).astype(np.float32)  # some beyond [lo, hi]
+  weight = rng.integers(0, 3, size=n).astype(np.float32)  # 0 (padding), 1, 2
+  width = np.float32((hi - lo) / bins)
+  idx = np.clip(np.floor((r - np.float32(lo)) / width), 0, bins - 1).astype(np.int64)
+  want = np.zeros((e, bins), np.float64)
+  np.add.at(want, (np.broadcast_to(np.arange(e), (n, e)), idx), weight[:, None])
+  got = balancing.required_bias_histogram(jnp.asarray(r), jnp.asarray(weight),
+                                          jnp.float32(lo), jnp.float32(hi), bins)
+  np.testing.assert_array_equal(np.asarray(got), want)
+  ids = rng.integers(0, e + 1, size=(n, k))  # e = the sentinel, ignored
+  want_load = np.zeros(e + 1)
+  np.add.at(want_load, ids, np.broadcast_to(weight[:, None], (n, k)))
+  got_load = balancing.expert_load(jnp.asarray(ids, jnp.int32), jnp.asarray(weight), e)
+  np.testing.assert_array_equal(np.asarray(got_load), want_load[:e])
+
+
 def test_padding_is_excluded_from_the_histogram():
   n, e = 300, 8
   r = jax.random.uniform(_key(), (n, e), minval=-0.9, maxval=0.9)
