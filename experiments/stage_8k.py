@@ -4,9 +4,9 @@ The first stage of the context curriculum trains the model from a fresh initiali
 packed short documents. At full scale (`full`, 2.8T total / 104B active parameters) each step
 sees 4,096 sequences x 8K = 33.5M tokens, warms the learning rate up over 2,000 steps to 2e-4,
 holds it, and decays it to a tenth over the last 10% of 120,000 steps: 4.0T tokens, about
-6 x 104B x 4.0T = 2.5e24 FLOPs. The mesh is the layout that fit v5p HBM when last compiled
-(docs/scaling.md: 79.8 of 95 GB per chip on v5p:8x16x16, 2026-11-29, text only; the step with
-the vision encoder has not compiled to the end, see there): 2,048 chips as fsdp=2 x expert=128 x context=8 (7 experts per chip; each 8K sequence over 8 chips), 16 micro-batches of 256
+6 x 104B x 4.0T = 2.5e24 FLOPs. The mesh is the layout that fits v5p HBM
+(docs/scaling.md: 87.8 of 95 GB per chip on v5p:8x16x16 with the vision encoder, compiled
+2026-11-30): 2,048 chips as fsdp=2 x expert=128 x context=8 (7 experts per chip; each 8K sequence over 8 chips), 16 micro-batches of 256
 sequences, full remat, an expert-parallel receive cap of 1.25 x the mean. The `small` preset (1.6B total,
 0.3B active) takes 32 x 8K = 262K tokens per step, in 4 micro-batches of 8 rows (one H200
 holds a micro-batch of 8 x 8K under full remat, docs/benchmarks.md), for 20,000 steps (5.2B
