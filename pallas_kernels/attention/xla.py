@@ -11,9 +11,11 @@ attention (each shard's queries against the all-gathered keys, MLA in its latent
       o_i = acc / l,  lse_i = m + log l
 
 Forward: the online softmax of FlashAttention (Dao et al. 2022; Rabe & Staats, arXiv
-2112.05682); backward: FlashAttention-2 (Dao 2023, Alg. 2), recomputing p block by block from
-the saved log-sum-exp, so memory is O(T) in both passes (autodiff through the scan would keep
-every [bq, bk] probability block). Softmax statistics and accumulation in fp32.
+2112.05682). Backward, by `backward=`: FlashAttention-2 (Dao 2023, Alg. 2), recomputing p
+block by block from the saved log-sum-exp; or autodiff through the `jax.checkpoint`-ed block
+loops, which recomputes each query block's forward (autodiff through an unchecked scan would
+keep every [bq, bk] probability block). Memory is O(T) in both passes either way. Softmax
+statistics and accumulation in fp32.
 
 Visibility: a key is visible from a query when both segment ids are equal and non-zero (0 =
 padding) and, if `causal`, the key's global position is <= the query's. Positions are explicit
@@ -73,44 +75,63 @@ def _scores(qb, kb, scale):
   return jnp.einsum("bqhd,bkhd->bhqk", qb, kb, preferred_element_type=jnp.float32) * scale
 
 
-def _pv(p, vb):
-  if vb.shape[2] == 1:
-    return jnp.einsum("bhqk,bkd->bqhd", p, vb[:, :, 0].astype(jnp.float32))
-  return jnp.einsum("bhqk,bkhd->bqhd", p, vb.astype(jnp.float32))
+def _heads_first(x):
+  """[B, b, H, D] block -> [B, H, b, D]."""
+  return jnp.swapaxes(x, 1, 2)
 
 
 def _flash_fwd(q, k, v, qpos, kpos, qseg, kseg, scale, bq, bk, causal):
   """Blocked online softmax. Returns (o [B, Tq, H, Dv] fp32, lse [B, H, Tq] fp32, -inf for
-  a query that sees no key)."""
+  a query that sees no key).
+
+  The blocks are contracted head-major ([B, H, b, D]) and the running max is a constant for
+  autodiff (it cancels): the operations, in order, of the decoder's blocked softmax before
+  the one below replaced it (`sparse_lm.model.attention` up to aff6a94), so the decoder's
+  fp32 CPU numbers (forward, and the `backward="autodiff"` gradients) are what they were, bit
+  for bit. Both loops are `jax.checkpoint`-ed: under autodiff the backward recomputes a query
+  block's scores instead of keeping every [bq, bk] block (memory O(T))."""
   qb_all, qp_all, qs_all = _blocks(q, bq), qpos.reshape(-1, bq), _blocks(qseg, bq)
   kb_all, vb_all = _blocks(k, bk), _blocks(v, bk)
   kp_all, ks_all = kpos.reshape(-1, bk), _blocks(kseg, bk)
   B, _, H, _ = q.shape
   Dv = v.shape[-1]
 
-  def q_block(_, xs):
+  def q_block(xs):
     qb, qp, qs = xs
+    qh = _heads_first(qb)  # [B, H, bq, Dk]
 
     def k_block(carry, ys):
       m, l, acc = carry
       kb, vb, kp, ks = ys
-      s = _scores(qb, kb, scale) + _mask_bias(_visible(qp, kp, qs, ks, causal))
-      m_new = jnp.maximum(m, jnp.max(s, axis=-1))
+      kh, vh = _heads_first(kb), _heads_first(vb).astype(jnp.float32)  # [B, Hk, bk, D]
+      if kh.shape[1] == 1:  # MQA: one key head for every query head
+        s = jnp.einsum("bhqd,bkd->bhqk", qh, kh[:, 0], preferred_element_type=jnp.float32)
+      else:
+        s = jnp.einsum("bhqd,bhkd->bhqk", qh, kh, preferred_element_type=jnp.float32)
+      s = s * scale + _mask_bias(_visible(qp, kp, qs, ks, causal))
+      m_new = jax.lax.stop_gradient(jnp.maximum(m, jnp.max(s, axis=-1)))
       m_safe = jnp.where(jnp.isfinite(m_new), m_new, 0.0)
       p = jnp.exp(s - m_safe[..., None])  # exp(-inf) = 0 for masked keys
       corr = jnp.where(jnp.isfinite(m), jnp.exp(m - m_safe), 0.0)
       l = l * corr + jnp.sum(p, axis=-1)
-      acc = acc * jnp.swapaxes(corr, 1, 2)[..., None] + _pv(p, vb)
+      if vh.shape[1] == 1:
+        pv = jnp.einsum("bhqk,bkd->bhqd", p, vh[:, 0], preferred_element_type=jnp.float32)
+      else:
+        pv = jnp.einsum("bhqk,bhkd->bhqd", p, vh, preferred_element_type=jnp.float32)
+      acc = acc * corr[..., None] + pv
       return (m_new, l, acc), None
 
     init = (jnp.full((B, H, bq), -jnp.inf, jnp.float32), jnp.zeros((B, H, bq), jnp.float32),
-            jnp.zeros((B, bq, H, Dv), jnp.float32))
-    (m, l, acc), _ = jax.lax.scan(k_block, init, (kb_all, vb_all, kp_all, ks_all))
-    o = acc / jnp.swapaxes(jnp.maximum(l, 1e-30), 1, 2)[..., None]
+            jnp.zeros((B, H, bq, Dv), jnp.float32))
+    (m, l, acc), _ = jax.lax.scan(jax.checkpoint(k_block), init,
+                                  (kb_all, vb_all, kp_all, ks_all))
+    # l >= 1 for a query that sees a key; 1 in the denominator of one that sees none keeps
+    # its autodiff gradient 0 (not 0 x inf).
+    o = acc / jnp.where(l > 0, l, 1.0)[..., None]
     lse = jnp.where(l > 0, m + jnp.log(jnp.maximum(l, 1e-30)), -jnp.inf)
-    return None, (o, lse)
+    return _heads_first(o), lse  # [B, bq, H, Dv], [B, H, bq]
 
-  _, (o, lse) = jax.lax.scan(q_block, None, (qb_all, qp_all, qs_all))
+  o, lse = jax.lax.map(jax.checkpoint(q_block), (qb_all, qp_all, qs_all))
   return _unblocks(o), jnp.moveaxis(lse, 0, 2).reshape(B, H, -1)
 
 
@@ -183,9 +204,9 @@ _flash.defvjp(_flash_vjp_fwd, _flash_vjp_bwd)
 
 
 def flash_attention(q, k, v, qpos, kpos, qseg, kseg, *, scale: float, block_q: int = 512,
-                    block_k: int = 512, causal: bool = True):
-  """Memory-efficient attention with a recomputing backward (FlashAttention-2 in plain JAX):
-  O(T) memory in forward and backward, for any query/key ranges (context shards).
+                    block_k: int = 512, causal: bool = True, backward: str = "flash"):
+  """Memory-efficient attention: O(T) memory in forward and backward, for any query/key ranges
+  (context shards).
 
   Args:
     q: [B, Tq, H, Dk]; k: [B, Tk, Hk, Dk]; v: [B, Tk, Hk, Dv] with Hk in {1, H} (1 = MQA,
@@ -196,18 +217,29 @@ def flash_attention(q, k, v, qpos, kpos, qseg, kseg, *, scale: float, block_q: i
     block_q, block_k: query / key block (clipped to Tq / Tk; the sequences are padded to a
       multiple of the block with invisible keys).
     causal: mask keys at later positions (the decoder) or not (the vision encoder).
+    backward: "flash": the FlashAttention-2 backward, recomputing each probability block from
+      the saved log-sum-exp (the context-parallel attention and the vision encoder);
+      "autodiff": JAX differentiates the checkpointed block loops (the decoder's "xla_chunked"
+      backend: the gradients of the decoder before this function replaced its own blocked
+      softmax, bit for bit on CPU in fp32, so its training runs reproduce). Same memory order.
 
   Returns:
     [B, Tq, H, Dv] in q's dtype; a key is visible when both segment ids are equal and non-zero
     and (if causal) kpos <= qpos. A query that sees no key (padding, an empty image) gets a zero
     row and zero gradients.
+
+  Raises:
+    ValueError: `backward` is not "flash" or "autodiff".
   """
+  if backward not in ("flash", "autodiff"):
+    raise ValueError(f"flash_attention: backward={backward!r} must be 'flash' or 'autodiff'")
   Tq, Tk = q.shape[1], k.shape[1]
   bq, bk = min(block_q, Tq), min(block_k, Tk)
   big = jnp.iinfo(jnp.int32).max
-  qp = _pad_to(qpos.astype(jnp.int32), bq, 0, -1)
-  qs = _pad_to(qseg.astype(jnp.int32), bq, 1, 0)
-  o = _flash(_pad_to(q, bq, 1), _pad_to(k, bk, 1), _pad_to(v, bk, 1), qp,
-             _pad_to(kpos.astype(jnp.int32), bk, 0, big), qs,
-             _pad_to(kseg.astype(jnp.int32), bk, 1, 0), float(scale), bq, bk, bool(causal))
+  args = (_pad_to(q, bq, 1), _pad_to(k, bk, 1), _pad_to(v, bk, 1),
+          _pad_to(qpos.astype(jnp.int32), bq, 0, -1),
+          _pad_to(kpos.astype(jnp.int32), bk, 0, big),
+          _pad_to(qseg.astype(jnp.int32), bq, 1, 0),
+          _pad_to(kseg.astype(jnp.int32), bk, 1, 0), float(scale), bq, bk, bool(causal))
+  o = _flash_fwd(*args)[0] if backward == "autodiff" else _flash(*args)
   return o[:, :Tq].astype(q.dtype)

@@ -48,7 +48,9 @@ def attention_xla(q, k, v, *, segment_ids=None, scale: float):
 
 def attention_xla_chunked(q, k, v, *, segment_ids=None, scale: float, chunk_size: int = 512):
   """Blocked online-softmax attention over [chunk_size] query and key blocks: the project's one
-  blocked softmax, `pallas_kernels.attention.flash_attention` (recomputing backward).
+  blocked softmax, `pallas_kernels.attention.flash_attention`, its gradients by autodiff through
+  the checkpointed block loops (`backward="autodiff"`: the decoder's numbers before the
+  blocked softmax was shared, bit for bit on CPU in fp32; the README job's losses, issue 11).
 
   Memory O(B·H·chunk²) for scores instead of O(B·H·T²), in the forward and the backward pass.
   T is padded to a multiple of the block; padded keys are masked. Key blocks entirely in a query
@@ -63,7 +65,7 @@ def attention_xla_chunked(q, k, v, *, segment_ids=None, scale: float, chunk_size
          else segment_ids.astype(jnp.int32) + 1)
   pos = jnp.arange(T, dtype=jnp.int32)
   return flash_attention(q, k, v, pos, pos, seg, seg, scale=scale, block_q=chunk_size,
-                         block_k=chunk_size)
+                         block_k=chunk_size, backward="autodiff")
 
 
 def _segment_starts(segment_ids):
