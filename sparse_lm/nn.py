@@ -118,13 +118,19 @@ def project(x: jax.Array, kernel: jax.Array, n_in: int = 1, *, dtype=None,
   return y.astype(out_dtype)
 
 
-def rms_norm(x: jax.Array, scale: jax.Array | None = None, eps: float = 1e-6) -> jax.Array:
+def rms_norm(x: jax.Array, scale: jax.Array | None = None, eps: float = 1e-6, *,
+             square: bool = False) -> jax.Array:
   """RMSNorm over the last axis in fp32: x / sqrt(mean(x^2) + eps) * scale.
+
+  x^2 is `x * x`, or `jnp.square(x)` when `square` (the LatentMoE latent norm's form since it
+  was written). Same forward; the gradients round differently (x g + g x, which XLA CPU may
+  contract into an FMA, against 2 x g), so each caller keeps its own form and its numbers.
 
   Returns fp32 (callers cast to their compute dtype).
   """
   x = x.astype(jnp.float32)
-  y = x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
+  x2 = jnp.square(x) if square else x * x
+  y = x * jax.lax.rsqrt(jnp.mean(x2, axis=-1, keepdims=True) + eps)
   if scale is not None:
     y = y * scale.astype(jnp.float32)
   return y

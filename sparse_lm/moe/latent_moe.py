@@ -290,7 +290,7 @@ class LatentMoE(nnx.Module):
       dropped = dropped + ep_metrics.pop("dropped")
       ep_metrics.pop("assigned"), ep_metrics.pop("drop_rate")
     if self.latent:
-      u = nn.rms_norm(u, self.latent_norm[...], self.norm_eps).astype(dt)
+      u = nn.rms_norm(u, self.latent_norm[...], self.norm_eps, square=True).astype(dt)
       y = jnp.dot(u, self.w_up[...].astype(dt)).reshape(bsz, seq, dim)
     else:
       y = u.astype(dt).reshape(bsz, seq, dim)
