@@ -1,9 +1,9 @@
 """Softmax attention operators in plain JAX (no sparse_lm imports).
 
 `flash_attention` (xla.py): blocked online softmax with a recomputing (FlashAttention-2) or
-autodiff (checkpointed) backward, causal or bidirectional, segment-masked, MQA or per-head keys; the decoder's
-"xla_chunked" backend, the vision encoder and the context-parallel attention all call it. The
-definition it is tested against is the full softmax `sparse_lm.model.attention.attention_xla`.
+autodiff (checkpointed) backward, causal or bidirectional, segment-masked, MQA or per-head
+keys; the decoder's "xla_chunked" backend, the vision encoder and the context-parallel
+attention all call it. The definition it is tested against is the full softmax `sparse_lm.model.attention.attention_xla`.
 """
 
 from pallas_kernels.attention.xla import flash_attention
