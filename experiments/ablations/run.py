@@ -84,17 +84,17 @@ def run_ablation(ablation: Ablation, preset: str, workdir: str | pathlib.Path,
       if not tok.exists() and (d / "tokenizer.json").exists():
         tok.write_bytes((d / "tokenizer.json").read_bytes())
       cache = d / "probe.json"
-      probes = json.loads(cache.read_text()) if cache.exists() else {}
-      todo = tuple(k for k in ablation.probes if k not in probes) if probes else ()
+      done = json.loads(cache.read_text()) if cache.exists() else {}
+      todo = tuple(k for k in ablation.probes if k not in done) if probes else ()
       if todo:
         found = probe.probe_run(d, todo)
-        probes.update({k: found for k in todo})
-        cache.write_text(json.dumps(probes))
+        done.update({k: found for k in todo})
+        cache.write_text(json.dumps(done))
       curves = _curves(d / stage.name / "tb" / "metrics.jsonl")
       runs.append({"seed": seed, "value": value, "steps": stage.steps, "run_dir": str(d),
                    "tokens_per_step": stage.tokens_per_batch, "seq_len": stage.seq_len,
                    **curves, "final": dict(result.final_eval),
-                   "probe": {k: probes[k] for k in ablation.probes if k in probes},
+                   "probe": {k: done[k] for k in ablation.probes if k in done},
                    "seconds": time.time() - t0})
       print(f"[ablations] {ablation.name} / {label} / seed {seed}: "
             f"{time.time() - t0:.0f} s ({d})", flush=True)
