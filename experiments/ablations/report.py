@@ -112,6 +112,13 @@ def verdict(record: dict[str, Any]) -> str:
             + " at this scale.")
     if "quantile (kplus1)" in v:
       text += f" The kplus1 cutoff: {tail('quantile (kplus1)')[0]:.3f}."
+    win = lambda label: _mean_spread([max(r.get("window_max_mean_load") or [float("nan")])
+                                      for r in v[label]["runs"]])
+    wq, wn = win("quantile (midpoint)"), win("none")
+    if wq[0] == wq[0]:
+      text += (f" With each expert's assignments summed over the whole second half of training "
+               f"(worst layer): QB {wq[0]:.3f}, `none` {wn[0]:.3f}; QB below 1.3 that way: "
+               + ("yes" if wq[0] < 1.3 else "no") + ".")
     hq, hn = held("quantile (midpoint)"), held("none")
     if hq[0] == hq[0]:
       text += (f" On held-out tokens with the final router and bias (loads summed over all of "
@@ -163,11 +170,11 @@ def write_report(results: dict[str, Any], docs: pathlib.Path) -> str:
            "`docs/ablations/results.json`; every number below comes from those runs. Tables: "
            "mean ± half the range over the seeds. Configurations of one claim differ in one "
            "field and share data, steps and seeds (experiments/ablations/__init__.py).", ""]
-  whole = meta.get("_run")
-  if whole:
-    lines += [f"Last invocation: `{whole['command']}`, {whole['date']}, commit `{whole['commit']}`"
-              f", {whole['seconds']:.0f} s wall, load average {whole['load_start']:.1f} at the "
-              f"start and {whole['load_end']:.1f} at the end ({whole['machine']}).", ""]
+  for whole in meta.get("_runs", []):
+    lines += [f"Invocation: `{whole['command']}`, ended {whole['date']}, commit "
+              f"`{whole['commit']}`, {whole['seconds']:.0f} s wall inside Python, load average "
+              f"{whole['load_start']:.1f} at the start and {whole['load_end']:.1f} at the end "
+              f"({whole['machine']}).", ""]
   ran = [a.name for a in ABLATIONS if a.name in results]
   lines += [f"Status: {len(ran)} of {len(ABLATIONS)} claims have a recorded run"
             + (f" ({', '.join(ran)})" if ran else "") + "; the others say so below.", ""]
@@ -241,13 +248,13 @@ def main(argv=None) -> int:
       store.write_text(json.dumps(results, indent=1))
       write_report(results, docs)
       print(f"[ablations] {name} done in {time.time() - t0:.0f} s", flush=True)
-    results["_meta"]["_run"] = {
+    results["_meta"].setdefault("_runs", []).append({
         "command": "python -m experiments.ablations.report " + " ".join(argv or sys.argv[1:]),
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "commit": _commit(), "seconds": time.time() - t_start, "load_start": load_start,
         "load_end": os.getloadavg()[0],
         "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, affinity "
-                   f"{sorted(os.sched_getaffinity(0))}"}
+                   f"{sorted(os.sched_getaffinity(0))}"})
     store.write_text(json.dumps(results, indent=1))
   write_report(results, docs)
   print(f"[ablations] wrote {docs / 'ablations.md'}")

@@ -16,12 +16,16 @@ parameters (probe.py; cached in the run's probe.json) and returns a JSON-able re
 
 from __future__ import annotations
 
+import gc
 import hashlib
 import json
 import pathlib
 import statistics
 import time
 from typing import Any
+
+import jax
+import numpy as np
 
 from experiments import stage_8k
 from experiments.ablations import PRESETS, SEEDS, Ablation
@@ -78,7 +82,13 @@ def run_ablation(ablation: Ablation, preset: str, workdir: str | pathlib.Path,
       tok = workdir / "tokenizer.json"
       if tok.exists() and not (d / "tokenizer.json").exists():
         (d / "tokenizer.json").write_bytes(tok.read_bytes())
-      result = run(stage, d, progress=progress, progress_every=max(stage.steps // 4, 1))
+      loads = {}
+      record_load = lambda step, m: loads.__setitem__(step, m["moe/load"]) if "moe/load" in m \
+          else None
+      result = run(stage, d, progress=progress, progress_every=max(stage.steps // 4, 1),
+                   on_step=record_load)
+      if len(loads) == stage.steps:  # a whole run seen here (not resumed): keep its loads
+        np.save(d / "loads.npy", np.stack([loads[s] for s in sorted(loads)]))
       if result.preempted:  # SIGTERM / Ctrl-C: the run saved its state; rerunning resumes it
         raise KeyboardInterrupt(f"{d} stopped at step {result.end_step}; rerun to resume")
       if not tok.exists() and (d / "tokenizer.json").exists():
@@ -95,11 +105,24 @@ def run_ablation(ablation: Ablation, preset: str, workdir: str | pathlib.Path,
                    "tokens_per_step": stage.tokens_per_batch, "seq_len": stage.seq_len,
                    **curves, "final": dict(result.final_eval),
                    "probe": {k: done[k] for k in ablation.probes if k in done},
+                   "window_max_mean_load": window_load(d / "loads.npy"),
                    "seconds": time.time() - t0})
+      jax.clear_caches()  # drop this run's compiled programs from memory (the disk cache keeps them)
+      gc.collect()
       print(f"[ablations] {ablation.name} / {label} / seed {seed}: "
             f"{time.time() - t0:.0f} s ({d})", flush=True)
     record["variants"][label] = {"value": value, "runs": runs}
   return record
+
+
+def window_load(path: pathlib.Path, frac: float = 0.5) -> list[float] | None:
+  """Per MoE layer, max/mean expert load of the assignments summed over the last `frac` of the
+  training steps (from the run's loads.npy [steps, layers, E]); None without the file."""
+  if not path.exists():
+    return None
+  loads = np.load(path).astype(np.float64)
+  total = loads[int(len(loads) * (1 - frac)):].sum(0)  # [layers, E]
+  return [float(x) for x in total.max(-1) / total.mean(-1)]
 
 
 def _mean_spread(xs: list[float]) -> tuple[float, float]:
@@ -141,8 +164,9 @@ def summarize(record: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
     if kind == "balance":
       last = lambda r: r["max_mean_load"][max(r["max_mean_load"], key=int)]
       held = [max(_probe(r, "load", "heldout_max_mean_load") or [float("nan")]) for r in runs]
+      window = [max(r.get("window_max_mean_load") or [float("nan")]) for r in runs]
       rows.append([label, loss, ms([_tail_mean(r["max_mean_load"]) for r in runs]),
-                   ms([last(r) for r in runs]), ms(held),
+                   ms([last(r) for r in runs]), ms(window), ms(held),
                    ms([_tail_mean(r["dead_frac"]) for r in runs])])
     elif kind == "gate":
       exps = [_probe(r, "gate", "gate_exponent") or {} for r in runs]
@@ -164,6 +188,7 @@ def summarize(record: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
               for r in v["runs"]), None)
     header = ["variant", "held-out loss", "max/mean load, training (2nd half mean)",
               "max/mean load, training (last step)",
+              "max/mean load, training, loads summed over the 2nd half",
               f"max/mean load, held-out ({n} tokens summed)", "dead experts (2nd half)"]
   elif kind == "gate":
     header = ["variant", "held-out loss", "dense-tile exponent, final (nats, worst layer)",

@@ -131,7 +131,8 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
   load, dead experts, ETA). `alerts`: routing thresholds past which it warns (once per eval
   interval). `allow_config_change`: resume although the saved stage config differs in a
   field that changes the optimisation (the differences are printed either way).
-  `on_step(step, scalars)` is called after each step's metrics are read (tests use it).
+  `on_step(step, scalars)` is called after each step's metrics are read (tests and the
+  ablations use it; it also gets the per-layer expert loads "moe/load" [layers, E]).
   `devices`: the devices of the mesh (default all).
 
   Raises:
@@ -333,7 +334,8 @@ class _StageLoop:
         self.bar.print(f"[{self.stage.name}] warning at step {step + 1}: {message}")
     if self.on_step is not None:
       self.on_step(step, {**scalars, **{k: v for k, v in routing.items()
-                                        if isinstance(v, float)}})
+                                        if isinstance(v, float)},
+                          **({"moe/load": np.asarray(m["moe/load"])} if "moe/load" in m else {})})
 
   def evaluate(self, state, step):
     loss = _evaluate(self.parts.eval_step, state, self.eval_batches, self.batch_sh)
