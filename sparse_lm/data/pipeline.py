@@ -5,7 +5,7 @@ Training stream, per host (``process_index`` of ``process_count``)::
   train-split document indices [process_index::process_count]   disjoint across hosts
     -> shuffle(seed), reshuffled every epoch; repeat(num_epochs)  grain.MapDataset
     -> load + tokenize: <bos> text <eos> as int32                reader threads, lazily;
-                                                                 kept in memory (1 GiB budget)
+                                                                 kept in memory (1 GiB budget; token_cache.py)
     -> split into chunks of at most seq_len tokens               grain FlatMap
     -> first-fit / best-fit packing into rows of seq_len,        grain.experimental packing
        the rows of each pack emitted in a seeded random order
@@ -39,9 +39,7 @@ import dataclasses
 import logging
 import os
 import sys
-import threading
 import time
-import weakref
 from typing import Any
 
 import grain
@@ -49,6 +47,7 @@ import numpy as np
 from grain import experimental as grain_exp
 
 from sparse_lm.data import image_pipeline, images, sources, splits
+from sparse_lm.data.token_cache import Tokenize
 from sparse_lm.data.tokenizer import SPECIAL_TOKENS, Tokenizer
 
 _log = logging.getLogger(__name__)
@@ -143,73 +142,6 @@ def _open(data_cfg: DataConfig, split: str) -> sources.Source:
            "Set data.eval_split=tail to hold out the tail of every document, or "
            "data.eval_fraction=0 to train without a held-out split."))
   return source
-
-
-# Tokenized documents are kept in memory (per source, per tokenizer) up to this many bytes per
-# process, so later epochs and the eval pipelines at 1x and 2x length do not tokenize again.
-# The whole standard library is ~30 MB of int32 tokens at a 512-id vocabulary.
-TOKEN_CACHE_BYTES = 1 << 30
-_cache_lock = threading.Lock()
-_cache_bytes = 0
-
-
-def _release(nbytes: int) -> None:
-  global _cache_bytes
-  with _cache_lock:
-    _cache_bytes -= nbytes
-
-
-class _TokenCache:
-  """Token arrays of one source's documents; freed (and un-counted) with the source."""
-
-  def __init__(self):
-    self.arrays: dict[tuple[str, int], np.ndarray] = {}
-    self.nbytes = [0]  # A list, so that the finalizer sees the final value.
-
-  @classmethod
-  def of(cls, source: sources.Source) -> _TokenCache:
-    with _cache_lock:
-      cache = getattr(source, "_token_cache", None)
-      if cache is None:
-        cache = source._token_cache = cls()  # pylint: disable=protected-access
-        weakref.finalize(source, lambda n=cache.nbytes: _release(n[0]))
-      return cache
-
-  def put(self, key: tuple[str, int], tokens: np.ndarray) -> None:
-    global _cache_bytes
-    with _cache_lock:
-      if key not in self.arrays and _cache_bytes + tokens.nbytes <= TOKEN_CACHE_BYTES:
-        self.arrays[key] = tokens
-        self.nbytes[0] += tokens.nbytes
-        _cache_bytes += tokens.nbytes
-
-
-class _Tokenize:
-  """Document index -> int32 array ``<bos> tokens <eos>`` (None for an empty document).
-
-  The returned arrays may be shared through the cache: downstream steps must not modify them
-  (chunking takes views, packing copies into its own buffers).
-  """
-
-  def __init__(self, source: sources.Source, tokenizer: Tokenizer):
-    self._source = source
-    self._tokenizer = tokenizer
-    self._cache = _TokenCache.of(source)
-
-  def __call__(self, index) -> np.ndarray | None:
-    key = (self._tokenizer.fingerprint, int(index))
-    out = self._cache.arrays.get(key)
-    if out is None:
-      text = self._source.load(int(index))
-      if text is None:
-        out = np.zeros(0, np.int32)
-      else:
-        ids = self._tokenizer.encode(text)
-        out = np.empty(len(ids) + 2, np.int32)
-        out[0], out[1:-1], out[-1] = self._tokenizer.bos_id, ids, self._tokenizer.eos_id
-      out.flags.writeable = False
-      self._cache.put(key, out)
-    return out if out.size else None
 
 
 class _Chunk(grain_exp.FlatMapTransform):
@@ -387,7 +319,7 @@ def make_train_iterator(data_cfg: DataConfig, tokenizer: Tokenizer, *, seq_len: 
                      f"fewer than process_count={process_count}; every host needs one")
   ds = grain.MapDataset.source(shard).shuffle(seed=data_cfg.seed).repeat(num_epochs)
   read = _read_options(data_cfg.long_documents)
-  ds = ds.map(_Tokenize(source, tokenizer)).to_iter_dataset(read)
+  ds = ds.map(Tokenize(source, tokenizer)).to_iter_dataset(read)
   mix = lambda chunks: image_pipeline.mix_images(
       chunks, data_cfg, tokenizer, split="train", seq_len=seq_len, patch_size=patch_size,
       read_options=read, shard=(process_index, process_count), num_epochs=num_epochs)
@@ -430,7 +362,7 @@ def make_eval_batches(data_cfg: DataConfig, tokenizer: Tokenizer, *, seq_len: in
   source = _open(data_cfg, "eval")
   ds = grain.MapDataset.source(np.arange(len(source), dtype=np.int64))
   read = _read_options(data_cfg.long_documents)
-  ds = ds.map(_Tokenize(source, tokenizer)).to_iter_dataset(read)
+  ds = ds.map(Tokenize(source, tokenizer)).to_iter_dataset(read)
   mix = lambda chunks: image_pipeline.mix_images(
       chunks, data_cfg, tokenizer, split="eval", seq_len=seq_len, patch_size=patch_size,
       read_options=read, shuffle=False)
