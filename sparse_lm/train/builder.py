@@ -33,7 +33,7 @@ IMAGE_BATCH_KEYS = {"image_patches": 3, "image_segment_ids": 2, "image_coords": 
 def batch_shapes(stage: StageConfig, rows: int, seq_len: int) -> dict[str, tuple]:
   """{batch key: (shape, dtype name)} of a [rows, seq_len] batch of `stage` (its image keys
   too when `stage.data.images`), e.g. for AOT lowering with ShapeDtypeStructs."""
-  out = {k: ((rows, seq_len), "int32") for k in BATCH_KEYS}
+  out = {k: ((rows, seq_len), "float32" if k == "loss_mask" else "int32") for k in BATCH_KEYS}
   if stage.data.images:
     p = stage.model_config().vision_patch_size
     L = stage.data.image_patches_per_row or seq_len
