@@ -271,6 +271,7 @@ class _StageLoop:
                                     every=self.progress_every)
     self._precompile(state)
     if start == 0:
+      self.pre.wait("eval")  # the main thread traces nothing while the jobs do
       self.evaluate(state, 0)
     self.pre.wait("sample")  # reads `state`: done before the first step donates it
     self.pre.wait("train")

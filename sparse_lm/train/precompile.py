@@ -7,7 +7,8 @@ through every compile: on one H200 the README's tiny job spent 77 s of its 140 s
 (docs/benchmarks.md). XLA compiles on the host, so the compiles can overlap each other and the
 device's work. `jax.jit(f).lower(*abstract).compile()` fills the same caches that a call of `f`
 with arguments of those shapes and shardings reads, so the later call neither traces nor
-compiles again (tests/train/test_precompile.py counts the compiles).
+compiles again (tests/train/test_precompile.py counts the compiles). Tracing and lowering (Python,
+with libraries' global state) run one job at a time; the XLA compiles run side by side.
 
 Numerics are untouched: the same programs run on the same inputs. A compile that fails here is
 reported and left to the real call, which compiles (and raises) as it would have.
@@ -17,6 +18,8 @@ from __future__ import annotations
 
 import concurrent.futures
 import sys
+import threading
+import traceback
 from typing import Any, Callable
 
 import jax
@@ -30,6 +33,9 @@ def abstract_batch(batch_shapes: dict[str, tuple], shardings: dict) -> dict:
   `builder.batch_shapes`), for the keys that have a sharding (the keys `loop._put` sends)."""
   return {k: jax.ShapeDtypeStruct(batch_shapes[k][0], batch_shapes[k][1], sharding=s)
           for k, s in shardings.items()}
+
+
+_TRACE_LOCK = threading.Lock()  # one job traces at a time
 
 
 class Precompiler:
@@ -53,23 +59,33 @@ class Precompiler:
 
   def compile(self, name: str, jitted, *abstract_args) -> None:
     """Lower and compile `jitted` for `abstract_args` (ShapeDtypeStructs) on a host thread."""
-    self.submit(name, lambda: jitted.lower(*abstract_args).compile())
+    def job():
+      with _TRACE_LOCK:
+        lowered = jitted.lower(*abstract_args)
+      lowered.compile()
+    self.submit(name, job)
 
   def start(self, stage, parts, batch_shardings: dict, eval_rows: int,
             sample: Callable[[], Any] | None = None) -> None:
-    """A stage's jobs: "train" (the train step for [global_batch, seq_len] batches),
-    "eval_2x" (the eval step for [eval_rows, 2 * seq_len]; none when eval_rows is 0) and
-    "sample" (`sample()`, when given). `parts`: the stage's `builder.Parts`."""
+    """A stage's jobs: "train" (the train step for [global_batch, seq_len] batches), "eval"
+    and "eval_2x" (the eval step for [eval_rows, seq_len] and [eval_rows, 2 * seq_len]; none
+    when eval_rows is 0) and "sample" (`sample()`, when given; it traces, so it holds the
+    trace lock throughout). `parts`: the stage's `builder.Parts`."""
     if not self.enabled:
       return
     state = abstract_with_shardings(parts.abstract_state, parts.state_shardings)
     batch = lambda rows, seq_len: abstract_batch(batch_shapes(stage, rows, seq_len),
                                                  batch_shardings)
+    if eval_rows:
+      self.compile("eval", parts.eval_step, state, batch(eval_rows, stage.seq_len))
     self.compile("train", parts.train_step, state, batch(stage.global_batch, stage.seq_len))
     if eval_rows:
       self.compile("eval_2x", parts.eval_step, state, batch(eval_rows, 2 * stage.seq_len))
     if sample is not None:
-      self.submit("sample", sample)
+      def locked_sample():
+        with _TRACE_LOCK:
+          sample()
+      self.submit("sample", locked_sample)
 
   def wait(self, name: str) -> None:
     """Block until job `name` (if submitted) has finished; its error, if any, is printed."""
@@ -79,6 +95,7 @@ class Precompiler:
     try:
       job.result()
     except Exception as e:  # pylint: disable=broad-except
+      traceback.print_exception(e, file=sys.stderr)
       print(f"{self.label}precompile of {name} failed ({type(e).__name__}: {e}); it compiles "
             "at its first call instead", file=sys.stderr)
 
