@@ -46,7 +46,8 @@ case "${1:-}" in
     dir=${2:?usage: gpu_setup.sh install DIR}
     # --no-deps: the image's jax, numpy, protobuf, ... stay as they are.
     python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir "$dir"/*.whl
-    python3 -c "import grain, tokamax, nbclient, jax; print('gpu_setup: ok, jax', jax.__version__, jax.devices())"
+    python3 -c "import grain, tokamax, nbclient, jax; print('gpu_setup: ok, jax', jax.__version__, \
+      jax.devices())"
     ;;
   *)
     echo "usage: bash benchmarks/gpu_setup.sh download DIR | install DIR" >&2

@@ -29,10 +29,10 @@ from sparse_lm.train.builder import batch_shapes
 from sparse_lm.train.checkpoint import abstract_with_shardings
 
 
-def abstract_batch(batch_shapes: dict[str, tuple], shardings: dict) -> dict:
-  """ShapeDtypeStructs of a batch: `batch_shapes` {key: (shape, dtype name)} (see
+def abstract_batch(shapes: dict[str, tuple], shardings: dict) -> dict:
+  """ShapeDtypeStructs of a batch: `shapes` {key: (shape, dtype name)} (see
   `builder.batch_shapes`), for the keys that have a sharding (the keys `loop._put` sends)."""
-  return {k: jax.ShapeDtypeStruct(batch_shapes[k][0], batch_shapes[k][1], sharding=s)
+  return {k: jax.ShapeDtypeStruct(shapes[k][0], shapes[k][1], sharding=s)
           for k, s in shardings.items()}
 
 
