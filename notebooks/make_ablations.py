@@ -31,7 +31,7 @@ cells = [
     new_code_cell(
         "from experiments.ablations import ABLATIONS\n"
         "from experiments.ablations.report import verdict\n"
-        "from experiments.ablations.run import summarize\n"
+        "from experiments.ablations.run import extra_tables, summarize\n"
         "for a in ABLATIONS:\n"
         "  print(f'== {a.name}: {a.claim}')\n"
         "  rec = results.get(a.name)\n"
@@ -42,7 +42,12 @@ cells = [
         "  widths = [max(len(str(x)) for x in col) for col in zip(header, *rows)]\n"
         "  for r in [header] + rows:\n"
         "    print('   ' + '  '.join(str(x).ljust(w) for x, w in zip(r, widths)))\n"
-        "  print('   ' + verdict(rec) + '\\n')"),
+        "  print('   ' + verdict(rec) + '\\n')\n"
+        "  for title, head, body in extra_tables(rec):\n"
+        "    print('   ' + title)\n"
+        "    for r in [head] + body:\n"
+        "      print('     ' + '  '.join(f'{x:>9}' for x in r))\n"
+        "  print()"),
     new_code_cell(
         "import matplotlib\n"
         "import matplotlib.pyplot as plt\n"
@@ -62,6 +67,13 @@ cells = [
         "      ax.set_yscale('log'); ax.axhline(1.3, color='gray', linestyle=':')\n"
         "  fig.tight_layout(); plt.show(); shown += 1\n"
         "print('plotted', shown, 'ablation(s)')"),
+    new_code_cell(
+        "# The dense diagonal-tile exponent over training (gate ablation), as the report drew it\n"
+        "from IPython.display import Image, display\n"
+        "png = ROOT / 'docs' / 'ablations' / 'gate_exponent.png'\n"
+        "if png.exists():\n"
+        "  display(Image(filename=str(png)))\n"
+        "print('gate exponent plot:', 'shown' if png.exists() else 'not recorded')"),
 ]
 
 nb = new_notebook(cells=cells, metadata={

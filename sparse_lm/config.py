@@ -21,7 +21,7 @@ QB_CUTOFFS = ("midpoint", "kplus1")  # moe/router.route: alpha between z_(k), z_
 REMAT_POLICIES = ("none", "full", "save_dots", "save_qkv_proj", "minimal")
 # pallas_kernels.kda backends ("auto": pallas_tpu on TPU, pallas_gpu on Hopper, else xla).
 KDA_BACKENDS = ("auto", "xla", "reference", "pallas_tpu", "pallas_gpu")
-GMM_BACKENDS = ("auto", "ragged_dot", "tokamax", "megablox", "dense")
+GMM_BACKENDS = ("auto", "ragged_dot", "tokamax", "megablox", "blocked", "dense")
 FFN_ACTIVATIONS = ("situ", "swiglu")
 ATTENTION_BACKENDS = ("auto", "xla_chunked", "xla", "tokamax", "cudnn", "splash")
 # moe/expert_parallel: the token exchange of expert parallelism ("auto": allgather when the

@@ -18,25 +18,30 @@ class Ablation:
   name: str
   claim: str
   field: str
-  variants: tuple[tuple[str, str], ...]  # (label, value)
+  variants: tuple[tuple, ...]  # (label, value) or (label, value, extra --set items)
   common: tuple[str, ...] = ()
-  summary: str = "loss"  # "loss", "balance" or "length"
+  summary: str = "loss"  # "loss", "balance", "gate", "length" or "activation"
+  probes: tuple[str, ...] = ()  # probe.probe_run kinds run on each finished run
   not_measured: str = ""  # what the claim asks for that this harness does not measure yet
 
 
-# Every ablation at the tiny preset: stage_8k's tiny stage, shortened (15 configurations x 2
-# seeds; the second seed of a configuration reuses the first one's compiled programs through the
-# persistent XLA cache). The 45-minute target on 2 idle cores is NOT met or measured yet: on the
-# loaded machine of 2026-11-30 a 64-expert balancing step took ~25 s (docs/ablations.md).
+# Every ablation at the tiny preset: stage_8k's tiny stage, shortened to a 5-layer model (3 KDA
+# + 2 MLA layers; a dense FFN in the first, MoE in the other 4), 80 steps of 16 x 128 tokens, the "blocked" grouped
+# matmul (moe/gmm.py; XLA's CPU ragged_dot works densely over the experts). Configurations that
+# come out identical (e.g. the bounded gate, SiTU-GLU, block AttnRes and AdamW are all the
+# default) train once and are shared (run.py). Checkpoints every 20 steps are kept for the
+# probes over training (probe.py). The second seed of a configuration reuses the first one's
+# compiled programs through the persistent XLA cache. Measured times: docs/ablations.md.
 PRESETS = {
-    "tiny": ("seq_len=128", "tokens_per_batch=1024", "steps=120", "optim.warmup_steps=20",
-             "eval_every=40", "eval_batches=2", "checkpoint_every=120", "sample_tokens=0"),
+    "tiny": ("model.num_layers=5", "model.gmm_backend=blocked", "seq_len=128",
+             "tokens_per_batch=2048", "steps=80", "optim.warmup_steps=10", "eval_every=40",
+             "eval_batches=2", "checkpoint_every=20", "keep_checkpoints=10", "sample_tokens=0"),
     "small": ("steps=2000", "optim.warmup_steps=200", "eval_every=250",
-              "checkpoint_every=2000", "sample_tokens=0"),
+              "checkpoint_every=250", "keep_checkpoints=10", "sample_tokens=0"),
     # Test size (tests/train/conftest.py's SMALL_SETS: compiled once per test process).
-    "smoke": ("model.num_layers=5", "seq_len=64", "tokens_per_batch=256", "steps=5",
-              "checkpoint_every=2", "eval_every=100", "eval_batches=1", "sample_tokens=0",
-              "optim.warmup_steps=2"),
+    "smoke": ("model.num_layers=5", "seq_len=64", "tokens_per_batch=256", "steps=4",
+              "checkpoint_every=2", "keep_checkpoints=10", "eval_every=100", "eval_batches=1",
+              "sample_tokens=0", "optim.warmup_steps=2"),
 }
 SEEDS = (0, 1)
 
@@ -46,19 +51,18 @@ ABLATIONS = (
         "Quantile Balancing keeps expert loads even without an auxiliary loss (max/mean load "
         "below 1.3 after warm-up) where no balancer collapses (ARCHITECTURE.md §6).",
         "model.balancer",
-        (("quantile (midpoint)", "quantile"), ("bias_sign", "bias_sign"),
-         ("aux_loss", "aux_loss"), ("none", "none")),
-        common=("model.num_experts=64", "model.experts_per_token=4"),
-        summary="balance",
-        not_measured="quantile's second cutoff (model.qb_cutoff) is not a variant yet"),
+        (("quantile (midpoint)", "quantile"),
+         ("quantile (kplus1)", "quantile", ("model.qb_cutoff=kplus1",)),
+         ("bias_sign", "bias_sign"), ("aux_loss", "aux_loss"), ("none", "none")),
+        common=("model.num_experts=64", "model.experts_per_token=4", "tokens_per_batch=4096"),
+        summary="balance", probes=("load",)),
     Ablation(
         "gate",
         "The lower-bounded KDA decay gate trains as well as the unbounded one and keeps the "
         "dense diagonal-tile exponent bounded (<= 75 nats by construction).",
         "model.kda_gate_lower_bound",
         (("bounded (-5)", "-5.0"), ("unbounded", "None")),
-        not_measured="the per-layer dense-tile exponent over training (needs the gate "
-                     "activations as a training metric; only the loss is compared)"),
+        summary="gate", probes=("gate",)),
     Ablation(
         "residual",
         "Block AttnRes trains at least as well as full AttnRes and the standard residual at "
@@ -69,17 +73,17 @@ ABLATIONS = (
         not_measured="the equal-FLOPs comparison (only equal steps)"),
     Ablation(
         "length",
-        "NoPE MLA + KDA trained at length L extrapolates to 2L (held-out loss by length).",
+        "NoPE MLA + KDA trained at length L extrapolates to 2L, 4L and 8L (held-out loss by "
+        "position) and retrieves a pass key hidden in real text at any depth.",
         "model.mla_output_gate",
         (("gated MLA", "true"),),
-        summary="length",
-        not_measured="4L / 8L, per-position buckets and passkey retrieval in real text"),
+        summary="length", probes=("length",)),
     Ablation(
         "activation",
         "SiTU-GLU trains as well as SwiGLU (ARCHITECTURE.md §5).",
         "model.ffn_activation",
         (("SiTU-GLU", "situ"), ("SwiGLU", "swiglu")),
-        not_measured="the largest activation magnitude per layer"),
+        summary="activation", probes=("activation",)),
     Ablation(
         "optimizer",
         "Muon (per-head orthogonalisation, AdamW for embeddings/norms/gates) with QK-clip "

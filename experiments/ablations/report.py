@@ -16,6 +16,7 @@ import datetime
 import json
 import pathlib
 import subprocess
+import sys
 from typing import Any
 
 from experiments.ablations import ABLATIONS, BY_NAME, PRESETS, SEEDS
@@ -53,6 +54,27 @@ def plot(record: dict[str, Any], out_dir: pathlib.Path) -> list[str]:
     keys.append(("max_mean_load", "max/mean expert load (worst layer)"))
   names = []
   out_dir.mkdir(parents=True, exist_ok=True)
+  gate = {label: [r["probe"]["gate"]["gate_exponent"] for r in v["runs"]
+                  if (r.get("probe") or {}).get("gate")] for label, v in record["variants"].items()}
+  if any(gate.values()):
+    fig, ax = plt.subplots(figsize=(6, 3.6))
+    for label, exps in gate.items():
+      if not exps:
+        continue
+      steps = sorted(exps[0], key=int)
+      tokens = record["variants"][label]["runs"][0]["tokens_per_step"]
+      worst = [sum(max(e[s]) for e in exps) / len(exps) for s in steps]
+      ax.plot([int(s) * tokens for s in steps], worst, marker="o", label=label)
+    ax.axhline(75, color="gray", linestyle=":", label="75 nats")
+    ax.axhline(88.7, color="red", linestyle=":", label="fp32 exp overflow (88.7)")
+    ax.set_xlabel("training tokens")
+    ax.set_ylabel("dense-tile exponent, worst KDA layer (nats)")
+    ax.set_title(f"gate ({record['preset']}, mean of seeds {record['seeds']})")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(out_dir / "gate_exponent.png", dpi=90)
+    plt.close(fig)
+    names.append("gate_exponent.png")
   for key, ylabel in keys:
     fig, ax = plt.subplots(figsize=(6, 3.6))
     for label, v in record["variants"].items():
@@ -79,36 +101,80 @@ def verdict(record: dict[str, Any]) -> str:
   from experiments.ablations.run import _final_loss, _mean_spread, _tail_mean  # pylint: disable=g-import-not-at-top
   v = record["variants"]
   if record["name"] == "balancing":
-    qb = _mean_spread([_tail_mean(r["max_mean_load"]) for r in v["quantile (midpoint)"]["runs"]])
-    none = _mean_spread([_tail_mean(r["max_mean_load"]) for r in v["none"]["runs"]])
+    tail = lambda label: _mean_spread([_tail_mean(r["max_mean_load"]) for r in v[label]["runs"]])
+    held = lambda label: _mean_spread([max((r.get("probe") or {}).get("load", {}).get(
+        "heldout_max_mean_load") or [float("nan")]) for r in v[label]["runs"]])
+    qb, none = tail("quantile (midpoint)"), tail("none")
     ok = qb[0] < 1.3 and none[0] > 1.3 * qb[0]
-    return (f"Quantile Balancing's max/mean load over the second half is {qb[0]:.3f}, `none`'s "
-            f"{none[0]:.3f}: the claim (QB < 1.3, `none` far above) is "
-            + ("supported" if ok else "NOT supported") + " at this scale.")
+    text = (f"Quantile Balancing's (midpoint cutoff) max/mean load per training step, worst "
+            f"layer, averaged over the second half, is {qb[0]:.3f}, `none`'s {none[0]:.3f}: the "
+            "claim (QB < 1.3, `none` far above) is " + ("supported" if ok else "NOT supported")
+            + " at this scale.")
+    if "quantile (kplus1)" in v:
+      text += f" The kplus1 cutoff: {tail('quantile (kplus1)')[0]:.3f}."
+    win = lambda label: _mean_spread([max(r.get("window_max_mean_load") or [float("nan")])
+                                      for r in v[label]["runs"]])
+    wq, wn = win("quantile (midpoint)"), win("none")
+    if wq[0] == wq[0]:
+      text += (f" With each expert's assignments summed over the whole second half of training "
+               f"(worst layer): QB {wq[0]:.3f}, `none` {wn[0]:.3f}; QB below 1.3 that way: "
+               + ("yes" if wq[0] < 1.3 else "no") + ".")
+    hq, hn = held("quantile (midpoint)"), held("none")
+    if hq[0] == hq[0]:
+      text += (f" On held-out tokens with the final router and bias (loads summed over all of "
+               f"them): QB {hq[0]:.3f}, `none` {hn[0]:.3f}.")
+    return text
+  if record["name"] == "gate":
+    def worst(label):
+      exps = [(r.get("probe") or {}).get("gate", {}).get("gate_exponent") for r in
+              v[label]["runs"]]
+      return max((max(x) for e in exps if e for x in e.values()), default=float("nan"))
+    b, u = worst("bounded (-5)"), worst("unbounded")
+    text = (f"Largest dense-tile exponent over every checkpoint, KDA layer and seed: bounded "
+            f"{b:.1f} nats (the bound is 75), unbounded {u:.1f} nats. ")
+    text += ("The bounded gate stays within its bound: " + ("yes" if b <= 75 else "NO")
+             + "; the unbounded one exceeds 75 here: " + ("yes" if u > 75 else
+                                                          "no (not at this scale)") + ". ")
+  elif record["name"] == "length":
+    pos = [(r.get("probe") or {}).get("length", {}) for r in v[next(iter(v))]["runs"]]
+    pk = [p.get("passkey", {}) for p in pos if p]
+    if pk:
+      best = max(max(p.values()) for p in pk)
+      return (f"Held-out loss by position and pass-key accuracy: see the tables; the best "
+              f"pass-key accuracy at any depth and length is {best:.2f}"
+              + (" (the model retrieves no pass key at this scale)." if best == 0 else "."))
+    return "No probe recorded."
+  else:
+    text = ""
   losses = {label: _mean_spread([_final_loss(r) for r in x["runs"]]) for label, x in v.items()}
   if len(losses) < 2:
-    return "One variant: see the table (no comparison to resolve)."
+    return text + "One variant: see the table (no comparison to resolve)."
   best = min(losses, key=lambda k: losses[k][0])
   others = [k for k in losses if k != best]
   resolved = [k for k in others
               if losses[k][0] - losses[best][0] > losses[k][1] + losses[best][1]]
   if not resolved:
-    return (f"Lowest mean held-out loss: {best}, but every difference is within the spread over "
-            "seeds: no difference is resolved at this scale.")
-  return (f"Lowest held-out loss: {best}; beyond the seed spread it beats "
+    return text + (f"Lowest mean held-out loss: {best}, but every difference is within the "
+                   "spread over seeds: no difference is resolved at this scale.")
+  return text + (f"Lowest held-out loss: {best}; beyond the seed spread it beats "
           f"{', '.join(resolved)}" + (f" (not resolved against {', '.join(set(others) - set(resolved))})"
                                        if set(others) - set(resolved) else "") + ".")
 
 
 def write_report(results: dict[str, Any], docs: pathlib.Path) -> str:
   """Rewrite docs/ablations.md (and its plots) from `results` ({name: record}); returns it."""
-  from experiments.ablations.run import summarize  # pylint: disable=g-import-not-at-top
+  from experiments.ablations.run import extra_tables, summarize  # pylint: disable=g-import-not-at-top
   meta = results.get("_meta", {})
   lines = ["# Ablations of the seed's claims", "",
            "Written by `python -m experiments.ablations.report` from the recorded runs in "
            "`docs/ablations/results.json`; every number below comes from those runs. Tables: "
            "mean ± half the range over the seeds. Configurations of one claim differ in one "
            "field and share data, steps and seeds (experiments/ablations/__init__.py).", ""]
+  for whole in meta.get("_runs", []):
+    lines += [f"Invocation: `{whole['command']}`, ended {whole['date']}, commit "
+              f"`{whole['commit']}`, {whole['seconds']:.0f} s wall inside Python, load average "
+              f"{whole['load_start']:.1f} at the start and {whole['load_end']:.1f} at the end "
+              f"({whole['machine']}).", ""]
   ran = [a.name for a in ABLATIONS if a.name in results]
   lines += [f"Status: {len(ran)} of {len(ABLATIONS)} claims have a recorded run"
             + (f" ({', '.join(ran)})" if ran else "") + "; the others say so below.", ""]
@@ -129,6 +195,9 @@ def write_report(results: dict[str, Any], docs: pathlib.Path) -> str:
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
     lines += ["", verdict(rec), ""]
+    for title, head, body in extra_tables(rec):
+      lines += [f"{title}:", "", "| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
+      lines += ["| " + " | ".join(r) + " |" for r in body] + [""]
     if rec.get("not_measured"):
       lines += [f"Not measured by this harness: {rec['not_measured']}.", ""]
     for name in plot(rec, docs / "ablations"):
@@ -166,6 +235,7 @@ def main(argv=None) -> int:
     from experiments.ablations.run import run_ablation  # pylint: disable=g-import-not-at-top
     from experiments.base import enable_compilation_cache  # pylint: disable=g-import-not-at-top
     enable_compilation_cache(os.path.join(args.workdir, "xla_cache"))
+    t_start, load_start = time.time(), os.getloadavg()[0]
     for name in names:
       t0 = time.time()
       results[name] = run_ablation(BY_NAME[name], args.preset, args.workdir, seeds)
@@ -177,7 +247,15 @@ def main(argv=None) -> int:
       store.parent.mkdir(parents=True, exist_ok=True)
       store.write_text(json.dumps(results, indent=1))
       write_report(results, docs)
-      print(f"[ablations] {name} done in {time.time() - t0:.0f} s")
+      print(f"[ablations] {name} done in {time.time() - t0:.0f} s", flush=True)
+    results["_meta"].setdefault("_runs", []).append({
+        "command": "python -m experiments.ablations.report " + " ".join(argv or sys.argv[1:]),
+        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
+        "commit": _commit(), "seconds": time.time() - t_start, "load_start": load_start,
+        "load_end": os.getloadavg()[0],
+        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, affinity "
+                   f"{sorted(os.sched_getaffinity(0))}"})
+    store.write_text(json.dumps(results, indent=1))
   write_report(results, docs)
   print(f"[ablations] wrote {docs / 'ablations.md'}")
   return 0

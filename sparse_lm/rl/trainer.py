@@ -248,6 +248,38 @@ def run_sft(cfg: RLConfig, workdir: pathlib.Path, model, tok, log=print,
   return phase.close()
 
 
+def make_logp_fn(graphdef):
+  """Jitted `(params, model_vars, tokens, segment_ids, temperature) -> grpo.token_logprobs`
+  (the temperature is traced: one compile serves T = 1 and the sampling T)."""
+  return jax.jit(lambda p, r, t, s, temp: grpo.token_logprobs(
+      nnx.merge(graphdef, p, r), t, s, temperature=temp))
+
+
+def grpo_batch(eps, rewards, cfg: RLConfig, logp_fn, state: TrainState, ref=None):
+  """(the GRPO step's device batch, engine-vs-trainer max |delta log p|) for one step's episodes
+  (grouped: `cfg.grpo.group_size` consecutive episodes per prompt) and their rewards.
+
+  The advantages are group-relative (`grpo.group_advantages`); `old_logprobs` become the
+  trainer's log-probs of the sampling policy softmax(logits / T) on `state`'s weights (the
+  ones the episodes were sampled with), the engine's own (T = 1) when T = 1; `ref_logprobs`
+  those of `ref` = (params, model_vars) when given (KL to a frozen policy). The mismatch
+  compares the episodes' T = 1 log-probs with the trainer's on every model-written token.
+  """
+  adv = grpo.group_advantages(rewards, cfg.grpo.group_size, scale_by_std=cfg.grpo.scale_by_std,
+                              eps=cfg.grpo.eps)
+  batch = _put(grpo.episodes_to_batch(eps, adv, cfg.seq_len))
+  ids = (batch["tokens"], batch["segment_ids"])
+  trainer_lp = logp_fn(state.params, state.model_vars, *ids, 1.0)
+  mask = batch["loss_mask"] > 0
+  mismatch = float(jnp.max(jnp.where(mask, jnp.abs(trainer_lp - batch["old_logprobs"]), 0)))
+  temp = cfg.grpo.temperature
+  if temp != 1.0:  # the ratio's old policy is the sampling one, softmax(logits / T)
+    batch["old_logprobs"] = logp_fn(state.params, state.model_vars, *ids, temp)
+  if ref is not None:
+    batch["ref_logprobs"] = logp_fn(*ref, *ids, temp)
+  return batch, mismatch
+
+
 def run_grpo(cfg: RLConfig, workdir: pathlib.Path, model, tok, engine, log=print,
              progress: bool = False) -> tuple:
   """The GRPO phase from `model` (the SFT result); returns (model, per-step metrics)."""
@@ -257,10 +289,10 @@ def run_grpo(cfg: RLConfig, workdir: pathlib.Path, model, tok, engine, log=print
   graphdef, state = phase.graphdef, phase.state
   step_fn = jax.jit(grpo.make_grpo_step(graphdef, phase.tx, phase.schedule, cfg.grpo),
                     donate_argnums=0)
-  logp_fn = jax.jit(lambda p, r, t, s, temp: grpo.token_logprobs(
-      nnx.merge(graphdef, p, r), t, s, temperature=temp), static_argnums=4)
-  temp = cfg.grpo.temperature
-  ref = (state.params, state.model_vars) if cfg.grpo.kl_coef > 0 else None
+  logp_fn = make_logp_fn(graphdef)
+  # a copy: the step donates (deletes) the state's buffers, the reference must outlive them
+  ref = (jax.tree.map(jnp.copy, (state.params, state.model_vars)) if cfg.grpo.kl_coef > 0
+         else None)
   history = []
   for step in range(int(state.step), cfg.grpo_steps):
     rng = _rng(cfg, "grpo", step)
@@ -269,21 +301,12 @@ def run_grpo(cfg: RLConfig, workdir: pathlib.Path, model, tok, engine, log=print
     t0 = time.perf_counter()
     eps = rollout.run_episodes(engine, tok, tasks, max_steps=env.max_steps,
                                max_turn_tokens=cfg.max_turn_tokens, max_length=cfg.seq_len,
-                               temperature=temp, seed=cfg.seed * 100_003 + step)
+                               temperature=cfg.grpo.temperature,
+                               seed=cfg.seed * 100_003 + step)
     gen_s = time.perf_counter() - t0
     generated = sum(sum(e.generated) for e in eps)
     rewards = grpo.episode_rewards(eps, cfg.partial_credit)
-    adv = grpo.group_advantages(rewards, G, scale_by_std=cfg.grpo.scale_by_std,
-                                eps=cfg.grpo.eps)
-    batch = _put(grpo.episodes_to_batch(eps, adv, cfg.seq_len))
-    ids = (batch["tokens"], batch["segment_ids"])
-    trainer_lp = logp_fn(state.params, state.model_vars, *ids, 1.0)
-    mask = batch["loss_mask"] > 0
-    mismatch = float(jnp.max(jnp.where(mask, jnp.abs(trainer_lp - batch["old_logprobs"]), 0)))
-    if temp != 1.0:  # the ratio's old policy is the sampling one, softmax(logits / T)
-      batch["old_logprobs"] = logp_fn(state.params, state.model_vars, *ids, temp)
-    if ref is not None:
-      batch["ref_logprobs"] = logp_fn(*ref, *ids, temp)
+    batch, mismatch = grpo_batch(eps, rewards, cfg, logp_fn, state, ref)
     t1 = time.perf_counter()
     state, metrics = step_fn(state, batch)
     m = {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}

@@ -8,6 +8,7 @@ stage's parts here, so there is one build of the train step.
 from __future__ import annotations
 
 import dataclasses
+import importlib
 from typing import Any, Callable
 
 import jax
@@ -33,7 +34,7 @@ IMAGE_BATCH_KEYS = {"image_patches": 3, "image_segment_ids": 2, "image_coords": 
 def batch_shapes(stage: StageConfig, rows: int, seq_len: int) -> dict[str, tuple]:
   """{batch key: (shape, dtype name)} of a [rows, seq_len] batch of `stage` (its image keys
   too when `stage.data.images`), e.g. for AOT lowering with ShapeDtypeStructs."""
-  out = {k: ((rows, seq_len), "int32") for k in BATCH_KEYS}
+  out = {k: ((rows, seq_len), "float32" if k == "loss_mask" else "int32") for k in BATCH_KEYS}
   if stage.data.images:
     p = stage.model_config().vision_patch_size
     L = stage.data.image_patches_per_row or seq_len
@@ -89,8 +90,27 @@ def _traced_in(stage: StageConfig, mesh: jax.sharding.Mesh, fn: Callable) -> Cal
   return traced
 
 
+def import_gpu_kernels() -> None:
+  """On a GPU, import the kernel libraries the model imports at first use (tokamax: attention
+  and grouped matmuls; Pallas Triton and Mosaic GPU: KDA) before anything is traced.
+
+  Importing them registers JAX config options, and a trace's cache key holds the value of
+  every option: a program traced before the import misses the cache after it and is traced
+  and compiled again (seen on an H200: the eval step compiled twice, 10.9 s more).
+  """
+  if jax.default_backend() != "gpu":
+    return
+  for name in ("tokamax", "jax.experimental.pallas.triton",
+               "jax.experimental.pallas.mosaic_gpu"):
+    try:
+      importlib.import_module(name)
+    except ImportError:  # not installed: the model does not pick it
+      pass
+
+
 def build(stage: StageConfig, mesh: jax.sharding.Mesh) -> Parts:
   """The model graph, optimizer, abstract state with shardings and the jitted steps."""
+  import_gpu_kernels()
   key = (stage.model_config(), stage.optim, stage.steps, stage.micro_batches,
          stage.z_loss_coef, stage.nan_at_step, stage.seed, mesh, stage.mesh.rules)
   if key in _PARTS:

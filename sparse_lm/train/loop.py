@@ -37,6 +37,7 @@ from sparse_lm.train.checkpoint import (Checkpointer, check_model, check_resume,
                                         check_tokenizer, data_item, make_meta,
                                         reset_schedule_count, shard_state)
 from sparse_lm.train.config import StageConfig
+from sparse_lm.train.precompile import Precompiler
 from sparse_lm.train.sample import generate
 from sparse_lm.train.state import TrainState
 from sparse_lm.train.workdir import WorkdirLock
@@ -123,7 +124,8 @@ def _evaluate(eval_step, state, batches, shardings) -> float | None:
 def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = True,
         progress_every: int = 50, alerts: metrics_lib.Alerts = metrics_lib.Alerts(),
         allow_config_change: bool = False, on_step: Callable[[int, dict], None] | None = None,
-        devices: list[jax.Device] | None = None) -> RunResult:
+        devices: list[jax.Device] | None = None, precompile: bool | None = None
+        ) -> RunResult:
   """Train `stage` in `<workdir>/<stage.name>/`; returns what happened (see RunResult).
 
   `progress`: a progress bar when stdout is a terminal; otherwise, or with progress=False, a
@@ -131,8 +133,12 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
   load, dead experts, ETA). `alerts`: routing thresholds past which it warns (once per eval
   interval). `allow_config_change`: resume although the saved stage config differs in a
   field that changes the optimisation (the differences are printed either way).
-  `on_step(step, scalars)` is called after each step's metrics are read (tests use it).
-  `devices`: the devices of the mesh (default all).
+  `on_step(step, scalars)` is called after each step's metrics are read (tests and the
+  ablations use it; it also gets the per-layer expert loads "moe/load" [layers, E]).
+  `devices`: the devices of the mesh (default all). `precompile`: compile the train step, the
+  2x-length eval step and (on one device) the sampler on host threads while the device works
+  (`sparse_lm.train.precompile`; default None: on a GPU, not on a CPU host, whose cores the
+  compiles would take from the steps).
 
   Raises:
     ValueError: an invalid stage config or a layout that does not divide the model.
@@ -169,7 +175,9 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
       state, data_state = _starting_state(stage, workdir, parts, ckpt, tokenizer,
                                           allow_config_change, say)
       loop = _StageLoop(stage, mesh, parts, ckpt, tokenizer, data_state, progress=progress,
-                        progress_every=progress_every, alerts=alerts, on_step=on_step)
+                        progress_every=progress_every, alerts=alerts, on_step=on_step,
+                        precompile=(jax.default_backend() == "gpu" if precompile is None
+                                    else precompile))
       try:
         start = int(jax.device_get(state.step))
         state, preempted = loop.train(state, start)
@@ -212,7 +220,7 @@ class _StageLoop:
   """The step loop of one run: data, checkpoints, evaluation and feedback."""
 
   def __init__(self, stage, mesh, parts, ckpt, tokenizer, data_state, *, progress,
-               progress_every, alerts, on_step):
+               progress_every, alerts, on_step, precompile=False):
     self.stage, self.mesh, self.parts, self.ckpt, self.tokenizer = (stage, mesh, parts, ckpt,
                                                                     tokenizer)
     self.alerts, self.on_step = alerts, on_step
@@ -247,6 +255,7 @@ class _StageLoop:
     self.warned: dict[str, int] = {}
     self.last_saved = ckpt.all_steps()[-1] if ckpt.all_steps() else None
     self.pending: tuple[int, Any] | None = None
+    self.pre = Precompiler(precompile, label=f"[{stage.name}] ")
 
   def _eval_batches(self, seq_len):
     if self.stage.data.eval_fraction <= 0:
@@ -261,8 +270,12 @@ class _StageLoop:
     stage = self.stage
     self.bar = metrics_lib.Progress(stage.steps, start, stage.name, enabled=self.progress,
                                     every=self.progress_every)
+    self._precompile(state)
     if start == 0:
+      self.pre.wait("eval")  # the main thread traces nothing while the jobs do
       self.evaluate(state, 0)
+    self.pre.wait("sample")  # reads `state`: done before the first step donates it
+    self.pre.wait("train")
     with _Preemption() as preemption:
       for step in range(start, stage.steps):
         t0 = time.perf_counter()
@@ -291,6 +304,17 @@ class _StageLoop:
           return state, True
       self.drain(state)
     return state, False
+
+  def _precompile(self, state):
+    """Start compiling the train step, the 2x eval step and the sampler (see `precompile`)."""
+    stage, parts = self.stage, self.parts
+
+    def sample():  # from the starting weights: compiles the final sample's programs
+      with shd.use_mesh(self.mesh):
+        _sample(parts.graphdef, state, self.tokenizer, stage)
+    # The sample runs beside the step-0 eval: on one device only.
+    self.pre.start(stage, parts, self.batch_sh, self.eval_rows if self.eval_batches else 0,
+                   sample if stage.sample_tokens > 0 and self.mesh.size == 1 else None)
 
   def save(self, state, final=False):
     data_state = data_item(data_lib.state_to_json_compatible(self.train_iter.get_state()),
@@ -333,7 +357,8 @@ class _StageLoop:
         self.bar.print(f"[{self.stage.name}] warning at step {step + 1}: {message}")
     if self.on_step is not None:
       self.on_step(step, {**scalars, **{k: v for k, v in routing.items()
-                                        if isinstance(v, float)}})
+                                        if isinstance(v, float)},
+                          **({"moe/load": np.asarray(m["moe/load"])} if "moe/load" in m else {})})
 
   def evaluate(self, state, step):
     loss = _evaluate(self.parts.eval_step, state, self.eval_batches, self.batch_sh)
@@ -351,6 +376,7 @@ class _StageLoop:
     self.evaluate(state, end)
     if end in self.evals:
       final_eval[f"eval_loss@{stage.seq_len}"] = self.evals[end]
+      self.pre.wait("eval_2x")
       final_eval[f"eval_loss@{2 * stage.seq_len}"] = _evaluate(
           self.parts.eval_step, state, self._eval_batches(2 * stage.seq_len), self.batch_sh)
       self.writer.write(end, {k.replace("@", "_at_"): v for k, v in final_eval.items()},
@@ -373,6 +399,7 @@ class _StageLoop:
             f"{len(rates)} steps, {100 * worst:.2f}% max (step {worst_step})")
 
   def close(self):
+    self.pre.close()
     if self.bar is not None:
       self.bar.close()
     self.ckpt.close()

@@ -110,7 +110,10 @@ def test_scan_equals_unrolled(model, remat):
   # Identical parameter layout in both modes: the same state runs both ways.
   l1, g1 = _logits_and_grads(graphdef, state, tok, w)
   l2, g2 = _logits_and_grads(gd_u, state, tok, w)
-  np.testing.assert_allclose(l1, l2, rtol=1e-5, atol=1e-6)
+  # fp32, two programs (scan vs unrolled: different fusions and reduction orders; on CPU they
+  # agree bit for bit, on the H200 to 1.15e-6 at a logit scale of 0.67): 1e-5 relative to each
+  # entry and to the logits' scale (for entries near zero).
+  np.testing.assert_allclose(l1, l2, rtol=1e-5, atol=1e-5 * float(np.abs(np.asarray(l1)).max()))
   leaves1 = [np.asarray(a, np.float64) for a in jax.tree.leaves(g1)]
   leaves2 = [np.asarray(b, np.float64) for b in jax.tree.leaves(g2)]
   flat1, flat2 = np.concatenate([a.ravel() for a in leaves1]), np.concatenate(

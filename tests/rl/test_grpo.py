@@ -1,4 +1,5 @@
-"""GRPO: advantages, the clipped token-level loss against a numpy reference, masking, a step."""
+"""GRPO: advantages, the clipped token-level loss and its gradient against NumPy references,
+masking. (The train step itself: test_grpo_learns.py.)"""
 
 import dataclasses
 
@@ -90,39 +91,74 @@ def test_loss_matches_reference_and_masks_tool_output(model):
   assert float(m2["loss"]) == float(metrics["loss"])
 
 
-def test_clipped_tokens_have_no_gradient(model):
+def _log_softmax(x):
+  m = x.max(-1, keepdims=True)
+  return x - m - np.log(np.exp(x - m).sum(-1, keepdims=True))
+
+
+def _reference_lm_head_grad(h, w, batch, cfg):
+  """d L / d lm_head written from the policy-gradient equations in float64 NumPy: for each
+  model-written target y_t (predicted at position t from the final hidden state h_t),
+  d log p_T(y_t) / d W = h_t (e_{y_t} - softmax(h_t W / T))^T / T, and the loss's derivative in
+  log p_T(y_t) is c_t = -A rho_t [the ratio is not clipped against A] + beta (1 - exp(ref_t -
+  log p_t)); the sum of c_t d log p_t / d W over the batch's model-written tokens is divided by
+  their count."""
+  T = cfg.temperature
+  logp_all = _log_softmax(h @ w / T)  # [B, S, V]
+  grad, n = np.zeros_like(w), 0
+  B, S = batch["tokens"].shape
+  for b in range(B):
+    a = float(batch["advantages"][b])
+    for t in range(S - 1):
+      if not (batch["loss_mask"][b, t + 1] and batch["segment_ids"][b, t + 1]):
+        continue
+      y = batch["tokens"][b, t + 1]
+      lp = logp_all[b, t, y]
+      rho = np.exp(lp - batch["old_logprobs"][b, t + 1])
+      clipped = (a > 0 and rho > 1 + cfg.clip_high) or (a < 0 and rho < 1 - cfg.clip_low)
+      c = -a * rho * (not clipped)
+      c += cfg.kl_coef * (1.0 - np.exp(batch["ref_logprobs"][b, t + 1] - lp))
+      dlogits = -np.exp(logp_all[b, t])
+      dlogits[y] += 1.0
+      grad += c * np.outer(h[b, t], dlogits) / T
+      n += 1
+  return grad / n
+
+
+def test_gradient_matches_numpy_reference():
+  """The GRPO loss's gradient in the LM head against the policy-gradient formula (advantage
+  broadcast to every written token, the loss mask's alignment, the 1 / token-count
+  normalisation, the temperature, the clip and the KL term), on random ratios of which some are
+  clipped; a second batch with every ratio clipped (and no KL) has exactly zero gradient."""
+  print("seed", SEED + 1)
+  model = Transformer(get_preset("tiny", num_layers=3, mla_every=2), rngs=nnx.Rngs(SEED + 1))
   rng = np.random.default_rng(SEED + 1)
-  eps = _episodes(rng, 2, model.cfg.vocab_size)
-  batch = grpo.episodes_to_batch(eps, [1.0, 1.0], seq_len=24)
-  graphdef, params, rest = split_model(model)
-  lp = np.asarray(grpo.token_logprobs(model, jnp.asarray(batch["tokens"]),
-                                      jnp.asarray(batch["segment_ids"])))
-  batch["old_logprobs"] = lp - 1.0  # every ratio = e > 1.2 with A > 0: all clipped
-
-  def loss(p):
-    m = nnx.merge(graphdef, p, rest)
-    return grpo.grpo_loss_fn(m, {k: jnp.asarray(v) for k, v in batch.items()}, train=False)[0]
-
-  grads = jax.grad(loss)(params)
-  assert max(float(jnp.max(jnp.abs(g))) for g in jax.tree.leaves(grads)) == 0.0
-
-
-def test_train_step_is_pure_and_moves_params(model):
-  rng = np.random.default_rng(SEED + 2)
   eps = _episodes(rng, 4, model.cfg.vocab_size)
-  batch = grpo.episodes_to_batch(eps, grpo.group_advantages([1, 0, 0, 1], 2), seq_len=24)
+  batch = grpo.episodes_to_batch(eps, [1.3, -0.7, 0.4, -1.1], seq_len=24)
+  tokens, seg = jnp.asarray(batch["tokens"]), jnp.asarray(batch["segment_ids"])
+  cfg = grpo.GRPOConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.1, temperature=0.7)
+  lp = np.asarray(grpo.token_logprobs(model, tokens, seg, temperature=cfg.temperature))
+  noise = lambda: rng.normal(size=lp.shape).astype(np.float32) * 0.3  # pylint: disable=unnecessary-lambda-assignment
+  batch["old_logprobs"], batch["ref_logprobs"] = lp + noise(), lp + noise()
   graphdef, params, rest = split_model(model)
-  opt = OptimizerConfig(peak_lr=1e-3, warmup_steps=0)
-  tx = make_optimizer(opt, 10)
-  state = TrainState(step=jnp.zeros((), jnp.int32), params=params, model_vars=rest,
-                     opt_state=tx.init(params), rng=jax.random.PRNGKey(0))
-  step = jax.jit(grpo.make_grpo_step(graphdef, tx, wsd_schedule(opt, 10), grpo.GRPOConfig()))
+
+  @jax.jit
+  def grad(p, r, b, kl_coef):
+    c = dataclasses.replace(cfg, kl_coef=1.0)  # the KL term is built; kl_coef scales it
+    def loss(p):
+      _, m = grpo.grpo_loss_fn(nnx.merge(graphdef, p, r, copy=True), b, train=True, cfg=c)
+      return m["loss"] + kl_coef * m["kl"]
+    return jax.grad(loss)(p)
+
   jb = {k: jnp.asarray(v) for k, v in batch.items()}
-  s1, m1 = step(state, jb)
-  s2, m2 = step(state, jb)
-  assert float(m1["finite"]) == 1.0 and int(s1.step) == 1
-  for a, b in zip(jax.tree.leaves(s1.params), jax.tree.leaves(s2.params)):
-    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))  # same inputs, same state
-  moved = [float(jnp.max(jnp.abs(a - b))) for a, b in
-           zip(jax.tree.leaves(s1.params), jax.tree.leaves(state.params))]
-  assert max(moved) > 0
+  g = np.asarray(jax.tree.leaves(grad(params, rest, jb, cfg.kl_coef)["lm_head"])[0], np.float64)
+  h = np.asarray(model.forward_hidden(tokens, segment_ids=seg)[0], np.float64)
+  ref = _reference_lm_head_grad(h, np.asarray(model.lm_head[...], np.float64), batch, cfg)
+  _, m = grpo.grpo_loss_fn(model, jb, train=False, cfg=cfg)
+  assert 0.1 < float(m["clip_frac"]) < 0.9, float(m["clip_frac"])  # both branches exercised
+  assert np.linalg.norm(g - ref) / np.linalg.norm(ref) < 1e-4, (
+      np.linalg.norm(g - ref) / np.linalg.norm(ref))
+  # every ratio = e > 1 + clip_high with A > 0 (and no KL): no gradient at all
+  allclip = dict(jb, advantages=jnp.ones(4), old_logprobs=jnp.asarray(lp - 1.0))
+  grads = grad(params, rest, allclip, 0.0)
+  assert max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(grads)) == 0.0
