@@ -10,8 +10,9 @@ group_sizes[g]] are multiplied by rhs[g]; rows past sum(group_sizes) give zeros.
   "blocked":    `blocked_gmm`: groups padded to row blocks, one batched matmul of the blocks
                 (plain XLA gathers + einsum). For CPU runs with many small experts, where
                 XLA's ragged_dot works densely over the groups: measured 2026-11-30 on one
-                CPU core, M=4096 K=32 N=64 G=64, forward + backward 0.13 s (ragged_dot) vs
-                the blocked path's few ms (benchmarks in docs/ablations.md). Never "auto".
+                CPU core, M=4096 K=32 N=64 G=64, forward + backward 130 ms (ragged_dot) vs
+                2.2 ms (`python -m benchmarks.gmm_cpu`; docs/ablations/SIZING.md). Never
+                "auto".
   "auto":       ragged_dot on CPU, tokamax on GPU, megablox on TPU.
 The backend is resolved for the platform the program is compiled for (`platform`, default the
 host's `jax.default_backend()`): an ahead-of-time compile for TPU from a CPU host
