@@ -88,11 +88,10 @@ def memory_report(compiled, hbm: int) -> dict[str, Any]:
 
 
 def _batch(stage, shardings, rows: int, seq_len: int):
-  import jax
   from sparse_lm.train.builder import batch_shapes
-  shapes = batch_shapes(stage, rows, seq_len)  # with the image keys of a multimodal stage
-  return {k: jax.ShapeDtypeStruct(shapes[k][0], shapes[k][1], sharding=s)
-          for k, s in shardings.items()}
+  from sparse_lm.train.precompile import abstract_batch
+  # with the image keys of a multimodal stage
+  return abstract_batch(batch_shapes(stage, rows, seq_len), shardings)
 
 
 STEPS = ("train", "eval", "eval_2x")  # eval_2x: the eval step at twice the stage's length
