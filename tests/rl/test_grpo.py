@@ -129,36 +129,46 @@ def test_gradient_matches_numpy_reference():
   """The GRPO loss's gradient in the LM head against the policy-gradient formula (advantage
   broadcast to every written token, the loss mask's alignment, the 1 / token-count
   normalisation, the temperature, the clip and the KL term), on random ratios of which some are
-  clipped; a second batch with every ratio clipped (and no KL) has exactly zero gradient."""
+  clipped; a second batch with every ratio clipped (and no KL) has exactly zero gradient.
+  One compiled program gives the gradient, the loss's metrics and the final hidden states."""
   print("seed", SEED + 1)
   model = Transformer(get_preset("tiny", num_layers=3, mla_every=2), rngs=nnx.Rngs(SEED + 1))
   rng = np.random.default_rng(SEED + 1)
   eps = _episodes(rng, 4, model.cfg.vocab_size)
   batch = grpo.episodes_to_batch(eps, [1.3, -0.7, 0.4, -1.1], seq_len=24)
-  tokens, seg = jnp.asarray(batch["tokens"]), jnp.asarray(batch["segment_ids"])
+  batch["ref_logprobs"] = batch["old_logprobs"]
   cfg = grpo.GRPOConfig(clip_low=0.2, clip_high=0.28, kl_coef=0.1, temperature=0.7)
-  lp = np.asarray(grpo.token_logprobs(model, tokens, seg, temperature=cfg.temperature))
-  noise = lambda: rng.normal(size=lp.shape).astype(np.float32) * 0.3  # pylint: disable=unnecessary-lambda-assignment
-  batch["old_logprobs"], batch["ref_logprobs"] = lp + noise(), lp + noise()
   graphdef, params, rest = split_model(model)
 
   @jax.jit
-  def grad(p, r, b, kl_coef):
+  def probe(p, r, b, kl_coef):
+    """(d(policy + kl_coef KL) / d params, the loss's metrics, final hidden states [B, S, D])."""
     c = dataclasses.replace(cfg, kl_coef=1.0)  # the KL term is built; kl_coef scales it
     def loss(p):
       _, m = grpo.grpo_loss_fn(nnx.merge(graphdef, p, r, copy=True), b, train=True, cfg=c)
-      return m["loss"] + kl_coef * m["kl"]
-    return jax.grad(loss)(p)
+      return m["loss"] + kl_coef * m["kl"], m
+    g, m = jax.grad(loss, has_aux=True)(p)
+    h, _ = nnx.merge(graphdef, p, r, copy=True).forward_hidden(
+        b["tokens"], segment_ids=b["segment_ids"])
+    return g, m, h
 
-  jb = {k: jnp.asarray(v) for k, v in batch.items()}
-  g = np.asarray(jax.tree.leaves(grad(params, rest, jb, cfg.kl_coef)["lm_head"])[0], np.float64)
-  h = np.asarray(model.forward_hidden(tokens, segment_ids=seg)[0], np.float64)
-  ref = _reference_lm_head_grad(h, np.asarray(model.lm_head[...], np.float64), batch, cfg)
-  _, m = grpo.grpo_loss_fn(model, jb, train=False, cfg=cfg)
+  def run(b, kl_coef):
+    return probe(params, rest, {k: jnp.asarray(v) for k, v in b.items()}, kl_coef)
+
+  _, _, h = run(batch, cfg.kl_coef)  # the hidden states do not depend on the log-prob inputs
+  h, w = np.asarray(h, np.float64), np.asarray(model.lm_head[...], np.float64)
+  logp_all = _log_softmax(h @ w / cfg.temperature)
+  lp = np.zeros(batch["tokens"].shape, np.float32)  # log p_T(token t), aligned with tokens
+  lp[:, 1:] = np.take_along_axis(logp_all[:, :-1], batch["tokens"][:, 1:, None], -1)[..., 0]
+  noise = lambda: rng.normal(size=lp.shape).astype(np.float32) * 0.3  # pylint: disable=unnecessary-lambda-assignment
+  batch["old_logprobs"], batch["ref_logprobs"] = lp + noise(), lp + noise()
+  grads, m, _ = run(batch, cfg.kl_coef)
+  g = np.asarray(jax.tree.leaves(grads["lm_head"])[0], np.float64)
+  ref = _reference_lm_head_grad(h, w, batch, cfg)
   assert 0.1 < float(m["clip_frac"]) < 0.9, float(m["clip_frac"])  # both branches exercised
   assert np.linalg.norm(g - ref) / np.linalg.norm(ref) < 1e-4, (
       np.linalg.norm(g - ref) / np.linalg.norm(ref))
   # every ratio = e > 1 + clip_high with A > 0 (and no KL): no gradient at all
-  allclip = dict(jb, advantages=jnp.ones(4), old_logprobs=jnp.asarray(lp - 1.0))
-  grads = grad(params, rest, allclip, 0.0)
+  allclip = dict(batch, advantages=np.ones(4, np.float32), old_logprobs=lp - 1.0)
+  grads, _, _ = run(allclip, 0.0)
   assert max(float(jnp.max(jnp.abs(x))) for x in jax.tree.leaves(grads)) == 0.0
