@@ -24,6 +24,8 @@ for the small preset) is built with max_length = L and B slots, and:
            start of the context and one at its end (its attention reads the whole cache);
            a whole prompt of L tokens costs about (L / P) x their mean, so
            tokens/s = B L / ((L / P) x mean).
+--fused-ablate: the decode step with each part of the fused Pallas path (sparse_lm/inference/
+fused.py: AttnRes reads, KDA step, routed experts) off in turn, then all off.
 --profile DIR (first configuration only): a jax.profiler trace of one decode call, one
 single step, and one single step with the model's own MoE (the engine's decode path before
 `moe_decode`), each summarised as its top device ops by total time.
@@ -48,6 +50,7 @@ from flax import nnx
 
 from sparse_lm.config import get_preset
 from sparse_lm.inference import Engine, cache_bytes, engine as engine_lib, forward as forward_lib
+from sparse_lm.inference import fused
 from sparse_lm.model import Transformer
 
 
@@ -216,6 +219,9 @@ def main(argv=None):
                  help="start no new configuration after this many seconds")
   p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                  help="ModelConfig override, e.g. --set gmm_backend=ragged_dot")
+  p.add_argument("--fused-ablate", action="store_true",
+                 help="decode step of the first configuration with each part of the fused "
+                 "Pallas decode path (decode_backend=pallas) turned off in turn")
   p.add_argument("--out")
   args = p.parse_args(argv)
   overrides = {}
@@ -234,6 +240,16 @@ def main(argv=None):
              if args.configs else
              [(int(b), int(c)) for c in args.contexts.split(",") for b in args.batches.split(",")])
   rows = {bc: {} for bc in configs}
+  if args.fused_ablate:
+    batch, context = configs[0]
+    for off in ((), ("attnres",), ("kda",), ("moe",), ("attnres", "kda", "moe")):
+      fused.FUSE.update({k: k not in off for k in fused.FUSE})
+      jax.clear_caches()
+      r = decode_row(cfg, model, batch, context, args)
+      print(f"fused-ablate B={batch} L={context} off={','.join(off) or '-'}: "
+            f"{r['decode_ms']:.3f} ms/step", flush=True)
+    fused.FUSE.update({k: True for k in fused.FUSE})
+    jax.clear_caches()
   # Decode for every configuration first (the acceptance numbers), then prefill.
   for part, fn in (("decode", decode_row), ("prefill", prefill_row)):
     if part not in args.parts.split(",") or (part == "prefill" and args.skip_prefill):
