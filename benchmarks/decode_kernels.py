@@ -85,7 +85,7 @@ def main(argv=None):
   measure("KDA layer, pure JAX (kda_cached)",
           lambda s, x, c: forward_lib.kda_cached(nnx.merge(graphdef, s), x, c, nv),
           (state, x, cache), R)
-  for w in ((4, 8) if args.variants else (8,)):
+  for w in ((4, 8) if args.variants else (4,)):
     measure(f"KDA layer, kda_step kernel (warps {w})",
             lambda s, x, c, w=w: fused.kda_step_fused(
                 nnx.merge(graphdef, s), x, c, nv, pad=forward_lib.pad_rows, rows=2,
@@ -121,7 +121,7 @@ def main(argv=None):
           lambda z, p: forward_lib.gathered_experts(z, ids, gates, p, beta1=b1, beta2=b2,
                                                     min_rows=2), (z, params), R)
   grid = ([(bf, w, True) for bf in (16, 32, 64) for w in (4, 8)]
-          if args.variants else [(32, 4, False)])
+          if args.variants else [(32, 4, True)])
   for bf, w, d in grid:
     measure(f"routed experts, kernel (BF {bf}, warps {w}, dot {d})",
             lambda z, p, bf=bf, w=w, d=d: moe_experts(z, ids, gates, p, beta1=b1, beta2=b2,

@@ -14,10 +14,11 @@ than its bytes. These kernels fuse a layer's small ops; XLA keeps the projection
   moe_experts     the routed experts of a small batch reading the chosen experts' weights in
                   place (no gather copy): SiTU-GLU per (assignment, hidden block), §5.
 
-Each takes `interpret=True` to run on CPU (tests compare it with the pure-JAX decode path in
-`sparse_lm.inference.forward`). Shapes: feature sizes (K, V, D, L, the hidden block) must be
-powers of two >= 16 on the GPU (Triton's block rule); `shapes_supported` says whether they are.
-This package never imports sparse_lm.
+Each takes `interpret=True` to run on CPU (tests/inference/test_fused_decode.py compares each
+with the pure-JAX decode path of `sparse_lm.inference.forward`). Shapes: feature sizes (K, V,
+D, L, the hidden block) must be powers of two >= 16 on the GPU (Triton's block rule;
+`sparse_lm.inference.fused.shapes_supported` checks a config). The engine uses them through
+`sparse_lm.inference.fused` (cfg.decode_backend). This package never imports sparse_lm.
 """
 
 from __future__ import annotations

@@ -76,8 +76,9 @@ def moe_experts(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
     params: {"w_gate", "w_up": [E, L, F], "w_down": [E, F, L]} in the compute dtype.
     beta1, beta2: SiTU-GLU clip levels (both None: SwiGLU).
     block_f: hidden columns per program (a power of two dividing F).
-    num_warps: Triton warps per program. use_dot: the gate / up products as tensor-core dots
-      (z in row 0 of a 16-row tile) instead of multiply-and-reduce.
+    num_warps: Triton warps per program. use_dot: the gate / up products of bf16 weights as
+      tensor-core dots (z in row 0 of a 16-row tile) instead of multiply-and-reduce (fp32
+      weights always multiply and reduce in fp32).
     interpret: Pallas interpret mode (CPU tests).
 
   Returns:
@@ -96,6 +97,7 @@ def moe_experts(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
                      "the GPU")
   BL = min(L, 128)
   dtype = z.dtype
+  use_dot = use_dot and params["w_gate"].dtype != jnp.float32  # fp32: no TF32 dot
   ids = jnp.minimum(expert_ids, E - 1).reshape(N * k).astype(jnp.int32)
   kernel = functools.partial(_kernel, k=k, BF=BF, BL=BL, beta1=beta1, beta2=beta2, dtype=dtype,
                              use_dot=use_dot)
