@@ -25,7 +25,8 @@ for the small preset) is built with max_length = L and B slots, and:
            a whole prompt of L tokens costs about (L / P) x their mean, so
            tokens/s = B L / ((L / P) x mean).
 --fused-ablate: the decode step with each part of the fused Pallas path (sparse_lm/inference/
-fused.py: AttnRes reads, KDA step, routed experts) off in turn, then all off.
+fused.FUSE: AttnRes reads, KDA step, routed experts, split-K projections) switched from its
+default in turn, then all off.
 --profile DIR (first configuration only): a jax.profiler trace of one decode call, one
 single step, and one single step with the model's own MoE (the engine's decode path before
 `moe_decode`), each summarised as its top device ops by total time.
@@ -221,7 +222,7 @@ def main(argv=None):
                  help="ModelConfig override, e.g. --set gmm_backend=ragged_dot")
   p.add_argument("--fused-ablate", action="store_true",
                  help="decode step of the first configuration with each part of the fused "
-                 "Pallas decode path (decode_backend=pallas) turned off in turn")
+                 "Pallas decode path (decode_backend=pallas) switched in turn")
   p.add_argument("--out")
   args = p.parse_args(argv)
   overrides = {}
@@ -242,13 +243,18 @@ def main(argv=None):
   rows = {bc: {} for bc in configs}
   if args.fused_ablate:
     batch, context = configs[0]
-    for off in ((), ("attnres",), ("kda",), ("moe",), ("attnres", "kda", "moe")):
-      fused.FUSE.update({k: k not in off for k in fused.FUSE})
+    default = dict(fused.FUSE)
+    sets = ([("default", {})] + [(f"-{k}", {k: False}) for k, on in default.items() if on] +
+            [(f"+{k}", {k: True}) for k, on in default.items() if not on] +
+            [("none (= xla)", {k: False for k in default})])
+    for label, change in sets:
+      fused.FUSE.update(default)
+      fused.FUSE.update(change)
       jax.clear_caches()
       r = decode_row(cfg, model, batch, context, args)
-      print(f"fused-ablate B={batch} L={context} off={','.join(off) or '-'}: "
-            f"{r['decode_ms']:.3f} ms/step", flush=True)
-    fused.FUSE.update({k: True for k in fused.FUSE})
+      print(f"fused-ablate B={batch} L={context} {label}: {r['decode_ms']:.3f} ms/step",
+            flush=True)
+    fused.FUSE.update(default)
     jax.clear_caches()
   # Decode for every configuration first (the acceptance numbers), then prefill.
   for part, fn in (("decode", decode_row), ("prefill", prefill_row)):

@@ -20,16 +20,20 @@ kernel and the whole step with the pure-JAX path.
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 
-from pallas_kernels.decode import attnres_mix, is_pow2, kda_step, moe_experts, on_gpu
+from pallas_kernels.decode import (attnres_mix, gemv, gemv_supported, is_pow2, kda_step,
+                                   moe_experts, on_gpu)
 from sparse_lm import nn
 
 F32 = jnp.float32
 MOE_BLOCK_F, MOE_DOT = 32, True  # moe_experts: hidden columns per program, tensor-core dots
 # Which parts of the layer take the kernels (benchmarks/decode.py --fused-off measures each).
-FUSE = {"attnres": True, "kda": True, "moe": True}
+FUSE = {"attnres": True, "kda": True, "moe": True, "gemv": False}
 
 
 def shapes_supported(cfg) -> bool:
@@ -63,29 +67,39 @@ def stream_read(cfg, stream: dict, query, norm, *, y=None, interpret: bool):
   return x[:, None], dict(stream, partial=partial[:, None], has_partial=has_partial)
 
 
+def _project(x, w, n_in=1, *, dtype, out_dtype=None, interpret: bool):
+  """nn.project of a decode step's rows x [R, *in] through the split-K `gemv` kernel when
+  FUSE["gemv"] and the blocks allow it, else XLA's product."""
+  D = int(np.prod(w.shape[:n_in]))
+  if FUSE["gemv"] and gemv_supported(D, w.size // D):
+    return gemv(x, w, n_in=n_in, dtype=dtype, out_dtype=out_dtype, interpret=interpret)
+  return nn.project(x, w, n_in, dtype=dtype, out_dtype=out_dtype)
+
+
 def kda_step_fused(mixer, x: jax.Array, cache: dict, n_valid: jax.Array, *, pad, rows: int,
                    interpret: bool, num_warps: int = 4) -> tuple[jax.Array, dict]:
   """KDA at one token per row: x [B, 1, D] -> (y [B, 1, D], cache). The projections are XLA
-  GEMMs on at least `rows` rows (`pad` = forward.pad_rows), passed to `kda_step` unsliced."""
+  GEMMs on at least `rows` rows (`pad` = forward.pad_rows), passed to `kda_step` unsliced
+  (or, with FUSE["gemv"], `gemv` kernels on the B rows)."""
   cfg = mixer.cfg
   dt = jnp.dtype(cfg.dtype)
   p = mixer.arrays()
   B = x.shape[0]
-  xp = pad(x[:, 0], rows)  # [R, D]
-  proj = {n: nn.project(xp, p["w_" + n], dtype=dt) for n in ("q", "k", "v")}
-  z = nn.project(nn.project(xp, p["w_g_down"], dtype=dt), p["w_g_up"], dtype=dt)
-  beta = nn.project(xp, p["w_beta"], dtype=dt, out_dtype=F32)
+  xp = x[:, 0] if FUSE["gemv"] else pad(x[:, 0], rows)  # [R, D]
+  proj = functools.partial(_project, dtype=dt, interpret=interpret)
+  xq = {n: proj(xp, p["w_" + n]) for n in ("q", "k", "v")}
+  z = proj(proj(xp, p["w_g_down"]), p["w_g_up"])
+  beta = proj(xp, p["w_beta"], out_dtype=F32)
   if "w_og_down" in p:
-    og = nn.project(nn.project(xp, p["w_og_down"], dtype=dt), p["w_og_up"], dtype=dt,
-                    out_dtype=F32)
+    og = proj(proj(xp, p["w_og_down"]), p["w_og_up"], out_dtype=F32)
   else:
-    og = nn.project(xp, p["w_og"], dtype=dt, out_dtype=F32)
+    og = proj(xp, p["w_og"], out_dtype=F32)
   conv = {n: p["conv_" + n] for n in ("q", "k", "v")}
-  o, S, tails = kda_step(cache["S"], proj, cache["conv"], conv, z, p["A_log"], p["dt_bias"],
+  o, S, tails = kda_step(cache["S"], xq, cache["conv"], conv, z, p["A_log"], p["dt_bias"],
                          beta, og, p["o_norm"], n_valid, scale=cfg.kda_head_dim ** -0.5,
                          gate_lower_bound=cfg.kda_gate_lower_bound, l2_eps=cfg.l2_norm_eps,
                          norm_eps=cfg.norm_eps, num_warps=num_warps, interpret=interpret)
-  y = nn.project(o, p["w_o"], 2, dtype=dt)[:B]
+  y = proj(o, p["w_o"], 2)[:B]
   return y[:, None], {"conv": tails, "S": S}
 
 
