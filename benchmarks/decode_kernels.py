@@ -23,8 +23,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels.decode import attnres_mix, gemv, moe_experts
-from sparse_lm import nn
+from pallas_kernels.decode import attnres_mix, moe_experts
 from sparse_lm.config import get_preset
 from sparse_lm.inference import cache as cache_lib, engine as engine_lib, forward as forward_lib
 from sparse_lm.inference import fused
@@ -92,27 +91,6 @@ def main(argv=None):
                 nnx.merge(graphdef, s), x, c, nv, pad=forward_lib.pad_rows, rows=2,
                 interpret=False, num_warps=w),
             (state, x, cache), R)
-
-  # One [1024, 1024] bf16 projection of one row, over 32 distinct weights passed separately
-  # (64 MB: more than the L2 cache, as in a decode step, where no weight is read twice)
-  M = 32
-  ws = [rnd((cfg.d_model, 1024), 0.03, dt) for _ in range(M)]
-  xr = rnd((1, cfg.d_model), 1.0, dt)
-
-  def chain(proj):
-    return lambda x, ws: sum(proj(x, w).astype(jnp.float32) for w in ws) / M
-  measure(f"projection x{M}, XLA on 2 padded rows",
-          lambda x, ws: chain(lambda xp, w: nn.project(xp, w, dtype=dt)[:1])(
-              forward_lib.pad_rows(x, 2), ws), (xr, ws), R)
-  want = nn.project(xr, ws[0], dtype=jnp.float32)
-  got = gemv(xr, ws[0], dtype=dt, out_dtype=jnp.float32)
-  print(f"gemv check: relative RMSE against the fp32 product {float(jnp.linalg.norm(got - want) / jnp.linalg.norm(want)):.2e}")
-  grid = ([(bn, bd, 4, d) for bn in (32, 64, 128) for bd in (128, 256) for d in (True, False)]
-          if args.variants else [(64, 128, 4, True)])
-  for bn, bd, w, d in grid:
-    measure(f"projection x{M}, gemv (BN {bn}, BD {bd}, warps {w}, dot {d})",
-            chain(lambda x, wt, bn=bn, bd=bd, w=w, d=d: gemv(
-                x, wt, dtype=dt, block_n=bn, block_d=bd, num_warps=w, use_dot=d)), (xr, ws), R)
 
   # AttnRes read + pre-norm (5 sources, a partial sum), with the add of y
   N, D = cfg.num_attnres_blocks, cfg.d_model

@@ -129,8 +129,9 @@ def kda_step(S: jax.Array, x: dict, tails: dict, conv: dict, z: jax.Array, A_log
   if not interpret and not (is_pow2(K) and is_pow2(V)):
     raise ValueError(f"kda_step: K={K}, V={V} must be powers of two >= 16 on the GPU")
   dtype = x["q"].dtype
-  kernel = functools.partial(_kernel, B=B, W=W, scale=float(scale), gate_lower_bound=gate_lower_bound,
-                             l2_eps=float(l2_eps), norm_eps=float(norm_eps), dtype=dtype)
+  kernel = functools.partial(_kernel, B=B, W=W, scale=float(scale),
+                             gate_lower_bound=gate_lower_bound, l2_eps=float(l2_eps),
+                             norm_eps=float(norm_eps), dtype=dtype)
   out_shape = [jax.ShapeDtypeStruct((R, H, V), dtype), jax.ShapeDtypeStruct(S.shape, S.dtype)]
   out_shape += [jax.ShapeDtypeStruct(tails[n].shape, tails[n].dtype) for n in _BRANCHES]
   args = ([x[n] for n in _BRANCHES] + [tails[n] for n in _BRANCHES] +

@@ -105,7 +105,8 @@ def moe_experts(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
       kernel, grid=(N * k, F // BF),
       out_shape=jax.ShapeDtypeStruct((N * k, F // BF, L), jnp.float32),
       compiler_params=compiler_params(interpret, num_warps=num_warps),
-      interpret=interpret, name="moe_decode_experts")(z, ids, params["w_gate"], params["w_up"], params["w_down"])
+      interpret=interpret, name="moe_decode_experts")(
+          z, ids, params["w_gate"], params["w_up"], params["w_down"])
   out = jnp.sum(partial, axis=1).astype(dtype).astype(jnp.float32)  # [A, L]
   w = jnp.where(expert_ids < E, gates.astype(jnp.float32), 0.0).reshape(N * k, 1)
   return jnp.sum((w * out).reshape(N, k, L), axis=1)

@@ -24,16 +24,14 @@ import functools
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
-from pallas_kernels.decode import (attnres_mix, gemv, gemv_supported, is_pow2, kda_step,
-                                   moe_experts, on_gpu)
+from pallas_kernels.decode import attnres_mix, is_pow2, kda_step, moe_experts, on_gpu
 from sparse_lm import nn
 
 F32 = jnp.float32
 MOE_BLOCK_F, MOE_DOT = 32, True  # moe_experts: hidden columns per program, tensor-core dots
 # Which parts of the layer take the kernels (benchmarks/decode.py --fused-off measures each).
-FUSE = {"attnres": True, "kda": True, "moe": True, "gemv": False}
+FUSE = {"attnres": True, "kda": True, "moe": True}
 
 
 def shapes_supported(cfg) -> bool:
@@ -67,26 +65,16 @@ def stream_read(cfg, stream: dict, query, norm, *, y=None, interpret: bool):
   return x[:, None], dict(stream, partial=partial[:, None], has_partial=has_partial)
 
 
-def _project(x, w, n_in=1, *, dtype, out_dtype=None, interpret: bool):
-  """nn.project of a decode step's rows x [R, *in] through the split-K `gemv` kernel when
-  FUSE["gemv"] and the blocks allow it, else XLA's product."""
-  D = int(np.prod(w.shape[:n_in]))
-  if FUSE["gemv"] and gemv_supported(D, w.size // D):
-    return gemv(x, w, n_in=n_in, dtype=dtype, out_dtype=out_dtype, interpret=interpret)
-  return nn.project(x, w, n_in, dtype=dtype, out_dtype=out_dtype)
-
-
 def kda_step_fused(mixer, x: jax.Array, cache: dict, n_valid: jax.Array, *, pad, rows: int,
                    interpret: bool, num_warps: int = 4) -> tuple[jax.Array, dict]:
   """KDA at one token per row: x [B, 1, D] -> (y [B, 1, D], cache). The projections are XLA
-  GEMMs on at least `rows` rows (`pad` = forward.pad_rows), passed to `kda_step` unsliced
-  (or, with FUSE["gemv"], `gemv` kernels on the B rows)."""
+  GEMMs on at least `rows` rows (`pad` = forward.pad_rows), passed to `kda_step` unsliced."""
   cfg = mixer.cfg
   dt = jnp.dtype(cfg.dtype)
   p = mixer.arrays()
   B = x.shape[0]
-  xp = x[:, 0] if FUSE["gemv"] else pad(x[:, 0], rows)  # [R, D]
-  proj = functools.partial(_project, dtype=dt, interpret=interpret)
+  xp = pad(x[:, 0], rows)  # [R, D]
+  proj = functools.partial(nn.project, dtype=dt)
   xq = {n: proj(xp, p["w_" + n]) for n in ("q", "k", "v")}
   z = proj(proj(xp, p["w_g_down"]), p["w_g_up"])
   beta = proj(xp, p["w_beta"], out_dtype=F32)
