@@ -21,6 +21,8 @@ Per layer (ARCHITECTURE.md §2-§5):
        runs every expert on every token (one dense pass over all expert weights); a prefill
        piece goes through the model's grouped matmuls.
   AttnRes mixes the sources of one token: nothing cached.
+A decode step (T = 1) on a GPU runs the AttnRes reads, KDA and the routed experts as fused
+Pallas kernels instead (fused.py, cfg.decode_backend); this file's path is their reference.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from flax import nnx
 
 from pallas_kernels.kda import chunk_kda, recurrent_step
 from sparse_lm import nn
+from sparse_lm.inference import fused
 from sparse_lm.model import attnres
 from sparse_lm.model.kda import kda_output, kda_projections
 from sparse_lm.moe import router as router_lib
@@ -316,7 +319,6 @@ def layer_cached(layer, stream: dict, cache: dict, *, opens: bool, start, valid,
   """One DecoderLayer (transformer.py) from its cache: the same sub-layer order and AttnRes
   reads; MoE without capacity drops. kernels = (use, interpret) (`fused.decode_kernels`):
   a decode step's AttnRes reads, KDA and routed experts through the fused Pallas kernels."""
-  from sparse_lm.inference import fused  # pylint: disable=g-import-not-at-top (cycle)
   cfg = layer.cfg
   dtype = jnp.dtype(cfg.dtype)
   use = kernels[0] and valid.shape[1] == 1
@@ -370,7 +372,6 @@ def forward_cached(stack: DecoderStack, tokens: jax.Array, cache: list[dict], st
     logits [B, vocab] fp32 after each row's last real token (garbage for n_valid = 0), and the
     new caches (row lengths become start + n_valid).
   """
-  from sparse_lm.inference import fused  # pylint: disable=g-import-not-at-top (cycle)
   cfg = stack.cfg
   dtype = jnp.dtype(cfg.dtype)
   T = tokens.shape[1]

@@ -30,7 +30,7 @@ from sparse_lm import nn
 
 F32 = jnp.float32
 MOE_BLOCK_F, MOE_DOT = 32, True  # moe_experts: hidden columns per program, tensor-core dots
-# Which parts of the layer take the kernels (benchmarks/decode.py --fused-off measures each).
+# Which parts of the layer take the kernels (benchmarks/decode.py --fused-ablate measures each).
 FUSE = {"attnres": True, "kda": True, "moe": True}
 
 
