@@ -28,10 +28,11 @@ class Ablation:
 # Every ablation at the tiny preset: stage_8k's tiny stage, shortened to a 5-layer model (3 KDA
 # + 2 MLA layers; a dense FFN in the first, MoE in the other 4), 80 steps of 16 x 128 tokens, the "blocked" grouped
 # matmul (moe/gmm.py; XLA's CPU ragged_dot works densely over the experts). Configurations that
-# come out identical (e.g. the bounded gate, SiTU-GLU, block AttnRes and AdamW are all the
-# default) train once and are shared (run.py). Checkpoints every 20 steps are kept for the
-# probes over training (probe.py). The second seed of a configuration reuses the first one's
-# compiled programs through the persistent XLA cache. Measured times: docs/ablations.md.
+# resolve to the same config (the bounded gate, block AttnRes, gated MLA and SiTU-GLU are all
+# the default) train once and are shared (run.config_key, jobs.plan). Checkpoints every 20 steps
+# are kept for the probes over training (probe.py). The second seed of a configuration reuses
+# the first one's compiled programs through the persistent XLA cache. Measured times:
+# docs/ablations.md.
 PRESETS = {
     "tiny": ("model.num_layers=5", "model.gmm_backend=blocked", "seq_len=128",
              "tokens_per_batch=2048", "steps=80", "optim.warmup_steps=10", "eval_every=40",
@@ -54,7 +55,12 @@ ABLATIONS = (
         (("quantile (midpoint)", "quantile"),
          ("quantile (kplus1)", "quantile", ("model.qb_cutoff=kplus1",)),
          ("bias_sign", "bias_sign"), ("aux_loss", "aux_loss"), ("none", "none")),
-        common=("model.num_experts=64", "model.experts_per_token=4", "tokens_per_batch=4096"),
+        # Per-step load is measured on the whole batch, so the batch must look like a large
+        # one: many documents (rows shuffled over a window of ~1M tokens, ~30 source files;
+        # without it 4,096 tokens are one or two files) and m = 8192 x 4 / 64 = 512
+        # assignments per expert. Same tokens as 80 steps of 4,096 (docs/ablations/SIZING.md).
+        common=("model.num_experts=64", "model.experts_per_token=4", "tokens_per_batch=8192",
+                "steps=40", "data.shuffle_window=8192"),
         summary="balance", probes=("load",)),
     Ablation(
         "gate",
