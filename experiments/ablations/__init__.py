@@ -55,12 +55,12 @@ ABLATIONS = (
         (("quantile (midpoint)", "quantile"),
          ("quantile (kplus1)", "quantile", ("model.qb_cutoff=kplus1",)),
          ("bias_sign", "bias_sign"), ("aux_loss", "aux_loss"), ("none", "none")),
-        # Per-step load is measured on the whole batch, so the batch must look like a large
-        # one: many documents (rows shuffled over a window of ~1M tokens, ~30 source files;
-        # without it 4,096 tokens are one or two files) and m = 8192 x 4 / 64 = 512
-        # assignments per expert. Same tokens as 80 steps of 4,096 (docs/ablations/SIZING.md).
-        common=("model.num_experts=64", "model.experts_per_token=4", "tokens_per_batch=8192",
-                "steps=40", "data.shuffle_window=8192"),
+        # Per-step load is measured on the whole batch of 4,096 tokens (m = 4096 x 4 / 64 =
+        # 256 assignments per expert); the rows are shuffled over a window of 4,096 rows (512K
+        # tokens, ~20 source files), so a batch mixes documents as a large one does (without
+        # it a batch is one or two files; docs/ablations/SIZING.md).
+        common=("model.num_experts=64", "model.experts_per_token=4", "tokens_per_batch=4096",
+                "data.shuffle_window=4096"),
         summary="balance", probes=("load",)),
     Ablation(
         "gate",

@@ -1,6 +1,6 @@
 """The trainings of several ablations, each distinct configuration once, in worker processes.
 
-`plan(names, preset, workdir, seeds)` lists the distinct stage configurations the ablations
+`plan(names, preset, seeds)` lists the distinct stage configurations the ablations
 need (`run.config_key`: equal configurations of different ablations, e.g. the default model as
 the bounded gate, block AttnRes, SiTU-GLU and gated MLA, are one task) with the union of their
 probes; `run_tasks(tasks, jobs, ...)` runs them in `jobs` worker processes, each pinned to one
@@ -23,13 +23,15 @@ from typing import Any, Callable
 
 from experiments.ablations import BY_NAME
 
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+
 
 def default_jobs() -> int:
   """2 worker processes when this process may use 2 or more cores, else 1."""
   return 2 if len(os.sched_getaffinity(0)) >= 2 else 1
 
 
-def plan(names: list[str], preset: str, workdir: str | pathlib.Path, seeds) -> list[dict]:
+def plan(names: list[str], preset: str, seeds) -> list[dict]:
   """The distinct configurations of the ablations `names`, heaviest first: per task its key,
   the first (ablation, variant index) that produces it, the seeds, the union of the probes,
   the users ("ablation / label") and a cost estimate (tokens trained, x2 with 32+ experts)."""
@@ -59,7 +61,7 @@ def run_tasks(tasks: list[dict], jobs: int, preset: str, workdir: str | pathlib.
   Raises:
     RuntimeError: a worker failed (after the others finished; names the task and its log).
   """
-  workdir = pathlib.Path(workdir)
+  workdir = pathlib.Path(workdir).absolute()
   (workdir / "logs").mkdir(parents=True, exist_ok=True)
   if tasks:  # the workers copy <workdir>/tokenizer.json; train it once, before they start
     from experiments.ablations.run import stage_for  # pylint: disable=g-import-not-at-top
@@ -77,7 +79,7 @@ def run_tasks(tasks: list[dict], jobs: int, preset: str, workdir: str | pathlib.
         log = open(workdir / "logs" / f"{task['key']}.log", "w")  # pylint: disable=consider-using-with
         cmd = [sys.executable, "-m", "experiments.ablations.jobs",
                json.dumps({**task, "preset": preset, "workdir": str(workdir)})]
-        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT,  # pylint: disable=consider-using-with
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,  # pylint: disable=consider-using-with
                                 preexec_fn=lambda c=core: os.sched_setaffinity(0, {c}))
         running[core] = (proc, task, log, time.time())
         say(f"[ablations] core {core}: {', '.join(task['users'])} (seeds {task['seeds']})")

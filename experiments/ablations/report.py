@@ -270,7 +270,7 @@ def _run(args, names, seeds, results, store, docs, argv) -> dict[str, Any]:
   t_start, load_start = time.time(), os.getloadavg()[0]
   used: dict[str, Any] = {}
   if jobs > 1:
-    tasks = jobs_lib.plan(names, args.preset, args.workdir, seeds)
+    tasks = jobs_lib.plan(names, args.preset, seeds)
     print(f"[ablations] {len(tasks)} distinct configurations x {len(seeds)} seeds for "
           f"{', '.join(names)}, {jobs} workers", flush=True)
     used = jobs_lib.run_tasks(tasks, jobs, args.preset, args.workdir)

@@ -21,9 +21,8 @@ def test_equal_configurations_share_one_run():
               key("gate", 0)}) == 5
   assert config_key(stage_for(BY_NAME["gate"], "tiny", BY_NAME["gate"].variants[0], 1)) == \
       key("gate", 0)  # the seed is not part of the key (it names the run's subdirectory)
-  tasks = jobs.plan(["gate", "residual", "length", "activation", "balancing"], "tiny",
-                    "/unused", (0, 1))
-  assert len(tasks) == 4 + 5
+  tasks = jobs.plan(["gate", "residual", "length", "activation", "balancing"], "tiny", (0, 1))
+  assert len(tasks) == 5 + 5  # the default + 4 other models, 5 balancers
   (default,) = [t for t in tasks if len(t["users"]) > 1]
   assert sorted(default["users"]) == ["activation / SiTU-GLU", "gate / bounded (-5)",
                                       "length / gated MLA", "residual / block AttnRes"]
@@ -34,7 +33,7 @@ def test_equal_configurations_share_one_run():
 def test_a_worker_trains_the_ablation_and_the_report_table_comes_from_its_numbers(
     workdir, tmp_path):
   ablation = BY_NAME["length"]
-  tasks = jobs.plan(["length"], "smoke", workdir, (0,))
+  tasks = jobs.plan(["length"], "smoke", (0,))
   used = jobs.run_tasks(tasks, 1, "smoke", workdir, say=lambda s: None)
   log = (workdir / "logs" / f"{tasks[0]['key']}.log").read_text()
   assert f"affinity [{sorted(os.sched_getaffinity(0))[0]}]" in log, log[-3000:]
