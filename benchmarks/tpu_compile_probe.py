@@ -31,6 +31,14 @@ def main(argv=None) -> None:
   p.add_argument("--d-model", type=int, default=7168)
   p.add_argument("--hidden", type=int, default=2048)
   args = p.parse_args(argv)
+  from sparse_lm.sharding import check_topology
+  try:
+    check_topology(args.topology)
+  except ValueError as e:
+    p.error(f"--topology: {e}")
+  for name in ("layers", "tokens", "d_model", "hidden"):
+    if getattr(args, name) < 1:
+      p.error(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
   os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")

@@ -104,7 +104,18 @@ def blocked_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
 
   Returns:
     [M, N] in lhs's dtype.
+
+  Raises:
+    ValueError: lhs not 2-D, rhs not 3-D, their K differ, group_sizes not [G], or block < 1.
   """
+  if lhs.ndim != 2 or rhs.ndim != 3 or lhs.shape[1] != rhs.shape[1]:
+    raise ValueError(f"blocked_gmm: lhs must be [M, K] and rhs [G, K, N] with the same K; got "
+                     f"lhs {lhs.shape}, rhs {rhs.shape}")
+  if group_sizes.shape != (rhs.shape[0],):
+    raise ValueError(f"blocked_gmm: group_sizes must be [G] = [{rhs.shape[0]}], got "
+                     f"{group_sizes.shape}")
+  if block is not None and block < 1:
+    raise ValueError(f"blocked_gmm: block must be >= 1, got {block}")
   m, k = lhs.shape
   g, _, n = rhs.shape
   if block is None:
