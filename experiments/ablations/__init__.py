@@ -39,10 +39,10 @@ PRESETS = {
              "eval_batches=2", "checkpoint_every=20", "keep_checkpoints=10", "sample_tokens=0"),
     "small": ("steps=2000", "optim.warmup_steps=200", "eval_every=250",
               "checkpoint_every=250", "keep_checkpoints=10", "sample_tokens=0"),
-    # Test size (tests/train/conftest.py's SMALL_SETS: compiled once per test process).
-    "smoke": ("model.num_layers=5", "seq_len=64", "tokens_per_batch=256", "steps=4",
+    # Test size: 2 steps, one checkpoint (tests/ablations/test_report.py).
+    "smoke": ("model.num_layers=5", "seq_len=64", "tokens_per_batch=256", "steps=2",
               "checkpoint_every=2", "keep_checkpoints=10", "eval_every=100", "eval_batches=1",
-              "sample_tokens=0", "optim.warmup_steps=2"),
+              "sample_tokens=0", "optim.warmup_steps=1"),
 }
 SEEDS = (0, 1)
 

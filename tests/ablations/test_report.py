@@ -1,7 +1,8 @@
-"""The ablation harness end to end at a minimal size: equal configurations share one run, a
-worker process (pinned to one core) trains through the stage pipeline, the record holds the
-run's own numbers (metrics.jsonl), a rerun trains nothing, and the report's table is
-regenerated from the record (a changed record changes the table)."""
+"""The ablation harness end to end at a minimal size: equal configurations share one run, one
+ablation trains through the stage pipeline, its record holds the run's own numbers
+(metrics.jsonl), a worker process (pinned to one core) reuses the finished run, training
+nothing, and the report's table is regenerated from the record (a changed record changes the
+table)."""
 
 import json
 import os
@@ -30,15 +31,10 @@ def test_equal_configurations_share_one_run():
   assert [t["users"][0].split(" / ")[0] for t in tasks[:5]] == ["balancing"] * 5  # heaviest
 
 
-def test_a_worker_trains_the_ablation_and_the_report_table_comes_from_its_numbers(
+def test_one_ablation_runs_a_worker_reuses_it_and_the_report_table_comes_from_its_numbers(
     workdir, tmp_path):
   ablation = BY_NAME["length"]
-  tasks = jobs.plan(["length"], "smoke", (0,))
-  used = jobs.run_tasks(tasks, 1, "smoke", workdir, say=lambda s: None)
-  log = (workdir / "logs" / f"{tasks[0]['key']}.log").read_text()
-  assert f"affinity [{sorted(os.sched_getaffinity(0))[0]}]" in log, log[-3000:]
-  assert used["jobs"] == 1 and 0 < used["worker_peak_rss_gb"] < 3
-  rec = collect(ablation, "smoke", workdir, (0,))
+  rec = run_ablation(ablation, "smoke", workdir, seeds=(0,), probes=False)
   (run,) = rec["variants"]["gated MLA"]["runs"]
   jsonl = pathlib.Path(run["run_dir"]) / "stage_8k" / "tb" / "metrics.jsonl"
   records = [json.loads(l) for l in jsonl.open()]
@@ -46,9 +42,15 @@ def test_a_worker_trains_the_ablation_and_the_report_table_comes_from_its_number
   final = next(r for r in records if "final/eval_loss_at_64" in r)
   assert run["final"]["eval_loss@64"] == final["final/eval_loss_at_64"]
   assert run["final"]["eval_loss@128"] == final["final/eval_loss_at_128"]
-  # A rerun in this process reads the finished run back and trains nothing.
+  # A worker process, pinned to one core, given the same configuration reads the finished run
+  # back and trains nothing (its checkpoints are gone).
   (jsonl.parent.parent / "checkpoints").rename(tmp_path / "moved")
-  assert run_ablation(ablation, "smoke", workdir, seeds=(0,), probes=False) == rec
+  tasks = [{**t, "probes": []} for t in jobs.plan(["length"], "smoke", (0,))]  # as above
+  used = jobs.run_tasks(tasks, 1, "smoke", workdir, say=lambda s: None)
+  log = (workdir / "logs" / f"{tasks[0]['key']}.log").read_text()
+  assert f"affinity [{sorted(os.sched_getaffinity(0))[0]}]" in log, log[-3000:]
+  assert used["jobs"] == 1 and 0 < used["worker_peak_rss_gb"] < 3
+  assert collect(ablation, "smoke", workdir, (0,)) == rec
   with pytest.raises(FileNotFoundError, match="seed 1: no finished run"):
     collect(ablation, "smoke", workdir, (0, 1))
 
