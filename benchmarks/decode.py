@@ -24,6 +24,9 @@ for the small preset) is built with max_length = L and B slots, and:
            start of the context and one at its end (its attention reads the whole cache);
            a whole prompt of L tokens costs about (L / P) x their mean, so
            tokens/s = B L / ((L / P) x mean).
+--fused-ablate: the decode step with each part of the fused Pallas path (sparse_lm/inference/
+fused.FUSE: AttnRes reads, KDA step, routed experts, split-K projections) switched from its
+default in turn, then all off.
 --profile DIR (first configuration only): a jax.profiler trace of one decode call, one
 single step, and one single step with the model's own MoE (the engine's decode path before
 `moe_decode`), each summarised as its top device ops by total time.
@@ -48,6 +51,7 @@ from flax import nnx
 
 from sparse_lm.config import get_preset
 from sparse_lm.inference import Engine, cache_bytes, engine as engine_lib, forward as forward_lib
+from sparse_lm.inference import fused
 from sparse_lm.model import Transformer
 
 
@@ -216,6 +220,9 @@ def main(argv=None):
                  help="start no new configuration after this many seconds")
   p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
                  help="ModelConfig override, e.g. --set gmm_backend=ragged_dot")
+  p.add_argument("--fused-ablate", action="store_true",
+                 help="decode step of the first configuration with each part of the fused "
+                 "Pallas decode path (decode_backend=pallas) switched in turn")
   p.add_argument("--out")
   args = p.parse_args(argv)
   overrides = {}
@@ -234,6 +241,21 @@ def main(argv=None):
              if args.configs else
              [(int(b), int(c)) for c in args.contexts.split(",") for b in args.batches.split(",")])
   rows = {bc: {} for bc in configs}
+  if args.fused_ablate:
+    batch, context = configs[0]
+    default = dict(fused.FUSE)
+    sets = ([("default", {})] + [(f"-{k}", {k: False}) for k, on in default.items() if on] +
+            [(f"+{k}", {k: True}) for k, on in default.items() if not on] +
+            [("none (= xla)", {k: False for k in default})])
+    for label, change in sets:
+      fused.FUSE.update(default)
+      fused.FUSE.update(change)
+      jax.clear_caches()
+      r = decode_row(cfg, model, batch, context, args)
+      print(f"fused-ablate B={batch} L={context} {label}: {r['decode_ms']:.3f} ms/step",
+            flush=True)
+    fused.FUSE.update(default)
+    jax.clear_caches()
   # Decode for every configuration first (the acceptance numbers), then prefill.
   for part, fn in (("decode", decode_row), ("prefill", prefill_row)):
     if part not in args.parts.split(",") or (part == "prefill" and args.skip_prefill):

@@ -28,6 +28,10 @@ ATTENTION_BACKENDS = ("auto", "xla_chunked", "xla", "tokamax", "cudnn", "splash"
 # expert axis is smaller than top-k, else ragged on GPU / TPU and dense on CPU).
 EP_EXCHANGES = ("auto", "ragged", "dense", "allgather")
 STACK_DTYPES = ("bfloat16", "float32")
+# The inference engine's decode step (sparse_lm/inference/fused.py): "pallas" fuses each layer's
+# small ops into Pallas kernels (pallas_kernels.decode; interpret mode off the GPU), "xla" is
+# the pure-JAX path, "auto" picks pallas on a GPU when the shapes allow it, else xla.
+DECODE_BACKENDS = ("auto", "xla", "pallas")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,6 +113,9 @@ class ModelConfig:
   # Storage dtype of the committed AttnRes sources (mixing is fp32 either way); None = the
   # compute dtype. bf16 halves the stack saved at every group boundary (model/attnres.py).
   attnres_stack_dtype: str | None = None
+
+  # Inference
+  decode_backend: str = "auto"  # DECODE_BACKENDS
 
   # Vision (§7)
   vision: bool = False  # True in `small` and `full`; `tiny` is text-only unless asked
@@ -217,6 +224,8 @@ class ModelConfig:
     if self.attnres_stack_dtype is not None and self.attnres_stack_dtype not in STACK_DTYPES:
       bad(f"attnres_stack_dtype={self.attnres_stack_dtype!r} must be one of {STACK_DTYPES} "
           "or None (the compute dtype)")
+    if self.decode_backend not in DECODE_BACKENDS:
+      bad(f"decode_backend={self.decode_backend!r} must be one of {DECODE_BACKENDS}")
     if self.gmm_backend not in GMM_BACKENDS:
       bad(f"gmm_backend={self.gmm_backend!r} must be one of {GMM_BACKENDS}")
     if self.attention_backend not in ATTENTION_BACKENDS:

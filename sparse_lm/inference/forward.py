@@ -21,9 +21,13 @@ Per layer (ARCHITECTURE.md §2-§5):
        runs every expert on every token (one dense pass over all expert weights); a prefill
        piece goes through the model's grouped matmuls.
   AttnRes mixes the sources of one token: nothing cached.
+A decode step (T = 1) on a GPU runs the AttnRes reads, KDA and the routed experts as fused
+Pallas kernels instead (fused.py, cfg.decode_backend); this file's path is their reference.
 """
 
 from __future__ import annotations
+
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -31,6 +35,7 @@ from flax import nnx
 
 from pallas_kernels.kda import chunk_kda, recurrent_step
 from sparse_lm import nn
+from sparse_lm.inference import fused
 from sparse_lm.model import attnres
 from sparse_lm.model.kda import kda_output, kda_projections
 from sparse_lm.moe import router as router_lib
@@ -270,12 +275,14 @@ def gathered_experts(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
   return jnp.sum((w * out).reshape(N, k, -1), axis=1)
 
 
-def moe_decode(moe, x: jax.Array, valid: jax.Array) -> jax.Array:
+def moe_decode(moe, x: jax.Array, valid: jax.Array, experts=None) -> jax.Array:
   """A LatentMoE (sparse_lm.moe.latent_moe, ARCHITECTURE §5) at inference: the frozen biases
   route, nothing is dropped, no statistics. x [B, T, D] in the compute dtype, valid [B, T]
   bool -> y [B, T, D]. The routed experts run as `gathered_experts` when N k <= E x
   GATHER_MAX_ASSIGNMENTS_PER_EXPERT, else every expert on every token (`dense_reference`).
-  With fewer than DECODE_MIN_ROWS tokens the projections run on zero-padded rows (`pad_rows`)."""
+  With fewer than DECODE_MIN_ROWS tokens the projections run on zero-padded rows (`pad_rows`).
+  experts(z, ids, gates) -> u replaces `gathered_experts` when given (the Pallas kernel,
+  `fused.routed_experts`; z may carry the zero rows of the padding past n)."""
   B, T, D = x.shape
   n, E, k = B * T, moe.num_experts, moe.experts_per_token
   dt = jnp.dtype(moe.compute_dtype)
@@ -286,8 +293,11 @@ def moe_decode(moe, x: jax.Array, valid: jax.Array) -> jax.Array:
   routing = router_lib.route(scores, moe.balancer_bias[...], k, moe.route_scale,
                              cutoff=moe.qb_cutoff)
   ids = jnp.where(valid.reshape(n, 1), routing.expert_ids, E)
-  z = jnp.dot(xp, moe.w_down[...].astype(dt))[:n] if moe.latent else xf.astype(dt)
-  if n * k <= E * GATHER_MAX_ASSIGNMENTS_PER_EXPERT:
+  z_rows = jnp.dot(xp, moe.w_down[...].astype(dt)) if moe.latent else xp  # [max(n, rows), L]
+  z = z_rows[:n]
+  if n * k <= E * GATHER_MAX_ASSIGNMENTS_PER_EXPERT and experts is not None:
+    u = experts(z_rows, ids, routing.gates)  # reads rows < n only: no slice kernel
+  elif n * k <= E * GATHER_MAX_ASSIGNMENTS_PER_EXPERT:
     u = gathered_experts(z, ids, routing.gates, moe.expert_params(), beta1=moe.beta1,
                          beta2=moe.beta2, min_rows=rows)
   else:
@@ -305,24 +315,41 @@ def moe_decode(moe, x: jax.Array, valid: jax.Array) -> jax.Array:
 
 
 def layer_cached(layer, stream: dict, cache: dict, *, opens: bool, start, valid, n_valid,
-                 kv_block: int) -> tuple[dict, dict]:
+                 kv_block: int, kernels=(False, False)) -> tuple[dict, dict]:
   """One DecoderLayer (transformer.py) from its cache: the same sub-layer order and AttnRes
-  reads; MoE without capacity drops."""
+  reads; MoE without capacity drops. kernels = (use, interpret) (`fused.decode_kernels`):
+  a decode step's AttnRes reads, KDA and routed experts through the fused Pallas kernels."""
   cfg = layer.cfg
   dtype = jnp.dtype(cfg.dtype)
+  use = kernels[0] and valid.shape[1] == 1
+  fuse_res = use and cfg.residual == "attnres_block" and fused.FUSE["attnres"]
   stream = attnres.open_block(cfg, stream, opens)
-  x = layer.attn_norm(attnres.sublayer_input(cfg, stream, layer.attn_query[...])).astype(dtype)
-  if layer.mixer_kind == "kda":
+  if fuse_res:
+    x, stream = fused.stream_read(cfg, stream, layer.attn_query[...], layer.attn_norm,
+                                  interpret=kernels[1])
+  else:
+    x = layer.attn_norm(attnres.sublayer_input(cfg, stream, layer.attn_query[...]))
+    x = x.astype(dtype)
+  if layer.mixer_kind == "kda" and use and fused.FUSE["kda"]:
+    y, cache = fused.kda_step_fused(layer.mixer, x, cache, n_valid, pad=pad_rows,
+                                    rows=DECODE_MIN_ROWS, interpret=kernels[1])
+  elif layer.mixer_kind == "kda":
     y, cache = kda_cached(layer.mixer, x, cache, n_valid)
   else:
     y, cache = mla_cached(layer.mixer, x, cache, start, kv_block=kv_block)
-  stream = attnres.add_output(cfg, stream, y)
-  x = layer.ffn_norm(attnres.sublayer_input(cfg, stream, layer.ffn_query[...])).astype(dtype)
+  if fuse_res:
+    x, stream = fused.stream_read(cfg, stream, layer.ffn_query[...], layer.ffn_norm, y=y,
+                                  interpret=kernels[1])
+  else:
+    stream = attnres.add_output(cfg, stream, y)
+    x = layer.ffn_norm(attnres.sublayer_input(cfg, stream, layer.ffn_query[...])).astype(dtype)
   if layer.dense_ffn:
     rows = DECODE_MIN_ROWS if x.shape[1] == 1 else 0
     y = layer.ffn(pad_rows(x, rows))[:x.shape[0]]
   elif x.shape[1] == 1 and DECODE_MOE == "moe_decode":
-    y = moe_decode(layer.ffn, x, valid)
+    experts = (functools.partial(fused.routed_experts, layer.ffn, interpret=kernels[1])
+               if use and fused.FUSE["moe"] else None)
+    y = moe_decode(layer.ffn, x, valid, experts)
   else:
     layer.ffn.capacity_factor = None  # inference never drops (this is a traced copy)
     y, _ = layer.ffn(x, valid=valid, train=False)
@@ -348,16 +375,23 @@ def forward_cached(stack: DecoderStack, tokens: jax.Array, cache: list[dict], st
   cfg = stack.cfg
   dtype = jnp.dtype(cfg.dtype)
   T = tokens.shape[1]
+  kernels = fused.decode_kernels(cfg) if T == 1 else (False, False)
   valid = jnp.arange(T)[None] < n_valid[:, None]
   stream = attnres.init_stream(cfg, stack.embed(tokens))
   new_cache = []
   for i, (layer, c) in enumerate(zip(stack.layers, cache)):
     stream, c = layer_cached(layer, stream, c, opens=i % cfg.attnres_block_layers == 0,
-                             start=start, valid=valid, n_valid=n_valid, kv_block=kv_block)
+                             start=start, valid=valid, n_valid=n_valid, kv_block=kv_block,
+                             kernels=kernels)
     new_cache.append(c)
-  h = attnres.final_output(cfg, stream, stack.final_query[...])  # [B, T, D]
-  last = jnp.clip(n_valid - 1, 0, T - 1)
-  h = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
-  h = stack.final_norm(h).astype(dtype)
+  if kernels[0] and cfg.residual == "attnres_block" and fused.FUSE["attnres"]:
+    h, _ = fused.stream_read(cfg, stream, stack.final_query[...], stack.final_norm,
+                             interpret=kernels[1])
+    h = h[:, 0]
+  else:
+    h = attnres.final_output(cfg, stream, stack.final_query[...])  # [B, T, D]
+    last = jnp.clip(n_valid - 1, 0, T - 1)
+    h = jnp.take_along_axis(h, last[:, None, None], axis=1)[:, 0]
+    h = stack.final_norm(h).astype(dtype)
   logits = jnp.dot(h, stack.lm_head[...].astype(dtype), preferred_element_type=jnp.float32)
   return logits, new_cache

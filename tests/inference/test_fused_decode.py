@@ -1,0 +1,160 @@
+"""The fused decode kernels (pallas_kernels.decode through sparse_lm.inference.fused) against
+the pure-JAX decode path of forward.py, on fresh random inputs, caches and weights (never
+zeros). On CPU the kernels run in Pallas interpret mode; on a GPU (JAX_PLATFORMS=cuda) the
+same tests run the compiled Triton kernels. fp32 at 1e-5 (ARCHITECTURE.md: much tighter than
+the bf16 contract); one bf16 case at the bf16 contract (relative RMSE <= 5e-3).
+
+Reference for each kernel: the path the engine takes without it (`kda_cached`,
+`attnres.sublayer_input` + the pre-norm, `gathered_experts`), itself checked against the
+model's full forward pass in test_engine.py / test_moe_decode.py. The whole decode step
+through the kernels: test_decode_padding.py."""
+
+import dataclasses
+import types
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from pallas_kernels.decode import moe_experts
+from sparse_lm import nn
+from sparse_lm.config import get_preset
+from sparse_lm.inference import cache as cache_lib, forward as forward_lib, fused
+from sparse_lm.model import attnres
+from sparse_lm.model.kda import KDA
+
+SEED = 11
+TOL = dict(rtol=1e-5, atol=1e-5)
+INTERPRET = jax.default_backend() != "gpu"
+
+
+def _randomize(tree, seed, scale=0.5):
+  leaves, treedef = jax.tree.flatten(tree)
+  keys = jax.random.split(jax.random.key(seed), len(leaves))
+  return jax.tree.unflatten(treedef, [(scale * jax.random.normal(k, a.shape, jnp.float32)
+                                       ).astype(a.dtype) for k, a in zip(keys, leaves)])
+
+
+def _rel_rmse(got, want):
+  got, want = np.asarray(got, np.float64), np.asarray(want, np.float64)
+  return np.linalg.norm(got - want) / np.linalg.norm(want)
+
+
+def _kda_setup(cfg):
+  mixer = KDA(cfg, rngs=nnx.Rngs(SEED))
+  for name in ("A_log", "dt_bias", "o_norm"):  # away from their constant initial values
+    var = getattr(mixer, name)
+    var[...] = var[...] + 0.3 * jax.random.normal(jax.random.key(SEED + 1), var[...].shape)
+  return nnx.split(mixer)
+
+
+def _kda_paths(cfg, x, cache, n_valid, kernel=True):
+  """(fused kernel path or None, pure-JAX path) of one KDA decode token."""
+  graphdef, state = _kda_setup(cfg)
+  want = jax.jit(lambda s, x, c: forward_lib.kda_cached(nnx.merge(graphdef, s), x, c, n_valid))(
+      state, x, cache)
+  got = jax.jit(lambda s, x, c: fused.kda_step_fused(
+      nnx.merge(graphdef, s), x, c, n_valid, pad=forward_lib.pad_rows,
+      rows=forward_lib.DECODE_MIN_ROWS, interpret=INTERPRET))(state, x, cache) if kernel else None
+  return got, want
+
+
+@pytest.mark.parametrize("variant", ["unbounded_lowrank", "bf16"])
+def test_kda_step_kernel_equals_kda_cached(variant):
+  """One token for 3 rows (row 1 idle: an identity step) from a random state and conv tails:
+  output, state and tails against forward.kda_cached (recurrent_step + kda_projections +
+  kda_output). bf16: the kernel path against the fp32 path on the same inputs, at the bf16
+  contract of ARCHITECTURE.md §2.5 (relative RMSE <= 5e-3 for the output, state and tails;
+  the pure-JAX bf16 path's error is printed beside it). The bounded gate with the full-rank
+  output gate in fp32: test_decode_padding.py (the whole step)."""
+  print(f"seed {SEED} variant {variant}")
+  over = {"unbounded_lowrank": dict(kda_gate_lower_bound=None, kda_output_gate_rank=8),
+          "bf16": dict(dtype="bfloat16")}[variant]
+  cfg = get_preset("tiny", **over)
+  B = 3
+  cache = _randomize(cache_lib.init_cache(cfg, B, 16)[0], SEED + 2)
+  x = jax.random.normal(jax.random.key(SEED + 3), (B, 1, cfg.d_model)).astype(cfg.dtype)
+  n_valid = jnp.array([1, 0, 1], jnp.int32)
+  got, want = _kda_paths(cfg, x, cache, n_valid)
+  assert float(jnp.std(want[0][0].astype(jnp.float32))) > 1e-3
+  if variant == "bf16":
+    f32 = lambda t: jax.tree.map(lambda a: a.astype(jnp.float32), t)
+    truth = _kda_paths(get_preset("tiny", dtype="float32"), f32(x), f32(cache), n_valid,
+                       kernel=False)[1]
+    for g, w, t in zip(jax.tree.leaves(got), jax.tree.leaves(want), jax.tree.leaves(truth)):
+      err_kernel, err_xla = _rel_rmse(g, t), _rel_rmse(w, t)
+      print(f"bf16 rel RMSE vs fp32: kernel {err_kernel:.2e}, pure-JAX {err_xla:.2e}")
+      assert err_kernel <= 5e-3
+  else:
+    for g, w in zip(jax.tree.leaves(got), jax.tree.leaves(want)):
+      np.testing.assert_allclose(np.asarray(g), np.asarray(w), **TOL)
+  # the idle row's state and tails are exactly its old ones
+  np.testing.assert_array_equal(np.asarray(got[1]["S"][1]), np.asarray(cache["S"][1]))
+  for name in ("q", "k", "v"):
+    np.testing.assert_array_equal(np.asarray(got[1]["conv"][name][1]),
+                                  np.asarray(cache["conv"][name][1]))
+
+
+def test_attnres_mix_kernel_equals_stream_read():
+  """A Block-AttnRes read (3 of 4 slots filled, a partial block sum) + pre-norm, after adding
+  a sub-layer output, against attnres.add_output + sublayer_input + RMSNorm (the reads
+  without the add run in test_decode_padding.py (the whole step))."""
+  print(f"seed {SEED}")
+  cfg = get_preset("tiny")
+  B, D, N = 2, cfg.d_model, 4
+  k = jax.random.split(jax.random.key(SEED + 4), 5)
+  stream = {"stack": jax.random.normal(k[0], (N, B, 1, D)).at[3].set(0.0) * 2.0,
+            "count": jnp.int32(3), "partial": jax.random.normal(k[1], (B, 1, D)),
+            "has_partial": jnp.bool_(True)}
+  query = jax.random.normal(k[2], (D,))
+  norm = types.SimpleNamespace(scale=1.0 + 0.3 * jax.random.normal(k[3], (D,)),
+                               eps=cfg.norm_eps)  # an nn.RMSNorm's fields
+  y = jax.random.normal(k[4], (B, 1, D))
+  ref_stream = attnres.add_output(cfg, stream, y)
+  want = nn.rms_norm(attnres.sublayer_input(cfg, ref_stream, query), norm.scale,
+                     cfg.norm_eps)
+  got, got_stream = fused.stream_read(cfg, stream, query, norm, y=y, interpret=INTERPRET)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+  np.testing.assert_allclose(np.asarray(got_stream["partial"]),
+                             np.asarray(ref_stream["partial"]), **TOL)
+
+
+@pytest.mark.parametrize("activation", ["swiglu", "situ_bf16_dot"])
+def test_moe_experts_kernel_equals_gathered_experts(activation):
+  """Routed experts read in place (ids with the sentinel E: no expert) against
+  forward.gathered_experts (fp32 at 1e-5; bf16 weights through the tensor-core dot against the
+  same path in bf16, relative RMSE <= 5e-3). SiTU in fp32:
+  test_decode_padding.py (the whole step)."""
+  print(f"seed {SEED} {activation}")
+  E, L, F, N, k = 6, 32, 64, 3, 2
+  keys = jax.random.split(jax.random.key(SEED + 5), 6)
+  params = {"w_gate": jax.random.normal(keys[0], (E, L, F)) / 4,
+            "w_up": jax.random.normal(keys[1], (E, L, F)) / 4,
+            "w_down": jax.random.normal(keys[2], (E, F, L)) / 8}
+  z = jax.random.normal(keys[3], (N, L))
+  ids = jax.random.randint(keys[4], (N, k), 0, E + 1).at[0, 1].set(E)
+  gates = jax.random.uniform(keys[5], (N, k))
+  betas = (None, None) if activation == "swiglu" else (4.0, 25.0)  # SwiGLU / SiTU
+  want = forward_lib.gathered_experts(z, ids, gates, params, beta1=betas[0], beta2=betas[1])
+  assert float(jnp.std(want)) > 1e-2
+  if activation == "situ_bf16_dot":  # against the pure-JAX path on the same bf16 inputs
+    bf = lambda a: a.astype(jnp.bfloat16)
+    want = forward_lib.gathered_experts(bf(z), ids, gates, jax.tree.map(bf, params), beta1=4.0,
+                                        beta2=25.0)
+    got = moe_experts(bf(z), ids, gates, jax.tree.map(bf, params), beta1=4.0, beta2=25.0,
+                      block_f=16, use_dot=True, interpret=INTERPRET)
+    assert _rel_rmse(got, want) <= 5e-3
+    return
+  got = moe_experts(z, ids, gates, params, beta1=betas[0], beta2=betas[1], block_f=16,
+                    interpret=INTERPRET)
+  np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
+
+
+def test_decode_backend_is_validated_and_auto_is_xla_on_cpu():
+  with pytest.raises(ValueError, match="decode_backend='triton' must be one of"):
+    get_preset("tiny", decode_backend="triton")
+  if INTERPRET:
+    assert fused.decode_kernels(get_preset("tiny")) == (False, False)
+  assert fused.decode_kernels(get_preset("tiny", decode_backend="xla")) == (False, False)
