@@ -4,8 +4,8 @@
 need (`run.config_key`: equal configurations of different ablations, e.g. the default model as
 the bounded gate, block AttnRes, SiTU-GLU and gated MLA, are one task) with the union of their
 probes; `run_tasks(tasks, jobs, ...)` runs them in `jobs` worker processes, each pinned to one
-core of this process's CPU set (`os.sched_setaffinity`; worker i gets the i-th core), heaviest
-first. A worker (`python -m experiments.ablations.jobs TASK_JSON`) trains its configuration's
+core of this process's CPU set (the worker calls `os.sched_setaffinity` before importing jax;
+worker i gets the i-th core), heaviest first. A worker (`python -m experiments.ablations.jobs TASK_JSON`) trains its configuration's
 seeds one after another through `run.train_run` and exits, so its memory is returned; compiled
 programs are shared through the persistent XLA cache in `<workdir>/xla_cache`. Afterwards
 `run.collect` reads each ablation's record from the runs' run.json files.
@@ -78,9 +78,10 @@ def run_tasks(tasks: list[dict], jobs: int, preset: str, workdir: str | pathlib.
         task = queue.pop(0)
         log = open(workdir / "logs" / f"{task['key']}.log", "w")  # pylint: disable=consider-using-with
         cmd = [sys.executable, "-m", "experiments.ablations.jobs",
-               json.dumps({**task, "preset": preset, "workdir": str(workdir)})]
-        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT,  # pylint: disable=consider-using-with
-                                preexec_fn=lambda c=core: os.sched_setaffinity(0, {c}))
+               json.dumps({**task, "preset": preset, "workdir": str(workdir), "core": core})]
+        # The worker pins itself before importing jax (no preexec_fn: forking this process,
+        # which may hold jax's threads, is unsafe).
+        proc = subprocess.Popen(cmd, cwd=ROOT, stdout=log, stderr=subprocess.STDOUT)  # pylint: disable=consider-using-with
         running[core] = (proc, task, log, time.time())
         say(f"[ablations] core {core}: {', '.join(task['users'])} (seeds {task['seeds']})")
     time.sleep(1.0)
@@ -107,6 +108,7 @@ def run_tasks(tasks: list[dict], jobs: int, preset: str, workdir: str | pathlib.
 
 
 def _worker(task: dict) -> None:
+  os.sched_setaffinity(0, {task["core"]})
   from experiments.ablations.run import stage_for, train_run  # pylint: disable=g-import-not-at-top
   from experiments.base import enable_compilation_cache  # pylint: disable=g-import-not-at-top
   enable_compilation_cache(os.path.join(task["workdir"], "xla_cache"))
