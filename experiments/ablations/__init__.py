@@ -28,20 +28,21 @@ class Ablation:
 # Every ablation at the tiny preset: stage_8k's tiny stage, shortened to a 5-layer model (3 KDA
 # + 2 MLA layers; a dense FFN in the first, MoE in the other 4), 80 steps of 16 x 128 tokens, the "blocked" grouped
 # matmul (moe/gmm.py; XLA's CPU ragged_dot works densely over the experts). Configurations that
-# come out identical (e.g. the bounded gate, SiTU-GLU, block AttnRes and AdamW are all the
-# default) train once and are shared (run.py). Checkpoints every 20 steps are kept for the
-# probes over training (probe.py). The second seed of a configuration reuses the first one's
-# compiled programs through the persistent XLA cache. Measured times: docs/ablations.md.
+# resolve to the same config (the bounded gate, block AttnRes, gated MLA and SiTU-GLU are all
+# the default) train once and are shared (run.config_key, jobs.plan). Checkpoints every 20 steps
+# are kept for the probes over training (probe.py). The second seed of a configuration reuses
+# the first one's compiled programs through the persistent XLA cache. Measured times:
+# docs/ablations.md.
 PRESETS = {
     "tiny": ("model.num_layers=5", "model.gmm_backend=blocked", "seq_len=128",
              "tokens_per_batch=2048", "steps=80", "optim.warmup_steps=10", "eval_every=40",
              "eval_batches=2", "checkpoint_every=20", "keep_checkpoints=10", "sample_tokens=0"),
     "small": ("steps=2000", "optim.warmup_steps=200", "eval_every=250",
               "checkpoint_every=250", "keep_checkpoints=10", "sample_tokens=0"),
-    # Test size (tests/train/conftest.py's SMALL_SETS: compiled once per test process).
-    "smoke": ("model.num_layers=5", "seq_len=64", "tokens_per_batch=256", "steps=4",
+    # Test size: 2 steps, one checkpoint (tests/ablations/test_report.py).
+    "smoke": ("model.num_layers=5", "seq_len=64", "tokens_per_batch=256", "steps=2",
               "checkpoint_every=2", "keep_checkpoints=10", "eval_every=100", "eval_batches=1",
-              "sample_tokens=0", "optim.warmup_steps=2"),
+              "sample_tokens=0", "optim.warmup_steps=1"),
 }
 SEEDS = (0, 1)
 
@@ -54,7 +55,12 @@ ABLATIONS = (
         (("quantile (midpoint)", "quantile"),
          ("quantile (kplus1)", "quantile", ("model.qb_cutoff=kplus1",)),
          ("bias_sign", "bias_sign"), ("aux_loss", "aux_loss"), ("none", "none")),
-        common=("model.num_experts=64", "model.experts_per_token=4", "tokens_per_batch=4096"),
+        # Per-step load is measured on the whole batch of 4,096 tokens (m = 4096 x 4 / 64 =
+        # 256 assignments per expert); the rows are shuffled over a window of 4,096 rows (512K
+        # tokens, ~20 source files), so a batch mixes documents as a large one does (without
+        # it a batch is one or two files; docs/ablations/SIZING.md).
+        common=("model.num_experts=64", "model.experts_per_token=4", "tokens_per_batch=4096",
+                "data.shuffle_window=4096"),
         summary="balance", probes=("load",)),
     Ablation(
         "gate",

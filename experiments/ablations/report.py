@@ -14,9 +14,12 @@ from __future__ import annotations
 import argparse
 import datetime
 import json
+import os
 import pathlib
+import platform
 import subprocess
 import sys
+import time
 from typing import Any
 
 from experiments.ablations import ABLATIONS, BY_NAME, PRESETS, SEEDS
@@ -96,45 +99,79 @@ def plot(record: dict[str, Any], out_dir: pathlib.Path) -> list[str]:
   return names
 
 
+def _balancing_verdict(v: dict[str, Any]) -> str:
+  from experiments.ablations.run import _mean_spread, _tail_mean  # pylint: disable=g-import-not-at-top
+  tail = lambda label: _mean_spread([_tail_mean(r["max_mean_load"]) for r in v[label]["runs"]])
+  over = lambda label, key: _mean_spread([max(r.get(key) or [float("nan")]) if isinstance(
+      r.get(key), list) else r.get(key, float("nan")) for r in v[label]["runs"]])
+  held = lambda label: _mean_spread([max((r.get("probe") or {}).get("load", {}).get(
+      "heldout_max_mean_load") or [float("nan")]) for r in v[label]["runs"]])
+  run = v["quantile (midpoint)"]["runs"][0]
+  qb, none = tail("quantile (midpoint)"), tail("none")
+  ok = qb[0] < 1.3 and none[0] > 1.3 * qb[0]
+  text = (f"Measured per training step on the whole global batch ({run['tokens_per_step']:,} "
+          f"tokens in rows of {run['seq_len']}), the worst MoE layer's max/mean expert "
+          f"load, averaged over the second half of the {run['steps']} steps. Quantile Balancing "
+          f"(midpoint cutoff): {qb[0]:.3f} ± {qb[1]:.3f}; `none`: {none[0]:.3f}. The claim (QB "
+          "< 1.3 per step after warm-up with no auxiliary loss, `none` far above) is "
+          + ("supported" if ok else "NOT supported") + " at this scale.")
+  if "quantile (kplus1)" in v:
+    text += f" The kplus1 cutoff: {tail('quantile (kplus1)')[0]:.3f}."
+  floor = over("quantile (midpoint)", "load_noise_floor")
+  if floor[0] == floor[0]:
+    text += (f" Sampling alone (each step's assignments spread uniformly at random over the "
+             f"experts) would give {floor[0]:.3f} on this measure: the part of the per-step "
+             "value no balancer can remove at this batch size.")
+  wq, wn = over("quantile (midpoint)", "window_max_mean_load"), over("none",
+                                                                     "window_max_mean_load")
+  if wq[0] == wq[0]:
+    text += (f" With each expert's assignments summed over the whole second half of training "
+             f"(worst layer): QB {wq[0]:.3f}, `none` {wn[0]:.3f}.")
+  hq, hn = held("quantile (midpoint)"), held("none")
+  if hq[0] == hq[0]:
+    text += (f" On held-out tokens with the final router and bias (loads summed over all of "
+             f"them): QB {hq[0]:.3f}, `none` {hn[0]:.3f}.")
+  return text
+
+
+def _gate_verdict(v: dict[str, Any]) -> str:
+  """The dense-tile exponent: the bounded gate's max against its bound; the unbounded gate's
+  max and whether it grows over training (worst layer, mean over seeds, first vs last
+  checkpoint); and what the run cannot show."""
+  def curve(label):
+    exps = [(r.get("probe") or {}).get("gate", {}).get("gate_exponent") for r in
+            v[label]["runs"]]
+    exps = [e for e in exps if e]
+    if not exps:
+      return {}, float("nan")
+    steps = sorted(exps[0], key=int)
+    worst = {int(s): sum(max(e[s]) for e in exps) / len(exps) for s in steps}
+    return worst, max(max(x) for e in exps for x in e.values())
+  (bc, b), (uc, u) = curve("bounded (-5)"), curve("unbounded")
+  text = (f"Largest dense-tile exponent over every checkpoint, KDA layer and seed: bounded "
+          f"{b:.1f} nats, within its bound of 75 (15 tile steps x 5 nats, by construction): "
+          + ("yes" if b <= 75 else "NO") + f"; unbounded {u:.1f} nats. ")
+  if len(uc) >= 2:
+    first, last = min(uc), max(uc)
+    grows = uc[last] > uc[first]
+    text += (f"The unbounded gate's exponent (worst layer, mean over seeds) "
+             + ("grows" if grows else "does not grow") + f" over training: {uc[first]:.1f} "
+             f"nats at step {first}, {uc[last]:.1f} at step {last}"
+             + (f" (bounded: {bc[min(bc)]:.1f} -> {bc[max(bc)]:.1f})" if bc else "") + ". ")
+  text += ("Not shown at this scale: that the unbounded exponent passes 75 nats or fp32's exp "
+           "overflow (88.7) " + ("(it does here). " if u > 75 else f"(its largest is {u:.1f}); "
+           "a finite run cannot show it is unbounded, only whether it grows. "))
+  return text
+
+
 def verdict(record: dict[str, Any]) -> str:
   """What the numbers say about the claim, plainly (computed, never hand-written)."""
   from experiments.ablations.run import _final_loss, _mean_spread, _tail_mean  # pylint: disable=g-import-not-at-top
   v = record["variants"]
   if record["name"] == "balancing":
-    tail = lambda label: _mean_spread([_tail_mean(r["max_mean_load"]) for r in v[label]["runs"]])
-    held = lambda label: _mean_spread([max((r.get("probe") or {}).get("load", {}).get(
-        "heldout_max_mean_load") or [float("nan")]) for r in v[label]["runs"]])
-    qb, none = tail("quantile (midpoint)"), tail("none")
-    ok = qb[0] < 1.3 and none[0] > 1.3 * qb[0]
-    text = (f"Quantile Balancing's (midpoint cutoff) max/mean load per training step, worst "
-            f"layer, averaged over the second half, is {qb[0]:.3f}, `none`'s {none[0]:.3f}: the "
-            "claim (QB < 1.3, `none` far above) is " + ("supported" if ok else "NOT supported")
-            + " at this scale.")
-    if "quantile (kplus1)" in v:
-      text += f" The kplus1 cutoff: {tail('quantile (kplus1)')[0]:.3f}."
-    win = lambda label: _mean_spread([max(r.get("window_max_mean_load") or [float("nan")])
-                                      for r in v[label]["runs"]])
-    wq, wn = win("quantile (midpoint)"), win("none")
-    if wq[0] == wq[0]:
-      text += (f" With each expert's assignments summed over the whole second half of training "
-               f"(worst layer): QB {wq[0]:.3f}, `none` {wn[0]:.3f}; QB below 1.3 that way: "
-               + ("yes" if wq[0] < 1.3 else "no") + ".")
-    hq, hn = held("quantile (midpoint)"), held("none")
-    if hq[0] == hq[0]:
-      text += (f" On held-out tokens with the final router and bias (loads summed over all of "
-               f"them): QB {hq[0]:.3f}, `none` {hn[0]:.3f}.")
-    return text
+    return _balancing_verdict(v)
   if record["name"] == "gate":
-    def worst(label):
-      exps = [(r.get("probe") or {}).get("gate", {}).get("gate_exponent") for r in
-              v[label]["runs"]]
-      return max((max(x) for e in exps if e for x in e.values()), default=float("nan"))
-    b, u = worst("bounded (-5)"), worst("unbounded")
-    text = (f"Largest dense-tile exponent over every checkpoint, KDA layer and seed: bounded "
-            f"{b:.1f} nats (the bound is 75), unbounded {u:.1f} nats. ")
-    text += ("The bounded gate stays within its bound: " + ("yes" if b <= 75 else "NO")
-             + "; the unbounded one exceeds 75 here: " + ("yes" if u > 75 else
-                                                          "no (not at this scale)") + ". ")
+    text = _gate_verdict(v)
   elif record["name"] == "length":
     pos = [(r.get("probe") or {}).get("length", {}) for r in v[next(iter(v))]["runs"]]
     pk = [p.get("passkey", {}) for p in pos if p]
@@ -171,10 +208,15 @@ def write_report(results: dict[str, Any], docs: pathlib.Path) -> str:
            "mean ± half the range over the seeds. Configurations of one claim differ in one "
            "field and share data, steps and seeds (experiments/ablations/__init__.py).", ""]
   for whole in meta.get("_runs", []):
+    par = ""
+    if whole.get("jobs", 1) > 1:
+      par = (f"; {whole['jobs']} worker processes, 1-minute load average {whole['load_mean']:.1f} "
+             f"mean and {whole['load_max']:.1f} max over the run, largest worker's peak "
+             f"resident memory {whole['worker_peak_rss_gb']:.2f} GB")
     lines += [f"Invocation: `{whole['command']}`, ended {whole['date']}, commit "
               f"`{whole['commit']}`, {whole['seconds']:.0f} s wall inside Python, load average "
               f"{whole['load_start']:.1f} at the start and {whole['load_end']:.1f} at the end "
-              f"({whole['machine']}).", ""]
+              f"({whole['machine']}{par}).", ""]
   ran = [a.name for a in ABLATIONS if a.name in results]
   lines += [f"Status: {len(ran)} of {len(ABLATIONS)} claims have a recorded run"
             + (f" ({', '.join(ran)})" if ran else "") + "; the others say so below.", ""]
@@ -189,8 +231,10 @@ def write_report(results: dict[str, Any], docs: pathlib.Path) -> str:
         lines += [f"Attempted: {m['attempt']}", ""]
       continue
     lines += [f"Run {m.get('date', '?')}, preset `{rec['preset']}`, seeds {rec['seeds']}, "
-              f"commit `{m.get('commit', '?')}`, {m.get('seconds', 0):.0f} s "
-              f"({m.get('machine', '?')}).", ""]
+              f"commit `{m.get('commit', '?')}`, {m.get('seconds', 0):.0f} s"
+              + (" (its runs' wall times summed; a run shared with another claim counts in "
+                 "each)" if m.get("seconds_are") == "summed over its runs" else "")
+              + f" ({m.get('machine', '?')}).", ""]
     header, rows = summarize(rec)
     lines += ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
     lines += ["| " + " | ".join(r) + " |" for r in rows]
@@ -207,6 +251,64 @@ def write_report(results: dict[str, Any], docs: pathlib.Path) -> str:
   return text
 
 
+def _machine(load_end: bool = True) -> str:
+  return (f"{platform.machine()}, {os.cpu_count()} CPUs"
+          + (f", load average {os.getloadavg()[0]:.1f} at the end" if load_end else ""))
+
+
+def _now() -> str:
+  return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
+
+
+def _run(args, names, seeds, results, store, docs, argv) -> dict[str, Any]:
+  """Train what `names` need (in `args.jobs` pinned workers, or here with one), record each
+  ablation in `store` and the report, and the invocation in results["_meta"]["_runs"]."""
+  from experiments.ablations import jobs as jobs_lib  # pylint: disable=g-import-not-at-top
+  from experiments.ablations.run import collect, run_ablation  # pylint: disable=g-import-not-at-top
+  from experiments.base import enable_compilation_cache  # pylint: disable=g-import-not-at-top
+  jobs = args.jobs or jobs_lib.default_jobs()
+  t_start, load_start = time.time(), os.getloadavg()[0]
+  used: dict[str, Any] = {}
+  if jobs > 1:
+    tasks = jobs_lib.plan(names, args.preset, seeds)
+    print(f"[ablations] {len(tasks)} distinct configurations x {len(seeds)} seeds for "
+          f"{', '.join(names)}, {jobs} workers", flush=True)
+    used = jobs_lib.run_tasks(tasks, jobs, args.preset, args.workdir)
+  else:
+    enable_compilation_cache(os.path.join(args.workdir, "xla_cache"))
+  for name in names:
+    t0 = time.time()
+    if jobs > 1:
+      rec = collect(BY_NAME[name], args.preset, args.workdir, seeds)
+    else:
+      rec = run_ablation(BY_NAME[name], args.preset, args.workdir, seeds)
+    results[name] = rec
+    runs = [r for v in rec["variants"].values() for r in v["runs"]]
+    results.setdefault("_meta", {})[name] = {
+        "date": _now(), "commit": _commit(),
+        "seconds": sum(r["seconds"] for r in runs) if jobs > 1 else time.time() - t0,
+        "seconds_are": "summed over its runs" if jobs > 1 else "wall",
+        "machine": _machine()}
+    store.parent.mkdir(parents=True, exist_ok=True)
+    store.write_text(json.dumps(results, indent=1))
+    write_report(results, docs)
+    print(f"[ablations] {name} recorded", flush=True)
+  loads = used.get("load_samples") or []
+  if set(names) == set(BY_NAME):  # every record is from this invocation
+    results["_meta"]["_runs"] = []
+  results["_meta"].setdefault("_runs", []).append({
+      "command": "python -m experiments.ablations.report " + " ".join(argv or sys.argv[1:]),
+      "date": _now(), "commit": _commit(), "seconds": time.time() - t_start,
+      "load_start": load_start, "load_end": os.getloadavg()[0],
+      "load_mean": sum(loads) / len(loads) if loads else None,
+      "load_max": max(loads) if loads else None, "jobs": jobs,
+      "worker_peak_rss_gb": used.get("worker_peak_rss_gb"),
+      "machine": f"{_machine(False)}, affinity {sorted(os.sched_getaffinity(0))}"
+                 + (f", workers pinned to cores {used['cores']}" if used.get("cores") else "")})
+  store.write_text(json.dumps(results, indent=1))
+  return results
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m experiments.ablations.report",
                               description=__doc__.split("\n\n")[0])
@@ -216,12 +318,16 @@ def main(argv=None) -> int:
   p.add_argument("--workdir", default="runs/ablations")
   p.add_argument("--seeds", default=",".join(map(str, SEEDS)))
   p.add_argument("--docs", default=str(ROOT / "docs"))
+  p.add_argument("--jobs", type=int, default=None, help="worker processes, each pinned to one "
+                 "core (default 2 when 2+ cores are available, else 1: in this process)")
   p.add_argument("--from-results", action="store_true", help="rewrite the report only")
   args = p.parse_args(argv)
   names = [n for n in args.only.split(",") if n] or list(BY_NAME)
   unknown = [n for n in names if n not in BY_NAME]
   if unknown:
     p.error(f"--only: unknown ablation(s) {unknown}; choose from {', '.join(BY_NAME)}")
+  if args.jobs is not None and args.jobs < 1:
+    p.error(f"--jobs={args.jobs}: at least 1")
   seeds = tuple(int(s) for s in args.seeds.split(","))
   if len(seeds) < 2 and args.preset != "smoke":
     p.error(f"--seeds={args.seeds}: at least 2 seeds (the tables report a spread over seeds)")
@@ -229,33 +335,7 @@ def main(argv=None) -> int:
   store = docs / "ablations" / "results.json"
   results = json.loads(store.read_text()) if store.exists() else {}
   if not args.from_results:
-    import time  # pylint: disable=g-import-not-at-top
-    import platform  # pylint: disable=g-import-not-at-top
-    import os  # pylint: disable=g-import-not-at-top
-    from experiments.ablations.run import run_ablation  # pylint: disable=g-import-not-at-top
-    from experiments.base import enable_compilation_cache  # pylint: disable=g-import-not-at-top
-    enable_compilation_cache(os.path.join(args.workdir, "xla_cache"))
-    t_start, load_start = time.time(), os.getloadavg()[0]
-    for name in names:
-      t0 = time.time()
-      results[name] = run_ablation(BY_NAME[name], args.preset, args.workdir, seeds)
-      results.setdefault("_meta", {})[name] = {
-          "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-          "commit": _commit(), "seconds": time.time() - t0,
-          "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, load average "
-                     f"{os.getloadavg()[0]:.1f} at the end"}
-      store.parent.mkdir(parents=True, exist_ok=True)
-      store.write_text(json.dumps(results, indent=1))
-      write_report(results, docs)
-      print(f"[ablations] {name} done in {time.time() - t0:.0f} s", flush=True)
-    results["_meta"].setdefault("_runs", []).append({
-        "command": "python -m experiments.ablations.report " + " ".join(argv or sys.argv[1:]),
-        "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
-        "commit": _commit(), "seconds": time.time() - t_start, "load_start": load_start,
-        "load_end": os.getloadavg()[0],
-        "machine": f"{platform.machine()}, {os.cpu_count()} CPUs, affinity "
-                   f"{sorted(os.sched_getaffinity(0))}"})
-    store.write_text(json.dumps(results, indent=1))
+    results = _run(args, names, seeds, results, store, docs, argv)
   write_report(results, docs)
   print(f"[ablations] wrote {docs / 'ablations.md'}")
   return 0

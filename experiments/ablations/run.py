@@ -1,12 +1,14 @@
 """Run one ablation: every variant x seed through the stage pipeline, then its numbers.
 
-`run_ablation(ablation, preset, workdir)` trains `stage_8k`'s tiny stage with the preset's and
-the ablation's `--set` items (one workdir per distinct stage config and seed,
-`<workdir>/runs/<config hash>/seed<s>`, so a rerun resumes or reuses a finished run, and
-configurations shared by several ablations train once), runs the ablation's probes on the saved
-parameters (probe.py; cached in the run's probe.json) and returns a JSON-able record:
+`train_run(stage, run_dir, workdir, probes)` trains one stage config and seed (stage_8k's tiny
+stage with the preset's and the ablation's `--set` items) in `<workdir>/runs/<config key>/seed<s>`,
+runs the probes on its saved parameters (probe.py) and records the run's entry in its run.json.
+The key names the resolved config (`config_key`), so configurations that come out equal, in one
+ablation or several, train once; a rerun reads a finished run's run.json back (training nothing)
+and resumes an interrupted one. `run_ablation` does that for every variant and seed in this
+process; `jobs.run_tasks` does it in worker processes, and `collect` gathers the record:
 
-  {"name", "field", "preset", "seeds", "variants": {label: {"runs": [per seed:
+  {"name", "field", "preset", "seeds", "variants": {label: {"value", "runs": [per seed:
      {"seed", "loss": {step: train loss}, "max_mean_load": {step: worst layer's max/mean
       expert load}, "dead_frac": {step: ...}, "final": {"eval_loss@L": ..., "eval_loss@2L": ...},
       "probe": {...}, "seconds": wall time of the run and its probes}]}}}
@@ -16,7 +18,6 @@ parameters (probe.py; cached in the run's probe.json) and returns a JSON-able re
 
 from __future__ import annotations
 
-import gc
 import hashlib
 import json
 import pathlib
@@ -24,7 +25,6 @@ import statistics
 import time
 from typing import Any
 
-import jax
 import numpy as np
 
 from experiments import stage_8k
@@ -42,11 +42,18 @@ def stage_for(ablation: Ablation, preset: str, variant: tuple, seed: int):
 
 
 def config_key(stage) -> str:
-  """12 hex digits naming the stage config up to its seed (identical configs share runs)."""
+  """12 hex digits naming the resolved stage config up to its seed: the model config the
+  overrides resolve to (not the override list, which names defaults too), the other fields."""
   from sparse_lm.train.checkpoint import to_json  # pylint: disable=g-import-not-at-top
   cfg = to_json(stage)
   cfg.pop("seed", None)
+  cfg["model_overrides"] = to_json(stage.model_config())
   return hashlib.sha256(json.dumps(cfg, sort_keys=True, default=str).encode()).hexdigest()[:12]
+
+
+def run_dir(workdir: str | pathlib.Path, stage) -> pathlib.Path:
+  """Where `stage` (config and seed) trains: `<workdir>/runs/<config key>/seed<seed>`."""
+  return pathlib.Path(workdir) / "runs" / config_key(stage) / f"seed{stage.seed}"
 
 
 def _curves(metrics_jsonl: pathlib.Path) -> dict[str, dict[int, float]]:
@@ -61,58 +68,93 @@ def _curves(metrics_jsonl: pathlib.Path) -> dict[str, dict[int, float]]:
   return out
 
 
-def run_ablation(ablation: Ablation, preset: str, workdir: str | pathlib.Path,
-                 seeds=SEEDS, progress: bool = False, probes: bool = True) -> dict[str, Any]:
-  """Train every variant x seed (resuming finished or interrupted runs), probe (unless
-  `probes` is False), collect."""
-  from sparse_lm.train.loop import run  # pylint: disable=g-import-not-at-top
+def train_run(stage, workdir: str | pathlib.Path, probes: tuple[str, ...] = (),
+              progress: bool = False) -> dict[str, Any]:
+  """Train `stage` in `run_dir(workdir, stage)` (resuming an interrupted run), run the probes
+  of `probes` it has not recorded, and return its entry (also written to the run's run.json;
+  a finished run with every probe recorded is read back from there, training nothing).
+  `<workdir>/tokenizer.json` is shared: copied into the run, or saved from its first run.
+
+  Raises:
+    KeyboardInterrupt: the run was stopped (SIGTERM / Ctrl-C) after saving its state; rerun.
+  """
+  d = run_dir(workdir, stage)
+  saved = d / "run.json"
+  entry = json.loads(saved.read_text()) if saved.exists() else None
+  todo = tuple(k for k in probes if entry is None or k not in entry["probe"])
+  if entry is not None and not todo:
+    return entry
+  import jax  # pylint: disable=g-import-not-at-top
   from experiments.ablations import probe  # pylint: disable=g-import-not-at-top
-  workdir = pathlib.Path(workdir)
+  from sparse_lm.train.loop import run  # pylint: disable=g-import-not-at-top
+  t0 = time.time()
+  if entry is None:
+    d.mkdir(parents=True, exist_ok=True)
+    tok = pathlib.Path(workdir) / "tokenizer.json"
+    if tok.exists() and not (d / "tokenizer.json").exists():
+      (d / "tokenizer.json").write_bytes(tok.read_bytes())
+    loads = {}
+    record_load = lambda step, m: loads.__setitem__(step, m["moe/load"]) if "moe/load" in m \
+        else None
+    result = run(stage, d, progress=progress, progress_every=max(stage.steps // 4, 1),
+                 on_step=record_load)
+    if len(loads) == stage.steps:  # a whole run seen here (not resumed): keep its loads
+      np.save(d / "loads.npy", np.stack([loads[s] for s in sorted(loads)]))
+    if result.preempted:
+      raise KeyboardInterrupt(f"{d} stopped at step {result.end_step}; rerun to resume")
+    if not tok.exists() and (d / "tokenizer.json").exists():
+      tok.write_bytes((d / "tokenizer.json").read_bytes())
+    entry = {"seed": stage.seed, "steps": stage.steps, "run_dir": str(d),
+             "tokens_per_step": stage.tokens_per_batch, "seq_len": stage.seq_len,
+             **_curves(d / stage.name / "tb" / "metrics.jsonl"),
+             "final": dict(result.final_eval), "probe": {},
+             "window_max_mean_load": window_load(d / "loads.npy"),
+             "load_noise_floor": noise_floor(d / "loads.npy"), "seconds": 0.0}
+  if todo:
+    found = probe.probe_run(d, todo)
+    entry["probe"].update({k: found for k in todo})
+  entry["seconds"] += time.time() - t0
+  saved.write_text(json.dumps(entry))
+  jax.clear_caches()  # drop this run's compiled programs from memory (the disk cache keeps them)
+  return entry
+
+
+def collect(ablation: Ablation, preset: str, workdir: str | pathlib.Path,
+            seeds=SEEDS) -> dict[str, Any]:
+  """The ablation's record from its runs' run.json files (see the module docstring).
+
+  Raises:
+    FileNotFoundError: a variant or seed has not been trained (names the run).
+  """
   record = {"name": ablation.name, "field": ablation.field, "claim": ablation.claim,
             "preset": preset, "seeds": list(seeds), "not_measured": ablation.not_measured,
             "variants": {}}
   for variant in ablation.variants:
-    label, value = variant[0], variant[1]
     runs = []
+    for seed in seeds:
+      saved = run_dir(workdir, stage_for(ablation, preset, variant, seed)) / "run.json"
+      if not saved.exists():
+        raise FileNotFoundError(f"{ablation.name} / {variant[0]} / seed {seed}: no finished run "
+                                f"at {saved.parent}; run the ablation first")
+      entry = json.loads(saved.read_text())
+      entry["probe"] = {k: v for k, v in entry["probe"].items() if k in ablation.probes}
+      runs.append({**entry, "value": variant[1]})
+    record["variants"][variant[0]] = {"value": variant[1], "runs": runs}
+  return record
+
+
+def run_ablation(ablation: Ablation, preset: str, workdir: str | pathlib.Path,
+                 seeds=SEEDS, progress: bool = False, probes: bool = True) -> dict[str, Any]:
+  """Train every variant x seed in this process (reusing finished runs, resuming interrupted
+  ones), probe (unless `probes` is False), collect."""
+  for variant in ablation.variants:
     for seed in seeds:
       t0 = time.time()
       stage = stage_for(ablation, preset, variant, seed)
-      d = workdir / "runs" / config_key(stage) / f"seed{seed}"
-      d.mkdir(parents=True, exist_ok=True)
-      tok = workdir / "tokenizer.json"
-      if tok.exists() and not (d / "tokenizer.json").exists():
-        (d / "tokenizer.json").write_bytes(tok.read_bytes())
-      loads = {}
-      record_load = lambda step, m: loads.__setitem__(step, m["moe/load"]) if "moe/load" in m \
-          else None
-      result = run(stage, d, progress=progress, progress_every=max(stage.steps // 4, 1),
-                   on_step=record_load)
-      if len(loads) == stage.steps:  # a whole run seen here (not resumed): keep its loads
-        np.save(d / "loads.npy", np.stack([loads[s] for s in sorted(loads)]))
-      if result.preempted:  # SIGTERM / Ctrl-C: the run saved its state; rerunning resumes it
-        raise KeyboardInterrupt(f"{d} stopped at step {result.end_step}; rerun to resume")
-      if not tok.exists() and (d / "tokenizer.json").exists():
-        tok.write_bytes((d / "tokenizer.json").read_bytes())
-      cache = d / "probe.json"
-      done = json.loads(cache.read_text()) if cache.exists() else {}
-      todo = tuple(k for k in ablation.probes if k not in done) if probes else ()
-      if todo:
-        found = probe.probe_run(d, todo)
-        done.update({k: found for k in todo})
-        cache.write_text(json.dumps(done))
-      curves = _curves(d / stage.name / "tb" / "metrics.jsonl")
-      runs.append({"seed": seed, "value": value, "steps": stage.steps, "run_dir": str(d),
-                   "tokens_per_step": stage.tokens_per_batch, "seq_len": stage.seq_len,
-                   **curves, "final": dict(result.final_eval),
-                   "probe": {k: done[k] for k in ablation.probes if k in done},
-                   "window_max_mean_load": window_load(d / "loads.npy"),
-                   "seconds": time.time() - t0})
-      jax.clear_caches()  # drop this run's compiled programs from memory (the disk cache keeps them)
-      gc.collect()
-      print(f"[ablations] {ablation.name} / {label} / seed {seed}: "
-            f"{time.time() - t0:.0f} s ({d})", flush=True)
-    record["variants"][label] = {"value": value, "runs": runs}
-  return record
+      train_run(stage, workdir, ablation.probes if probes else (), progress)
+      print(f"[ablations] {ablation.name} / {variant[0]} / seed {seed}: "
+            f"{time.time() - t0:.0f} s ({run_dir(workdir, stage)})", flush=True)
+  return collect(ablation, preset, workdir, seeds)
 
 
 def window_load(path: pathlib.Path, frac: float = 0.5) -> list[float] | None:
@@ -123,6 +165,24 @@ def window_load(path: pathlib.Path, frac: float = 0.5) -> list[float] | None:
   loads = np.load(path).astype(np.float64)
   total = loads[int(len(loads) * (1 - frac)):].sum(0)  # [layers, E]
   return [float(x) for x in total.max(-1) / total.mean(-1)]
+
+
+def noise_floor(path: pathlib.Path, draws: int = 200, seed: int = 0) -> float | None:
+  """The per-step max/mean load (worst layer, mean over the second half) that perfectly
+  balanced routing would show from sampling alone: each step's assignments of each layer drawn
+  uniformly at random over the E experts (multinomial with the run's per-step counts, from
+  loads.npy [steps, layers, E]); None without the file."""
+  if not path.exists():
+    return None
+  loads = np.load(path).astype(np.float64)
+  loads = loads[int(len(loads) * 0.5):]
+  n = loads.sum(-1).round().astype(np.int64)  # [steps, layers]
+  num_experts = loads.shape[-1]
+  rng = np.random.default_rng(seed)
+  draws = rng.multinomial(n[None], np.full(num_experts, 1.0 / num_experts),
+                          size=(draws,) + n.shape)  # [draws, steps, layers, E]
+  ratio = draws.max(-1) / np.maximum(draws.mean(-1), 1e-9)
+  return float(ratio.max(-1).mean())
 
 
 def _mean_spread(xs: list[float]) -> tuple[float, float]:

@@ -9,6 +9,7 @@ Training stream, per host (``process_index`` of ``process_count``)::
     -> split into chunks of at most seq_len tokens               grain FlatMap
     -> first-fit / best-fit packing into rows of seq_len,        grain.experimental packing
        the rows of each pack emitted in a seeded random order
+    -> optionally, rows shuffled in windows of shuffle_window    grain WindowShuffleIterDataset
     -> batch(batch_size) -> numpy dict -> thread prefetch
 
 Each batch is a dict of numpy arrays, ``b = batch_size`` rows of ``T = seq_len`` tokens:
@@ -70,6 +71,11 @@ class DataConfig:
       id), "tail" (the last eval_fraction of every document; a one-file corpus) or "auto"
       (documents when both splits get one, else tail).
     packing: ``first_fit`` or ``best_fit``.
+    shuffle_window: packed training rows are shuffled in consecutive windows of this many rows
+      before batching (0 = off, rows in packing order). Without it a document of n tokens
+      fills about n / seq_len consecutive rows, so a small batch holds one or two documents;
+      a window spanning many documents makes each batch a mix of them (as a large global batch
+      is). Costs window x seq_len x 12 bytes of memory and a refill pause every window rows.
     seed: shuffling and bin-order seed.
     tokenizer: path to a ``tokenizer.json`` or SentencePiece ``.model``, or ``hf:DIR`` for
       the tokenizer shipped with the HF checkpoint DIR (``tokenizer.json`` or ``tiktoken.model``,
@@ -90,6 +96,7 @@ class DataConfig:
   eval_fraction: float = 0.02
   eval_split: str = "auto"
   packing: str = "first_fit"
+  shuffle_window: int = 0
   seed: int = 0
   tokenizer: str | None = None
   prefetch: int = 2
@@ -109,6 +116,9 @@ class DataConfig:
                        f"{self.eval_split!r}")
     if self.packing not in PACKING:
       raise ValueError(f"DataConfig.packing must be one of {PACKING}, got {self.packing!r}")
+    if not isinstance(self.shuffle_window, int) or self.shuffle_window < 0:
+      raise ValueError(f"DataConfig.shuffle_window must be an int >= 0 (rows; 0 = off), got "
+                       f"{self.shuffle_window!r}")
     if not isinstance(self.seed, int) or not 0 <= self.seed < 2**32:
       raise ValueError(f"DataConfig.seed must be an int in [0, 2**32), got {self.seed!r}")
     if not isinstance(self.prefetch, int) or self.prefetch < 0:
@@ -198,7 +208,7 @@ class _Prefetch(grain_exp.ThreadPrefetchIterDataset):
 
 
 # Signature keys added since states were first saved, with the value they implicitly had.
-_BEFORE_KEY = {"eval_split": "documents"}
+_BEFORE_KEY = {"eval_split": "documents", "shuffle_window": 0}
 
 
 class _TrainIterator(grain.DatasetIterator):
@@ -325,12 +335,15 @@ def make_train_iterator(data_cfg: DataConfig, tokenizer: Tokenizer, *, seq_len: 
       read_options=read, shard=(process_index, process_count), num_epochs=num_epochs)
   ds = _packed_rows(ds, data_cfg, seq_len, _num_bins(seq_len, batch_size), shuffle_bins=True,
                     mix=mix)
+  if data_cfg.shuffle_window:
+    ds = grain_exp.WindowShuffleIterDataset(ds, window_size=data_cfg.shuffle_window,
+                                            seed=data_cfg.seed)
   ds = ds.batch(batch_size, drop_remainder=True).map(_finalize)
   if data_cfg.prefetch:
     ds = _Prefetch(ds, data_cfg.prefetch)
   signature = {"source": data_cfg.source, "long_documents": data_cfg.long_documents,
                "eval_fraction": data_cfg.eval_fraction, "eval_split": source.split_by,
-               "packing": data_cfg.packing,
+               "packing": data_cfg.packing, "shuffle_window": data_cfg.shuffle_window,
                "seed": data_cfg.seed, "tokenizer": tokenizer.fingerprint, "seq_len": seq_len,
                "batch_size": batch_size, "process_index": process_index,
                "process_count": process_count, "num_epochs": num_epochs}

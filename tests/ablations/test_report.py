@@ -1,24 +1,58 @@
-"""The ablation harness end to end at a minimal size: one ablation trains through the stage
-pipeline, its record holds the run's own numbers (metrics.jsonl), and the report's table is
-regenerated from them (a changed record changes the table)."""
+"""The ablation harness end to end at a minimal size: equal configurations share one run, one
+ablation trains through the stage pipeline, its record holds the run's own numbers
+(metrics.jsonl), a worker process (pinned to one core) reuses the finished run, training
+nothing, and the report's table is regenerated from the record (a changed record changes the
+table)."""
 
 import json
+import os
 import pathlib
-import shutil
 
-from experiments.ablations import BY_NAME, report
-from experiments.ablations.run import run_ablation
+import pytest
+
+from experiments.ablations import BY_NAME, jobs, report
+from experiments.ablations.run import collect, config_key, run_ablation, stage_for
 
 
-def test_one_ablation_runs_and_the_report_table_comes_from_its_numbers(workdir, tmp_path):
-  rec = run_ablation(BY_NAME["length"], "smoke", workdir, seeds=(0,), probes=False)
+def test_equal_configurations_share_one_run():
+  key = lambda name, i: config_key(stage_for(BY_NAME[name], "tiny", BY_NAME[name].variants[i], 0))
+  # The default model under four names (bounded gate, block AttnRes, gated MLA, SiTU-GLU).
+  assert key("gate", 0) == key("residual", 0) == key("length", 0) == key("activation", 0)
+  assert len({key("gate", 1), key("residual", 1), key("residual", 2), key("activation", 1),
+              key("gate", 0)}) == 5
+  assert config_key(stage_for(BY_NAME["gate"], "tiny", BY_NAME["gate"].variants[0], 1)) == \
+      key("gate", 0)  # the seed is not part of the key (it names the run's subdirectory)
+  tasks = jobs.plan(["gate", "residual", "length", "activation", "balancing"], "tiny", (0, 1))
+  assert len(tasks) == 5 + 5  # the default + 4 other models, 5 balancers
+  (default,) = [t for t in tasks if len(t["users"]) > 1]
+  assert sorted(default["users"]) == ["activation / SiTU-GLU", "gate / bounded (-5)",
+                                      "length / gated MLA", "residual / block AttnRes"]
+  assert sorted(default["probes"]) == ["activation", "gate", "length"]
+  assert [t["users"][0].split(" / ")[0] for t in tasks[:5]] == ["balancing"] * 5  # heaviest
+
+
+def test_one_ablation_runs_a_worker_reuses_it_and_the_report_table_comes_from_its_numbers(
+    workdir, tmp_path):
+  ablation = BY_NAME["length"]
+  rec = run_ablation(ablation, "smoke", workdir, seeds=(0,), probes=False)
   (run,) = rec["variants"]["gated MLA"]["runs"]
   jsonl = pathlib.Path(run["run_dir"]) / "stage_8k" / "tb" / "metrics.jsonl"
   records = [json.loads(l) for l in jsonl.open()]
-  assert run["loss"] == {r["step"]: r["train/loss"] for r in records if "train/loss" in r}
+  assert run["loss"] == {str(r["step"]): r["train/loss"] for r in records if "train/loss" in r}
   final = next(r for r in records if "final/eval_loss_at_64" in r)
   assert run["final"]["eval_loss@64"] == final["final/eval_loss_at_64"]
   assert run["final"]["eval_loss@128"] == final["final/eval_loss_at_128"]
+  # A worker process, pinned to one core, given the same configuration reads the finished run
+  # back and trains nothing (its checkpoints are gone).
+  (jsonl.parent.parent / "checkpoints").rename(tmp_path / "moved")
+  tasks = [{**t, "probes": []} for t in jobs.plan(["length"], "smoke", (0,))]  # as above
+  used = jobs.run_tasks(tasks, 1, "smoke", workdir, say=lambda s: None)
+  log = (workdir / "logs" / f"{tasks[0]['key']}.log").read_text()
+  assert f"affinity [{sorted(os.sched_getaffinity(0))[0]}]" in log, log[-3000:]
+  assert used["jobs"] == 1 and 0 < used["worker_peak_rss_gb"] < 3
+  assert collect(ablation, "smoke", workdir, (0,)) == rec
+  with pytest.raises(FileNotFoundError, match="seed 1: no finished run"):
+    collect(ablation, "smoke", workdir, (0, 1))
 
   docs = tmp_path / "docs"
   (docs / "ablations").mkdir(parents=True)
@@ -37,4 +71,3 @@ def test_one_ablation_runs_and_the_report_table_comes_from_its_numbers(workdir, 
   text = (docs / "ablations.md").read_text()
   assert "| gated MLA | 1.2500 ± 0.0000 | 2.5000 ± 0.0000 |" in text, text
   assert "| 1.2500 | 3.7500 |" in text and "| depth 1 | 1.00 | 0.25 |" in text, text
-  shutil.rmtree(pathlib.Path(run["run_dir"]))
