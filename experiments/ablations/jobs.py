@@ -54,7 +54,7 @@ def plan(names: list[str], preset: str, seeds) -> list[dict]:
 def run_tasks(tasks: list[dict], jobs: int, preset: str, workdir: str | pathlib.Path,
               say: Callable[[str], None] = print) -> dict[str, Any]:
   """Run `tasks` (from `plan`) in `jobs` pinned worker processes; returns what the run used:
-  seconds, the largest worker's peak resident memory (GB, from its own rusage), the 1-minute
+  seconds, the largest worker's peak resident memory (GB, its own VmHWM), the 1-minute
   load average's samples (every 5 s) and the cores. Each worker's output goes to
   `<workdir>/logs/<key>.log`.
 
@@ -89,11 +89,16 @@ def run_tasks(tasks: list[dict], jobs: int, preset: str, workdir: str | pathlib.
       loads.append(round(os.getloadavg()[0], 2))
       last = time.time()
     for core, (proc, task, log, started) in list(running.items()):
-      pid, status, usage = os.wait4(proc.pid, os.WNOHANG)
+      pid, status, _ = os.wait4(proc.pid, os.WNOHANG)
       if pid == 0:
         continue
       proc.returncode = os.waitstatus_to_exitcode(status)
-      peak_kb = max(peak_kb, usage.ru_maxrss)
+      # The worker's own high-water mark (VmHWM, written as it exits). Not wait4's ru_maxrss:
+      # Linux carries the forking process's peak into the child's across exec, so a parent
+      # that once held 6 GB would report every worker at >= 6 GB.
+      peak_file = workdir / "logs" / f"{task['key']}.peak_rss_kb"
+      if peak_file.exists():
+        peak_kb = max(peak_kb, int(peak_file.read_text()))
       log.close()
       del running[core]
       status = "done" if proc.returncode == 0 else f"FAILED (exit {proc.returncode})"
@@ -120,6 +125,12 @@ def _worker(task: dict) -> None:
               tuple(task["probes"]))
     print(f"[ablations] {', '.join(task['users'])} / seed {seed}: {time.time() - t0:.0f} s "
           f"(affinity {sorted(os.sched_getaffinity(0))})", flush=True)
+  try:
+    with open("/proc/self/status") as f:
+      hwm_kb = next(int(line.split()[1]) for line in f if line.startswith("VmHWM:"))
+  except (OSError, StopIteration):  # not Linux: the peak is not reported
+    return
+  pathlib.Path(task["workdir"], "logs", f"{task['key']}.peak_rss_kb").write_text(str(hwm_kb))
 
 
 if __name__ == "__main__":
