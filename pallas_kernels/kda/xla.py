@@ -268,6 +268,35 @@ def _intra_chunk(qc, kc, vc, gc, bc, same, m0, mlast, *, scale, diag, precision,
   return W, U, Qg, A_qk, Kd, state_decay
 
 
+def effective_chunk_size(T: int, chunk_size: int) -> int:
+  """The chunk `chunk_kda_xla` runs for T tokens: chunk_size, or for a sequence shorter than it
+  the smallest of 16, 32, 64 that holds the T tokens (one chunk either way).
+
+  Cheaper (a 1-token prefill no longer pays for a 64 × 64 chunk) and exact in real arithmetic:
+  the appended identity tokens (q = k = v = 0, g = 0, β = 0) add exact zeros to every sum; in
+  fp32 only the order of the sums differs (a few ulp; `test_short_sequence_chunk_is_exact`).
+  It also kept XLA:GPU from most of the compiler crash that `_fence` fixes (T ≤ 8 padded to 64).
+  """
+  if T >= chunk_size:
+    return chunk_size
+  return next(c for c in (16, 32, 64) if c >= min(T, chunk_size))
+
+
+def _fence(xs):
+  """An optimization barrier around the zero-padded chunks and the padded output (in the
+  backward pass around their cotangents): XLA may not rewrite through the known zeros of the
+  padding. The values are unchanged.
+
+  Why: XLA:GPU (jax 0.11.2, H200) failed to compile the bf16 backward of short padded sequences
+  (`mlir_kernel_emitter` RET_CHECK "Failed to translate module to LLVM IR" on multi-output
+  transpose / reverse fusions): T = 1, 2, 3, 8 in a 64-token chunk with an initial state, and
+  T = 5 with segments in a 16-token chunk. With the barrier every mapped case compiled and met
+  the bf16 contract (T = 1-13, 37, 65, 69, 100; chunks 16, 32, 64; with and without segments
+  and initial state; 2026-12-01, docs/benchmarks.md "The suite on one H200").
+  """
+  return jax.lax.optimization_barrier(xs)
+
+
 def chunk_kda_xla(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: jax.Array, *,
                   scale: float | None = None, initial_state: jax.Array | None = None,
                   output_final_state: bool = False, segment_ids: jax.Array | None = None,
@@ -285,6 +314,8 @@ def chunk_kda_xla(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: 
     output_final_state: also return the final state [B, H, K, V] fp32.
     segment_ids: [B, T] int32 packed-document ids, 0 = padding (`tiles.segment_resets`).
     chunk_size: 16, 32 or 64 tokens. T need not be a multiple (identity tokens are appended).
+      A sequence shorter than the chunk runs in the smallest of 16, 32, 64 that holds it
+      (`effective_chunk_size`, the same numbers up to fp32 summation order).
     diag: diagonal-tile method, "auto" | "dense" | "safe" (module docstring, `resolve_diag`).
       "auto" is safe unless `gate_lower_bound` says g ≥ g_min with |g_min| ≤ 5.87.
     gate_lower_bound: g_min of the gate that produced g (the model passes
@@ -306,7 +337,7 @@ def chunk_kda_xla(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: 
   diag = resolve_diag(diag, gate_lower_bound)
   B, T, H, K = q.shape
   V = v.shape[-1]
-  C = chunk_size
+  C = effective_chunk_size(T, chunk_size)
   N = max(1, math.ceil(T / C))
   Tp = N * C
   acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
@@ -336,6 +367,8 @@ def chunk_kda_xla(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: 
   bc = to_chunks(beta)  # [M, C]
   if same is not None:
     same, m0, mlast = mask_chunks(same), mask_chunks(m0), mask_chunks(mlast)
+  if Tp > T:
+    qc, kc, vc, gc, bc, same, m0, mlast = _fence((qc, kc, vc, gc, bc, same, m0, mlast))
   intra = functools.partial(_intra_chunk, scale=scale, diag=diag, precision=precision)
   if remat:
     intra = jax.checkpoint(intra)
@@ -351,6 +384,8 @@ def chunk_kda_xla(q: jax.Array, k: jax.Array, v: jax.Array, g: jax.Array, beta: 
   S0 = (jnp.zeros((B, H, K, V), acc) if initial_state is None else initial_state.astype(acc))
   xs = tuple(x.reshape((N, BH) + x.shape[1:]) for x in (W, U, Qg, A_qk, Kd, state_decay))
   S, o = jax.lax.scan(step, S0.reshape(BH, K, V), xs)  # o: [N, B·H, C, V]
+  if Tp > T:
+    o = _fence(o)
   o = jnp.transpose(o.reshape(N, B, H, C, V), (1, 0, 3, 2, 4)).reshape(B, Tp, H, V)[:, :T]
   o = jnp.where(valid[:, :T, None, None], o, 0).astype(q.dtype)
   return o, (S.reshape(B, H, K, V) if output_final_state else None)

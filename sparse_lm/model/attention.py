@@ -11,10 +11,13 @@ Backends (`attention_backend`):
   "tokamax"      tokamax.dot_product_attention (Mosaic GPU kernels; accepts Dk != Dv). GPU.
   "cudnn"        jax.nn.dot_product_attention(implementation="cudnn") with v padded to Dk. GPU.
   "splash"       Pallas splash attention, v padded to Dk. TPU.
-  "auto"         tokamax on GPU, splash on TPU, xla_chunked elsewhere.
+  "auto"         tokamax on GPU (xla_chunked where tokamax is not installed), splash on TPU,
+                 xla_chunked elsewhere.
 """
 
 from __future__ import annotations
+
+import importlib.util
 
 import jax
 import jax.numpy as jnp
@@ -153,7 +156,7 @@ def resolve_backend(backend: str) -> str:
   if backend != "auto":
     return backend
   platform = jax.default_backend()
-  if platform == "gpu":
+  if platform == "gpu" and importlib.util.find_spec("tokamax") is not None:
     return "tokamax"
   if platform == "tpu":
     return "splash"

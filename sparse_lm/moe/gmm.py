@@ -13,7 +13,8 @@ group_sizes[g]] are multiplied by rhs[g]; rows past sum(group_sizes) give zeros.
                 CPU core, M=4096 K=32 N=64 G=64, forward + backward 130 ms (ragged_dot) vs
                 2.2 ms (`python -m benchmarks.gmm_cpu`; docs/ablations/SIZING.md). Never
                 "auto".
-  "auto":       ragged_dot on CPU, tokamax on GPU, megablox on TPU.
+  "auto":       ragged_dot on CPU, tokamax on GPU (ragged_dot where tokamax is not installed),
+                megablox on TPU.
 The backend is resolved for the platform the program is compiled for (`platform`, default the
 host's `jax.default_backend()`): an ahead-of-time compile for TPU from a CPU host
 (`launch/aot_plan.py`) passes "tpu", and gets the megablox kernel, not XLA's ragged_dot, which
@@ -28,6 +29,7 @@ because it is not a grouped matmul.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import jax
@@ -48,8 +50,13 @@ def resolve_backend(backend: str, platform: str | None = None, *, k: int = 128,
       return "megablox" if k % 128 == 0 and n % 128 == 0 else "ragged_dot"
     return backend
   if backend == "auto":
-    return "ragged_dot" if platform == "cpu" else "tokamax"
+    return "tokamax" if platform != "cpu" and have_tokamax() else "ragged_dot"
   return backend
+
+
+def have_tokamax() -> bool:
+  """Whether tokamax is installed (a GPU image may lack it: `benchmarks/gpu_setup.sh`)."""
+  return importlib.util.find_spec("tokamax") is not None
 
 
 def _tokamax_ragged_dot(lhs, rhs, group_sizes):

@@ -48,3 +48,13 @@ def test_megablox_with_row_padding_matches_ragged_dot():
   got = gmm_lib.gmm(lhs, rhs, sizes, backend="megablox")
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), rtol=1e-5, atol=1e-4)
   assert np.all(np.asarray(got)[550:] == 0)
+
+
+def test_auto_on_a_gpu_without_tokamax_is_ragged_dot(monkeypatch):
+  """A GPU image without tokamax (benchmarks/gpu_setup.sh installs it) runs XLA's ragged_dot
+  under "auto" instead of failing at the import; an explicit "tokamax" stays tokamax."""
+  monkeypatch.setattr(gmm_lib, "have_tokamax", lambda: False)
+  assert gmm_lib.resolve_backend("auto", "gpu") == "ragged_dot"
+  assert gmm_lib.resolve_backend("tokamax", "gpu") == "tokamax"
+  monkeypatch.setattr(gmm_lib, "have_tokamax", lambda: True)
+  assert gmm_lib.resolve_backend("auto", "gpu") == "tokamax"

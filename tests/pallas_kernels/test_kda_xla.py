@@ -197,3 +197,36 @@ def test_gradient_autodiff_matches_reference_autodiff_fp64(monkeypatch):
                                                 remat=diag == "safe"), d)
       assert out[0].dtype == jnp.float64
       kt.check_against_reference(ref, out, {n: 1e-10 for n in kt.TOL_FP32}, label=diag)
+
+
+@pytest.mark.skipif(jax.default_backend() != "cpu", reason=(
+    "CPU-only: the reference side is the unclamped, unfenced program (T = 5 with segments "
+    "padded to a 64-token chunk), which XLA:GPU fails to compile (the crash the workaround "
+    "avoids)"))
+def test_short_sequence_chunk_is_exact(monkeypatch):
+  """The XLA:GPU compiler-crash workaround changes no result. (1) The optimization barrier
+  around the padded chunks (`_fence`) is bit for bit the program without it. (2) A sequence
+  shorter than the chunk runs in a smaller chunk (`effective_chunk_size`): the appended
+  identity tokens add exact zeros, only the order of the fp32 sums differs (matmuls of another
+  length; a few ulp on the CPU, 4.8e-6 relative at most): held to 1e-6 relative RMSE for the
+  output, final state and every gradient. Dropping or mis-masking a token fails it by far."""
+  T, chunk = 5, 64
+  seed = zlib.crc32(repr(("short", T, chunk)).encode())
+  print("seed", seed)
+  assert [xla.effective_chunk_size(t, 64) for t in (1, 16, 17, 32, 33, 64, 65)] == [
+      16, 16, 32, 32, 64, 64, 64]
+  assert xla.effective_chunk_size(T, chunk) < chunk
+  x = kt.make_inputs(seed, 1, T, 1, 16, 8, dtype=FP32, gate="bounded", initial_state=True,
+                     segments=True)
+  fn = functools.partial(xla.chunk_kda_xla, chunk_size=chunk, diag="dense")
+  got = kt.run_with_grads(fn, x, seed=seed)
+  kt.assert_all_finite(got)
+  monkeypatch.setattr(xla, "effective_chunk_size", lambda T, chunk_size: chunk_size)
+  fenced = kt.run_with_grads(fn, x, seed=seed)
+  errs = kt.check_against_reference(fenced, got, {n: 1e-6 for n in kt.TOL_FP32},
+                                    label=f"clamped T={T}")
+  print({n: f"{e:.1e}" for n, e in errs.items()})
+  monkeypatch.setattr(xla, "_fence", lambda xs: xs)
+  plain = kt.run_with_grads(fn, x, seed=seed)
+  for a, b in zip(jax.tree.leaves(fenced), jax.tree.leaves(plain)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
