@@ -17,7 +17,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
-from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sparse_lm import sharding
 from sparse_lm.config import ModelConfig
@@ -170,30 +169,17 @@ class Embed(nnx.Module):
   def __call__(self, tokens: jax.Array) -> jax.Array:
     """tokens [B, T] int32 -> [B, T, D] fp32.
 
-    Under a mesh the lookup keeps the table's ZeRO split of d_model (each device gathers its
-    d_model shard of its rows; the batch goes over the batch axes the table does not use) and
-    then moves the rows to the batch layout: two explicit sharding constraints. Their
-    backward is the same move in reverse, before the scatter-add into the table's gradient.
-    Left implicit, jax 0.11.2's partitioner made that move an "involuntary full
-    rematerialization" (the [B, T, D] cotangent replicated;
-    tests/vision/test_vision_multidevice.py). Without a mesh both are the identity.
+    Under a mesh the table is gathered over its ZeRO axes first (d_model whole, the vocabulary
+    still split as the rules say), as every ZeRO-3 weight is at its use; the backward
+    scatter-adds each batch shard's rows and reduce-scatters the gradient. Left to the
+    partitioner, jax 0.11.2 looked up rows in the d_model-split table and did the backward's
+    move of the [B, T, D] cotangent from the batch split to the d_model split as an
+    "involuntary full rematerialization" (tests/vision/test_vision_multidevice.py). Memory: the
+    gathered table (vocab / tensor x d_model) lives for the lookup, its full gradient for the
+    scatter before the reduce-scatter. Without a mesh the constraint is the identity.
     """
-    x = jnp.take(self.embedding[...], tokens, axis=0)
-    mesh = sharding.current_mesh()
-    if mesh is None or x.ndim != 3:
-      return x.astype(jnp.float32)
-    d = tuple(sharding.spec_for(self.embedding, mesh)) + (None, None)
-    d = d[1]  # the table's split of d_model
-    d_axes = () if d is None else (d,) if isinstance(d, str) else tuple(d)
-    b_axes, size = [], 1
-    for a in sharding.mesh_axes("activation_batch", mesh):
-      if a not in d_axes and x.shape[0] % (size * mesh.shape[a]) == 0:
-        b_axes.append(a)
-        size *= mesh.shape[a]
-    x = jax.lax.with_sharding_constraint(
-        x, NamedSharding(mesh, P(sharding.spec_entry(b_axes), None, d)))
-    x = sharding.constrain(x, ("activation_batch", "activation_length", "activation_embed"))
-    return x.astype(jnp.float32)
+    table = sharding.constrain(self.embedding[...], ("vocab", None))
+    return jnp.take(table, tokens, axis=0).astype(jnp.float32)
 
 
 def remat_policy(name: str):
