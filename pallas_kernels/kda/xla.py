@@ -290,9 +290,10 @@ def _fence(xs):
   Why: XLA:GPU (jax 0.11.2, H200) failed to compile the bf16 backward of short padded sequences
   (`mlir_kernel_emitter` RET_CHECK "Failed to translate module to LLVM IR" on multi-output
   transpose / reverse fusions): T = 1, 2, 3, 8 in a 64-token chunk with an initial state, and
-  T = 5 with segments in a 16-token chunk. With the barrier every mapped case compiled and met
-  the bf16 contract (T = 1-13, 37, 65, 69, 100; chunks 16, 32, 64; with and without segments
-  and initial state; 2026-12-01, docs/benchmarks.md "The suite on one H200").
+  T = 5 with segments in a 16-token chunk. With the barrier (and `effective_chunk_size`) every
+  mapped case compiled and met the bf16 contract (T = 1-13, 37, 65, 69, 100; chunks 16, 32,
+  64; with and without segments and initial state; 2026-12-01, docs/benchmarks.md "The suite
+  on one H200"); the barrier alone also fixed T = 1, 2, 3, 5, 8 in a 64-token chunk.
   """
   return jax.lax.optimization_barrier(xs)
 
