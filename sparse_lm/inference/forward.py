@@ -19,7 +19,9 @@ Per layer (ARCHITECTURE.md §2-§5):
        decode step (T = 1) reads only the experts its tokens chose when the batch's
        assignments are no more than the experts (`moe_decode`: gathered expert weights), else
        runs every expert on every token (one dense pass over all expert weights); a prefill
-       piece goes through the model's grouped matmuls.
+       piece goes through the model's grouped matmuls (`moe_prefill`: on a mesh the model's
+       expert-parallel exchange with its caps off, or `moe_decode` where the token shards do
+       not divide the piece).
   AttnRes mixes the sources of one token: nothing cached.
 A decode step (T = 1) on a GPU runs the AttnRes reads, KDA and the routed experts as fused
 Pallas kernels instead (fused.py, cfg.decode_backend); this file's path is their reference.
