@@ -18,6 +18,10 @@ slot, when any row finishes (so its slot is refilled at once). Both calls have f
 ([max_batch, prefill_chunk] and [max_batch] x decode_steps), so refilling slots never
 recompiles. Each row keeps its own length: no shared position, no left padding.
 
+On a mesh (`Engine(..., mesh=mesh)` or an active `sparse_lm.sharding.use_mesh`) the weights
+stay sharded as in training, the caches are sharded and both calls are jitted with in / out
+shardings (calls.py; docs/inference.md, "On a mesh").
+
 Randomness: request i of a call with an int `seed` draws its n-th token with
 fold_in(fold_in(PRNGKey(seed), i), n) (with a list of seeds, fold_in(PRNGKey(seed[i]), n)), so
 results do not depend on which slot or which other requests it ran with.
