@@ -2,7 +2,7 @@
 multi-turn state (engine.py schedules them).
 
 Each call exists in two forms:
-  one device  module-level `jax.jit` functions (`ONE_DEVICE`), the graph definition static;
+  one device  module-level `jax.jit` functions (`one_device_calls`), the graph definition static;
   a mesh      `mesh_calls(...)`: the same functions jitted with explicit in / out shardings for
               a `jax.sharding.Mesh`: the weights as the model's logical-axis rules place them
               (`weight_shardings`), the caches by `cache.cache_shardings` (rows over the

@@ -34,9 +34,9 @@ from sparse_lm.train.sample import generate
 SEED = 3
 # 5 layers (dense layer 0, KDA, MLA, LatentMoE, AttnRes blocks), 12 experts top-2: 12 appears
 # in no other array dimension, so a gathered [12, ...] expert array is recognisable.
-CFG = get_preset("tiny", num_layers=5, d_model=32, vocab_size=128, dense_hidden=64, moe_latent_dim=16,
-                 expert_hidden=32, shared_expert_hidden=32, num_experts=12, balancer_bins=64,
-                 attention_chunk_size=16, kda_chunk_size=16)
+CFG = get_preset("tiny", num_layers=5, d_model=32, vocab_size=128, dense_hidden=64,
+                 moe_latent_dim=16, expert_hidden=32, shared_expert_hidden=32, num_experts=12,
+                 balancer_bins=64, attention_chunk_size=16, kda_chunk_size=16)
 E = CFG.num_experts
 LAYOUT = "fsdp=2,expert=2,context=2"
 PROMPT = [5, 17, 99, 3, 42, 8, 61, 7, 120, 33, 2, 40, 41, 42, 43, 44, 45]
@@ -112,9 +112,9 @@ def main():
   ok_hlo = (all(len(v) == 1 and not v[0] for v in gathered.values()) and bool(control)
             and n9 > 0 and max(ag, default=0) <= CFG.d_model)
   print(f"{'OK' if ok_hlo else 'FAIL'} compiled {LAYOUT}: full-expert arrays in prefill / "
-        f"decode {gathered} (control, a gathered expert weight: {control}); decode all-gathers: {len(ag)}, "
-        f"largest {max(ag, default=0)} elements; 9-layer stack "
-        f"placed: {n9} weights "
+        f"decode {gathered} (control, a gathered expert weight: {control}); decode "
+        f"all-gathers: {len(ag)}, largest {max(ag, default=0)} elements; 9-layer stack placed: "
+        f"{n9} weights "
         f"({time.perf_counter() - t0:.0f} s)", flush=True)
 
   # The training loop's final sample (train/sample.py): the weights laid out as the train
