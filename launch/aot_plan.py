@@ -2,7 +2,7 @@
 
     JAX_PLATFORMS=cpu python -m launch.aot_plan --stage stage_8k --preset full \
         [--topology v5p:8x16x16] [--num-slices 1] [--set micro_batches=32 ...] \
-        [--eval | --steps eval,eval_2x]
+        [--eval | --steps eval,eval_2x | --steps sample_prefill,sample_decode]
 
 Everything comes from the stage file (`experiments/<stage>.py`, its `StageConfig` for the
 preset): the topology and number of slices it is planned for, the mesh, batch, micro-batches,
@@ -12,10 +12,14 @@ the training command line does (`experiments.base.apply_overrides`: `micro_batch
 
 The steps are the training loop's own (`sparse_lm.train.builder.build`, as MaxText's
 `train_compile.py` reuses its `train_step`): the train step (micro-batch scan, forward,
-backward, clipping, AdamW, balancer update, donated state) and, with `--eval`, the eval step
-at the stage's eval batch, at its length and at twice its length. Each is lowered with the
-abstract train state (`jax.eval_shape`: nothing is materialised on the host) and compiled
-with the real TPU compiler (libtpu) for the compile-only devices of
+backward, clipping, AdamW, balancer update, donated state); with `--eval`, the eval step
+at the stage's eval batch, at its length and at twice its length; with `--steps
+sample_prefill,sample_decode`, the inference engine's calls for the end-of-stage sample on the
+stage's mesh (`sparse_lm.inference.calls.lower_calls`: one 512-token prefill piece and one
+64-step decode call of one row, caches of the stage's seq_len, the weights as the rules place
+them). Each is lowered with the abstract train state (the sample: abstract weights and
+caches; `jax.eval_shape`: nothing is materialised on the host) and compiled with the real TPU
+compiler (libtpu) for the compile-only devices of
 `jax.experimental.topologies.get_topology_desc`. For each it prints the per-chip memory the
 compiler reports (`compiled.memory_analysis()`: arguments, outputs, temporaries, generated
 code, and their total with donated buffers counted once) against the chip's HBM, its compile
@@ -94,7 +98,23 @@ def _batch(stage, shardings, rows: int, seq_len: int):
   return abstract_batch(batch_shapes(stage, rows, seq_len), shardings)
 
 
-STEPS = ("train", "eval", "eval_2x")  # eval_2x: the eval step at twice the stage's length
+# eval_2x: the eval step at twice the stage's length. sample_prefill / sample_decode: the
+# inference engine's calls for the end-of-stage sample on the stage's mesh (one prefill piece of
+# SAMPLE_PREFILL_CHUNK tokens, one decode call of SAMPLE_DECODE_STEPS steps; SAMPLE_BATCH rows;
+# caches of the stage's seq_len).
+STEPS = ("train", "eval", "eval_2x", "sample_prefill", "sample_decode")
+SAMPLE_BATCH, SAMPLE_PREFILL_CHUNK, SAMPLE_DECODE_STEPS = 1, 512, 64  # train/sample.py's engine
+
+
+def _sample_calls(cfg, mesh, seq_len: int) -> dict:
+  """The engine's prefill piece and decode call (`sparse_lm.inference.calls.lower_calls`) as
+  `train/sample.py` runs them on `mesh`, with caches of seq_len positions."""
+  from sparse_lm.inference.cache import padded_length
+  from sparse_lm.inference.calls import lower_calls
+  length = padded_length(seq_len, cfg.attention_chunk_size)
+  return lower_calls(cfg, mesh, batch=SAMPLE_BATCH, cache_length=length,
+                     prefill_chunk=min(SAMPLE_PREFILL_CHUNK, length),
+                     kv_block=cfg.attention_chunk_size, decode_steps=SAMPLE_DECODE_STEPS)
 
 
 def plan_steps(stage, devices, *, hbm: int, rss, steps=("train",),
@@ -126,19 +146,35 @@ def plan_steps(stage, devices, *, hbm: int, rss, steps=("train",),
     parts = build(stage, mesh)
     state = shd.with_shardings(parts.abstract_state, parts.state_shardings)
   eval_rows = stage.eval_batch_size or stage.global_batch
-  plans = {"train": (parts.train_step, stage.global_batch, stage.seq_len),
-           "eval": (parts.eval_step, eval_rows, stage.seq_len),
-           "eval_2x": (parts.eval_step, eval_rows, 2 * stage.seq_len)}
+  step = lambda fn: lambda rows, seq_len: fn.lower(
+      state, _batch(stage, parts.batch_shardings, rows, seq_len))
+  sample_calls = {}
+
+  def sample(which):
+    def lower(rows, seq_len):
+      if not sample_calls:  # both calls are traced together, compiled one at a time
+        sample_calls.update(_sample_calls(cfg, mesh, seq_len))
+      return sample_calls.pop(which)
+    return lower
+  plans = {"train": (step(parts.train_step), stage.global_batch, stage.seq_len),
+           "eval": (step(parts.eval_step), eval_rows, stage.seq_len),
+           "eval_2x": (step(parts.eval_step), eval_rows, 2 * stage.seq_len),
+           "sample_prefill": (sample("prefill"), SAMPLE_BATCH, stage.seq_len),
+           "sample_decode": (sample("decode"), SAMPLE_BATCH, stage.seq_len)}
   todo = [(name, *plans[name]) for name in steps]
   reports = []
-  for name, fn, rows, seq_len in todo:
+  for name, lower, rows, seq_len in todo:
+    what = (f"{rows} x {seq_len:,} tokens" if not name.startswith("sample") else
+            f"{rows} row, cache {seq_len:,}: " + (
+                f"a {min(SAMPLE_PREFILL_CHUNK, seq_len)}-token piece" if name == "sample_prefill"
+                else f"{SAMPLE_DECODE_STEPS} decode steps"))
     with rss.phase(f"{name}: lower") as lo:
-      lowered = fn.lower(state, _batch(stage, parts.batch_shardings, rows, seq_len))
+      lowered = lower(rows, seq_len)
     if lower_only:
       del lowered
       reports.append(dict(step=name, rows=rows, seq_len=seq_len, lower_s=lo["seconds"],
                           peak_rss=lo["peak_rss"], fits=None))
-      print(f"[aot_plan] {name} ({rows} x {seq_len:,} tokens): lowered in {lo['seconds']:.0f}s "
+      print(f"[aot_plan] {name} ({what}): lowered in {lo['seconds']:.0f}s "
             f"(not compiled), host peak RSS {lo['peak_rss'] / GB:.2f} GB", flush=True)
       continue
     with rss.phase(f"{name}: compile") as co:
@@ -150,7 +186,7 @@ def plan_steps(stage, devices, *, hbm: int, rss, steps=("train",),
     rep.update(step=name, rows=rows, seq_len=seq_len, lower_s=lo["seconds"],
                compile_s=co["seconds"], peak_rss=max(lo["peak_rss"], co["peak_rss"]))
     reports.append(rep)
-    print(f"[aot_plan] {name} ({rows} x {seq_len:,} tokens): per device arguments "
+    print(f"[aot_plan] {name} ({what}): per device arguments "
           f"{rep['arguments'] / GB:.2f} GB, outputs {rep['outputs'] / GB:.2f} GB (aliased "
           f"{rep['aliased'] / GB:.2f}), temporaries {rep['temporaries'] / GB:.2f} GB, code "
           f"{rep['code'] / GB:.3f} GB; total {rep['total'] / GB:.2f} GB of {hbm / GB:.0f} GB "
@@ -182,7 +218,8 @@ def main(argv=None) -> int:
   p.add_argument("--eval", action="store_true", help="also the eval step at the eval batch, "
                  "at the stage's length and at twice it (= --steps train,eval,eval_2x)")
   p.add_argument("--steps", default=None, help=f"comma-separated, from {','.join(STEPS)} "
-                 "(default: train; e.g. --steps eval,eval_2x compiles only the eval steps)")
+                 "(default: train; e.g. --steps eval,eval_2x compiles only the eval steps, "
+                 "--steps sample_prefill,sample_decode the end-of-stage sample's engine calls)")
   p.add_argument("--lower-only", action="store_true", help="trace and lower the steps, do not "
                  "compile them (checks shapes and shardings in seconds; no memory numbers)")
   p.add_argument("--json", default=None, help="also write the report here")
@@ -194,7 +231,8 @@ def main(argv=None) -> int:
       "SPARSE_LM_MMAP_THRESHOLD", 0)), help="bytes from which malloc uses mmap (0 = glibc's "
                  "dynamic threshold)")
   args = p.parse_args(argv)
-  steps = tuple(args.steps.split(",")) if args.steps else (STEPS if args.eval else ("train",))
+  steps = (tuple(args.steps.split(",")) if args.steps else
+           ("train", "eval", "eval_2x") if args.eval else ("train",))
   if any(s not in STEPS for s in steps):
     p.error(f"--steps {args.steps}: choose from {','.join(STEPS)}")
 

@@ -16,9 +16,22 @@ at or beyond a row's length hold stale values that no query reads.
 
 from __future__ import annotations
 
+import jax
 import jax.numpy as jnp
+from jax.sharding import NamedSharding
 
+from sparse_lm import sharding as shd
 from sparse_lm.config import ModelConfig
+
+# Logical axes of each cache array (rows, ..., heads / latent): rows over the batch axes
+# (data, fsdp, expert) where the engine's batch divides, KDA heads over tensor, the latent
+# and rope widths whole (kv_lora, as the MLA weights), positions whole.
+CACHE_AXES = {
+    "S": ("activation_batch", "activation_heads", None, None),
+    "conv": ("activation_batch", None, "activation_heads"),
+    "c_kv": ("activation_batch", None, "kv_lora"),
+    "k_rope": ("activation_batch", None, "kv_lora"),
+}
 
 
 def padded_length(max_length: int, block: int) -> int:
@@ -41,6 +54,18 @@ def init_layer_cache(cfg: ModelConfig, kind: str, batch: int, length: int) -> di
 def init_cache(cfg: ModelConfig, batch: int, length: int) -> list[dict]:
   """One cache per decoder layer, in layer order (a list of dicts of arrays)."""
   return [init_layer_cache(cfg, kind, batch, length) for kind in cfg.layer_types]
+
+
+def cache_shardings(cache, mesh: jax.sharding.Mesh) -> list[dict]:
+  """NamedShardings of a cache (init_cache's tree, arrays or ShapeDtypeStructs) on `mesh`,
+  by CACHE_AXES under the default rules (`sharding.LOGICAL_AXIS_RULES`: generation never
+  splits a row's positions); a mesh axis that does not divide its dimension is dropped."""
+  def one(path, a):
+    keys = [getattr(k, "key", None) for k in path]
+    names = CACHE_AXES["conv" if "conv" in keys else keys[-1]]
+    spec = shd.logical_to_spec(names, rules=shd.LOGICAL_AXIS_RULES, mesh=mesh, shape=a.shape)
+    return NamedSharding(mesh, spec)
+  return jax.tree_util.tree_map_with_path(one, cache)
 
 
 def cache_bytes(cfg: ModelConfig, length: int, batch: int = 1, *,

@@ -18,6 +18,10 @@ slot, when any row finishes (so its slot is refilled at once). Both calls have f
 ([max_batch, prefill_chunk] and [max_batch] x decode_steps), so refilling slots never
 recompiles. Each row keeps its own length: no shared position, no left padding.
 
+On a mesh (`Engine(..., mesh=mesh)` or an active `sparse_lm.sharding.use_mesh`) the weights
+stay sharded as in training, the caches are sharded and both calls are jitted with in / out
+shardings (calls.py; docs/inference.md, "On a mesh").
+
 Randomness: request i of a call with an int `seed` draws its n-th token with
 fold_in(fold_in(PRNGKey(seed), i), n) (with a list of seeds, fold_in(PRNGKey(seed[i]), n)), so
 results do not depend on which slot or which other requests it ran with.
@@ -35,15 +39,20 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sparse_lm import sharding as shd
 from sparse_lm.inference import cache as cache_lib
-from sparse_lm.inference.forward import DecoderStack, forward_cached
-from sparse_lm.inference.sampling import SamplingParams, sample
+from sparse_lm.inference import calls as calls_lib
+from sparse_lm.inference.forward import DecoderStack
+from sparse_lm.inference.sampling import SamplingParams
 
-# Kernels cast to the compute dtype once (the model casts them at every use anyway); norms,
-# the router, gates' A_log / dt_bias, conv kernels and the embedding stay as trained.
-_CAST = {"w_q", "w_k", "w_v", "w_g_down", "w_g_up", "w_beta", "w_og", "w_og_down", "w_og_up",
-         "w_o", "w_dq", "w_uq", "w_dkv", "w_ukv", "w_gate", "w_up", "w_down", "expert_gate",
-         "expert_up", "expert_down", "lm_head"}
+# The one-device jitted calls (tests and benchmarks count their compiled programs).
+_step, _decode = calls_lib._STEP, calls_lib._DECODE
+
+
+def _weights(graphdef, state, cfg):
+  """The stack's state with its kernels in the compute dtype (`calls.compute_weights`)."""
+  del graphdef
+  return calls_lib.compute_weights(state, cfg)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -76,91 +85,6 @@ class GenerationOutput:
   finish_reason: str
 
 
-def _weights(graphdef, state, cfg):
-  """The stack's state with the kernels in _CAST in the compute dtype."""
-  dt = jnp.dtype(cfg.dtype)
-  if dt == jnp.dtype(cfg.param_dtype):
-    return state
-
-  def cast(path, x):
-    names = {getattr(k, "key", getattr(k, "name", None)) for k in path}
-    return x.astype(dt) if names & _CAST and jnp.issubdtype(x.dtype, jnp.floating) else x
-  return jax.tree_util.tree_map_with_path(cast, state)
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "kv_block"), donate_argnums=(2,))
-def _step(graphdef, weights, cache, tokens, start, n_valid, req_keys, counts, mode, temperature,
-          top_k, top_p, *, kv_block):
-  """One jitted prefill piece (T > 1) or decode step (T = 1) for all slots, then sampling."""
-  stack = nnx.merge(graphdef, weights)
-  logits, cache = forward_cached(stack, tokens, cache, start, n_valid, kv_block=kv_block)
-  keys = jax.vmap(jax.random.fold_in)(req_keys, counts)
-  tok, logp = sample(logits, keys, mode=mode, temperature=temperature, top_k=top_k,
-                     top_p=top_p)
-  return cache, tok, logp
-
-
-@functools.partial(jax.jit, static_argnames=("graphdef", "num_steps"), donate_argnums=(2,))
-def _decode(graphdef, weights, cache, tokens, lengths, active, req_keys, counts, max_new,
-            max_length, stop_mask, exit_on_finish, mode, temperature, top_k, top_p, *,
-            num_steps):
-  """Up to num_steps decode steps for all slots in one device call (lax.while_loop).
-
-  tokens [B] int32: each row's last token, not yet in its cache; lengths [B] int32; active [B]
-  bool (rows that decode; the others ride along unchanged); counts [B] int32: tokens already
-  generated per row (the fold_in index of the next draw); max_new, max_length: int32 scalars;
-  stop_mask [vocab] bool; exit_on_finish: bool scalar, stop after the first step in which a
-  row finishes. Returns (cache, new tokens [num_steps, B] and log-probs (row b's are the first
-  counts_out[b] - counts[b] entries), counts_out [B], lengths_out [B]).
-  """
-  stack = nnx.merge(graphdef, weights)
-  B = tokens.shape[0]
-
-  def cond(carry):
-    i, _, _, _, _, act, _, _, finished = carry
-    return (i < num_steps) & jnp.any(act) & ~(exit_on_finish & finished)
-
-  def body(carry):
-    i, cache, tok, lengths, counts, act, out_tok, out_logp, finished = carry
-    n_valid = act.astype(jnp.int32)
-    logits, cache = forward_cached(stack, tok[:, None], cache, lengths, n_valid, kv_block=1)
-    keys = jax.vmap(jax.random.fold_in)(req_keys, counts)
-    new, logp = sample(logits, keys, mode=mode, temperature=temperature, top_k=top_k,
-                       top_p=top_p)
-    lengths, counts = lengths + n_valid, counts + n_valid
-    done = act & (stop_mask[new] | (counts >= max_new) | (lengths >= max_length))
-    return (i + 1, cache, jnp.where(act, new, tok), lengths, counts, act & ~done,
-            out_tok.at[i].set(new), out_logp.at[i].set(logp), finished | jnp.any(done))
-
-  init = (jnp.int32(0), cache, tokens, lengths, counts, active,
-          jnp.zeros((num_steps, B), jnp.int32), jnp.zeros((num_steps, B), jnp.float32),
-          jnp.bool_(False))
-  _, cache, _, lengths, counts, _, out_tok, out_logp, _ = jax.lax.while_loop(cond, body, init)
-  return cache, out_tok, out_logp, counts, lengths
-
-
-@jax.jit
-def _read_row(cache, slot):
-  return jax.tree.map(lambda a: jax.lax.dynamic_slice_in_dim(a, slot, 1, axis=0), cache)
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _write_row(cache, row, slot):
-  return jax.tree.map(lambda a, r: jax.lax.dynamic_update_slice_in_dim(a, r, slot, axis=0),
-                      cache, row)
-
-
-@functools.partial(jax.jit, donate_argnums=(0,))
-def _reset_row(cache, slot):
-  """Zero a slot's KDA state and conv tails (its latent cache is unread beyond length 0)."""
-  def zero(path, a):
-    if any(getattr(k, "key", None) in ("conv", "S") for k in path):
-      return jax.lax.dynamic_update_slice_in_dim(a, jnp.zeros((1,) + a.shape[1:], a.dtype),
-                                                 slot, axis=0)
-    return a
-  return jax.tree_util.tree_map_with_path(zero, cache)
-
-
 class Engine:
   """Batched generation from a `sparse_lm.model.Transformer` (see the module docstring).
 
@@ -171,13 +95,18 @@ class Engine:
     prefill_chunk: tokens per row per prefill call (bounds prefill memory).
     kv_block: key block of the prefill's latent attention (default cfg.attention_chunk_size).
     decode_steps: the most decode steps one device call runs (tokens per host round trip).
+    mesh: a `jax.sharding.Mesh` to run on (default: the active `sparse_lm.sharding.use_mesh`
+      mesh, if any). With more than one device the weights are placed as the model's logical
+      axis rules say (as in training), the caches sharded (`cache.cache_shardings`) and the
+      calls jitted with those in / out shardings (calls.py); one device: the plain path.
 
   Raises:
     ValueError: a size argument that is not a positive int (names it).
   """
 
   def __init__(self, model, *, max_length: int = 4096, max_batch: int = 8,
-               prefill_chunk: int = 512, kv_block: int | None = None, decode_steps: int = 64):
+               prefill_chunk: int = 512, kv_block: int | None = None, decode_steps: int = 64,
+               mesh: jax.sharding.Mesh | None = None):
     for name, v in (("max_length", max_length), ("max_batch", max_batch),
                     ("prefill_chunk", prefill_chunk), ("kv_block", kv_block or 1),
                     ("decode_steps", decode_steps)):
@@ -191,8 +120,11 @@ class Engine:
     self.prefill_chunk = int(min(prefill_chunk, self.cache_length))
     self.decode_steps = int(decode_steps)
     self.signature = (self.cfg, self.cache_length)
+    mesh = shd.current_mesh() if mesh is None else mesh
+    self.mesh = mesh if mesh is not None and mesh.size > 1 else None
+    self._w_sh = None
     self.load_weights(model)
-    self._cache = cache_lib.init_cache(self.cfg, self.max_batch, self.cache_length)
+    self._cache = calls_lib.new_cache(self.cfg, self.max_batch, self.cache_length, self.mesh)
 
   def load_weights(self, model) -> None:
     """Take `model`'s current weights (e.g. after a training step); no recompile.
@@ -208,7 +140,21 @@ class Engine:
                        "new Engine for another model")
     graphdef, state = nnx.split(DecoderStack(model))
     self._graphdef = graphdef
-    self._weights = _weights(graphdef, state, self.cfg)
+    if self.mesh is None:
+      self._weights = calls_lib.compute_weights(state, self.cfg)
+      self._calls = calls_lib.one_device_calls(graphdef, kv_block=self.kv_block,
+                                               num_steps=self.decode_steps)
+      return
+    if self._w_sh is None:
+      self._w_sh = calls_lib.weight_shardings(state, self.mesh)
+      self._calls = calls_lib.mesh_calls(
+          graphdef, self.mesh, self._w_sh, self.cfg, batch=self.max_batch,
+          cache_length=self.cache_length, kv_block=self.kv_block, num_steps=self.decode_steps)
+      self._cast = (None if self.cfg.dtype == self.cfg.param_dtype else jax.jit(
+          functools.partial(calls_lib.compute_weights, cfg=self.cfg), out_shardings=self._w_sh))
+    # device_put: no copy where the model is already laid out so (a trained state)
+    state = jax.device_put(state, self._w_sh)
+    self._weights = state if self._cast is None else self._cast(state)
 
   def step(self, tokens, lengths, n_valid, sampling: SamplingParams | None = None, seed=0):
     """Low level, for benchmarks and custom schedulers: one jitted call on all slots.
@@ -220,10 +166,10 @@ class Engine:
     """
     sampling = SamplingParams(temperature=0.0) if sampling is None else sampling
     keys = jax.random.split(jax.random.PRNGKey(seed), self.max_batch)
-    self._cache, tok, logp = _step(
-        self._graphdef, self._weights, self._cache, jnp.asarray(tokens, jnp.int32),
+    self._cache, tok, logp = self._calls.step(
+        self._weights, self._cache, jnp.asarray(tokens, jnp.int32),
         jnp.asarray(lengths, jnp.int32), jnp.asarray(n_valid, jnp.int32), keys,
-        jnp.zeros((self.max_batch,), jnp.int32), **self._knobs(sampling), kv_block=self.kv_block)
+        jnp.zeros((self.max_batch,), jnp.int32), *self._knobs(sampling))
     return tok, logp
 
   def decode(self, tokens, lengths, sampling: SamplingParams | None = None, seed=0):
@@ -235,18 +181,18 @@ class Engine:
     sampling = SamplingParams(temperature=0.0) if sampling is None else sampling
     B = self.max_batch
     keys = jax.random.split(jax.random.PRNGKey(seed), B)
-    self._cache, tok, logp, _, _ = _decode(
-        self._graphdef, self._weights, self._cache, jnp.asarray(tokens, jnp.int32),
+    self._cache, tok, logp, _, _ = self._calls.decode(
+        self._weights, self._cache, jnp.asarray(tokens, jnp.int32),
         jnp.asarray(lengths, jnp.int32), jnp.ones((B,), bool), keys, jnp.zeros((B,), jnp.int32),
         np.int32(2**30), np.int32(self.cache_length), jnp.zeros((self.cfg.vocab_size,), bool),
-        np.bool_(False), **self._knobs(sampling), num_steps=self.decode_steps)
+        np.bool_(False), *self._knobs(sampling))
     return tok, logp
 
-  def _knobs(self, sampling: SamplingParams) -> dict:
-    """The sampling parameters as the traced scalars the jitted calls take."""
-    return dict(mode=np.int32(sampling.mode),
-                temperature=np.float32(max(sampling.temperature, 1e-6)),
-                top_k=np.int32(sampling.top_k), top_p=np.float32(sampling.top_p))
+  def _knobs(self, sampling: SamplingParams) -> tuple:
+    """The sampling parameters as the traced scalars the jitted calls take (mode,
+    temperature, top_k, top_p)."""
+    return (np.int32(sampling.mode), np.float32(max(sampling.temperature, 1e-6)),
+            np.int32(sampling.top_k), np.float32(sampling.top_p))
 
   def cache_bytes(self) -> int:
     """Bytes of the engine's allocated caches (all slots)."""
@@ -355,8 +301,8 @@ class Engine:
 
     def finish(s, reason):
       r = slot_req[s]
-      state = DecodeState(_read_row(self._cache, s), int(lengths[s]), (gen[r][-1],),
-                          self.signature)
+      state = DecodeState(self._calls.read_row(self._cache, s), int(lengths[s]),
+                          (gen[r][-1],), self.signature)
       results[r] = GenerationOutput(gen[r], logps[r], state, reason)
       slot_req[s] = -1
 
@@ -381,10 +327,11 @@ class Engine:
           slot_req[s] = r
           state = feeds[r][1]
           if state is None:
-            self._cache = _reset_row(self._cache, s)
+            self._cache = self._calls.reset_row(self._cache, s)
             lengths[s] = 0
           else:
-            self._cache = _write_row(self._cache, state.cache, s)
+            self._cache = self._calls.write_row(self._cache,
+                                                self._calls.place_row(state.cache), s)
             lengths[s] = state.length
       busy = [s for s in range(B) if slot_req[s] >= 0]
       keys = np.zeros((B,) + req_keys.shape[1:], req_keys.dtype)
@@ -396,11 +343,10 @@ class Engine:
         tokens = np.zeros(B, np.int32)
         for s in busy:
           tokens[s] = gen[slot_req[s]][-1]
-        self._cache, *out = _decode(
-            self._graphdef, self._weights, self._cache, tokens, lengths.copy(),
+        self._cache, *out = self._calls.decode(
+            self._weights, self._cache, tokens, lengths.copy(),
             np.isin(np.arange(B), busy), keys, counts, np.int32(max_new_tokens),
-            np.int32(self.max_length), stop_mask, np.bool_(bool(queue)), **knobs,
-            num_steps=self.decode_steps)
+            np.int32(self.max_length), stop_mask, np.bool_(bool(queue)), *knobs)
         tok, logp, counts_out, _ = jax.device_get(out)
         for s in busy:
           for j in range(int(counts_out[s] - counts[s])):
@@ -414,9 +360,8 @@ class Engine:
         piece = feeds[r][0][fed[r]:fed[r] + P]
         tokens[s, :len(piece)] = piece
         n_valid[s] = len(piece)
-      self._cache, tok, logp = _step(self._graphdef, self._weights, self._cache, tokens,
-                                     lengths.copy(), n_valid, keys, counts, **knobs,
-                                     kv_block=self.kv_block)
+      self._cache, tok, logp = self._calls.step(self._weights, self._cache, tokens,
+                                                lengths.copy(), n_valid, keys, counts, *knobs)
       tok, logp = jax.device_get((tok, logp))
       lengths += n_valid
       for s in prefilling:

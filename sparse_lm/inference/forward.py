@@ -19,7 +19,9 @@ Per layer (ARCHITECTURE.md §2-§5):
        decode step (T = 1) reads only the experts its tokens chose when the batch's
        assignments are no more than the experts (`moe_decode`: gathered expert weights), else
        runs every expert on every token (one dense pass over all expert weights); a prefill
-       piece goes through the model's grouped matmuls.
+       piece goes through the model's grouped matmuls (`moe_prefill`: on a mesh the model's
+       expert-parallel exchange with its caps off, or `moe_decode` where the token shards do
+       not divide the piece).
   AttnRes mixes the sources of one token: nothing cached.
 A decode step (T = 1) on a GPU runs the AttnRes reads, KDA and the routed experts as fused
 Pallas kernels instead (fused.py, cfg.decode_backend); this file's path is their reference.
@@ -28,6 +30,7 @@ Pallas kernels instead (fused.py, cfg.decode_backend); this file's path is their
 from __future__ import annotations
 
 import functools
+import math
 
 import jax
 import jax.numpy as jnp
@@ -35,10 +38,12 @@ from flax import nnx
 
 from pallas_kernels.kda import chunk_kda, recurrent_step
 from sparse_lm import nn
+from sparse_lm import sharding as shd
 from sparse_lm.inference import fused
 from sparse_lm.model import attnres
 from sparse_lm.model.kda import kda_output, kda_projections
 from sparse_lm.moe import router as router_lib
+from sparse_lm.moe.expert_parallel import TOKEN_AXES
 from sparse_lm.moe.latent_moe import dense_reference
 from sparse_lm.moe.situ_glu import situ_activation
 
@@ -61,6 +66,7 @@ class DecoderStack(nnx.Module):
       graphdef, state = nnx.split(model.groups)
       for g in range(model.num_groups - 1):
         group = nnx.merge(graphdef, jax.tree.map(lambda a, g=g: a[g], state))
+        _drop_layers_axis(group)
         layer_list += list(group.layers)
     layer_list += list(model.tail or ())  # KDA layers after the last whole group (48B)
     layer_list.append(model.last)
@@ -68,6 +74,23 @@ class DecoderStack(nnx.Module):
     self.final_query = model.final_query
     self.final_norm = model.final_norm
     self.lm_head = model.lm_head
+
+
+def _drop_layers_axis(module) -> None:
+  """Remove the leading "layers" logical axis name of a sliced group's variables (so that
+  `sparse_lm.sharding.state_shardings` places each per-layer copy like its stacked source)."""
+  for _, node in nnx.iter_graph(module):
+    if isinstance(node, nnx.Variable):
+      names = node.get_metadata().get("out_sharding")
+      if names and names[0] == "layers" and len(names) == node[...].ndim + 1:
+        node.set_metadata(out_sharding=tuple(names[1:]))
+
+
+def on_mesh() -> bool:
+  """Whether the trace runs under a `sparse_lm.sharding.use_mesh` mesh of more than one device
+  (the engine's mesh path: no fused Pallas kernels, expert-sharded MoE; see engine.py)."""
+  mesh = shd.current_mesh()
+  return mesh is not None and mesh.size > 1
 
 
 def _project(x, w, dtype):
@@ -351,9 +374,25 @@ def layer_cached(layer, stream: dict, cache: dict, *, opens: bool, start, valid,
                if use and fused.FUSE["moe"] else None)
     y = moe_decode(layer.ffn, x, valid, experts)
   else:
-    layer.ffn.capacity_factor = None  # inference never drops (this is a traced copy)
-    y, _ = layer.ffn(x, valid=valid, train=False)
+    y = moe_prefill(layer.ffn, x, valid)
   return attnres.add_output(cfg, stream, y), cache
+
+
+def moe_prefill(moe, x: jax.Array, valid: jax.Array) -> jax.Array:
+  """A prefill piece's LatentMoE: the model's own layer (grouped matmuls; under an `expert`
+  mesh axis the expert-parallel exchange) with every cap off: inference never drops. On a mesh
+  whose token shards (data x fsdp x expert x context) do not divide the piece's B x T tokens,
+  which the exchange needs, `moe_decode` (experts sharded where they are: each device runs its
+  own experts, nothing gathered). x [B, T, D], valid [B, T] -> y [B, T, D]."""
+  mesh = shd.current_mesh()
+  if mesh is not None and mesh.shape.get("expert", 1) > 1:
+    shards = math.prod(mesh.shape.get(a, 1) for a in TOKEN_AXES)
+    if (x.shape[0] * x.shape[1]) % shards:
+      return moe_decode(moe, x, valid)
+  moe.capacity_factor = None  # this is a traced copy of the layer
+  moe.ragged_buffer_factor = None
+  y, _ = moe(x, valid=valid, train=False)
+  return y
 
 
 def forward_cached(stack: DecoderStack, tokens: jax.Array, cache: list[dict], start: jax.Array,
@@ -375,7 +414,7 @@ def forward_cached(stack: DecoderStack, tokens: jax.Array, cache: list[dict], st
   cfg = stack.cfg
   dtype = jnp.dtype(cfg.dtype)
   T = tokens.shape[1]
-  kernels = fused.decode_kernels(cfg) if T == 1 else (False, False)
+  kernels = fused.decode_kernels(cfg) if T == 1 and not on_mesh() else (False, False)
   valid = jnp.arange(T)[None] < n_valid[:, None]
   stream = attnres.init_stream(cfg, stack.embed(tokens))
   new_cache = []

@@ -312,7 +312,7 @@ class _StageLoop:
     def sample():  # from the starting weights: compiles the final sample's programs
       with shd.use_mesh(self.mesh):
         _sample(parts.graphdef, state, self.tokenizer, stage)
-    # The sample runs beside the step-0 eval: on one device only.
+    # Run beside the step-0 eval on one device only (on a mesh it compiles at the end).
     self.pre.start(stage, parts, self.batch_sh, self.eval_rows if self.eval_batches else 0,
                    sample if stage.sample_tokens > 0 and self.mesh.size == 1 else None)
 
@@ -382,8 +382,8 @@ class _StageLoop:
       self.writer.write(end, {k.replace("@", "_at_"): v for k, v in final_eval.items()},
                         prefix="final/")
     if stage.sample_tokens > 0:
-      # Generation uses the default (batch) rules: a short prompt cannot be split over
-      # expert x context (as in MaxText, expert_shards applies to training only).
+      # The engine on the stage's mesh (weights as trained), the default (batch) rules: a short
+      # prompt is not split over expert x context (as MaxText, expert_shards: training only).
       with shd.use_mesh(self.mesh):
         sample = _sample(self.parts.graphdef, state, self.tokenizer, stage)
       self.writer.text("sample", sample, end)

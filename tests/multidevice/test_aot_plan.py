@@ -1,8 +1,9 @@
 """CI checks of launch/aot_plan.py (compile-only TPU devices from libtpu; no TPU needed).
 
-- The `tiny` preset's full train step and its eval steps compile with the real TPU compiler
-  for v5p:2x2x2 (8 chips) with the fsdp, expert and context axes all > 1, and the per-chip
-  totals are below HBM.
+- The `tiny` preset's full train step, its eval step at twice the length (the same program as
+  at 1x, larger) and the end-of-stage sample's engine calls (a prefill piece and a decode call,
+  caches donated) compile with the real TPU compiler for v5p:2x2x2 (8 chips) with the fsdp,
+  expert and context axes all > 1, and the per-chip totals are below HBM.
 - A mid-size plan (the reduced tiny model on a 256-chip v5p:4x8x8 slice, EP 16, the sequence
   over expert x context) compiles with the planner's peak host memory below a recorded bound,
   so that a change that makes the planner's host memory grow shows here before it kills a
@@ -52,20 +53,22 @@ def _sets(items):
   return [a for s in items for a in ("--set", s)]
 
 
-def test_tiny_train_and_eval_steps_compile_for_v5p_2x2x2_with_fsdp_expert_context(tmp_path):
+def test_tiny_train_eval_and_sample_steps_compile_for_v5p_2x2x2_with_fsdp_expert_context(tmp_path):
   sets = ["mesh=fsdp=2,expert=2,context=2", "tokens_per_batch=256", "seq_len=64",
           "micro_batches=1", "eval_batch_size=4", "model.ragged_buffer_factor=1.25"]
   plan, stdout = _plan(tmp_path, ["--preset", "tiny", "--stage", "stage_8k", "--topology",
-                                  "v5p:2x2x2", "--eval"]
+                                  "v5p:2x2x2", "--steps",
+                                  "train,eval_2x,sample_prefill,sample_decode"]
                        + _sets(sets + [f"model.{s}" for s in SMALLER]))
   assert plan["mesh"] == {"data": 1, "fsdp": 2, "expert": 2, "tensor": 1, "context": 2}
   assert plan["expert_shards"] == "batch"
   assert [(s["step"], s["rows"], s["seq_len"]) for s in plan["steps"]] == [
-      ("train", 4, 64), ("eval", 4, 64), ("eval_2x", 4, 128)]
+      ("train", 4, 64), ("eval_2x", 4, 128), ("sample_prefill", 1, 64), ("sample_decode", 1, 64)]
   for s in plan["steps"]:
     assert 0 < s["total"] < s["hbm"] and s["fits"], s
     assert s["arguments"] > 0 and s["temporaries"] > 0 and s["compile_s"] > 0
   assert plan["steps"][0]["aliased"] > 0  # the train state is donated
+  assert plan["steps"][2]["aliased"] > 0 and plan["steps"][3]["aliased"] > 0  # the caches
   assert 0 < plan["peak_rss"] < 8e9
   assert "FITS" in stdout and "peak host RSS" in stdout
 
