@@ -236,7 +236,7 @@ def main(argv=None) -> int:
   if any(s not in STEPS for s in steps):
     p.error(f"--steps {args.steps}: choose from {','.join(STEPS)}")
 
-  from launch.host_memory import GB as _GB, RssSampler, bound_malloc, peak_rss_bytes
+  from launch.host_memory import GB as _GB, RssSampler, bound_malloc
   if args.malloc_arenas > 0:  # before jax starts its threads
     bound_malloc(args.malloc_arenas, args.mmap_threshold or None)
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
@@ -284,7 +284,7 @@ def main(argv=None) -> int:
     except ValueError as e:
       print(f"[aot_plan] failed: {e}", file=sys.stderr)
       return 1
-  peak = peak_rss_bytes()
+  peak = rss.peak()  # resident high-water, or resident + swapped where swap was used
   r0 = reports[0]
   print(f"[aot_plan] mesh {r0['mesh']}; {r0['num_params'] / 1e9:.2f}B params; train state "
         f"{r0['state_bytes_global'] / GB:.1f} GB global = "

@@ -9,8 +9,11 @@
 
 The peak of the whole process is the kernel's high-water mark (`VmHWM` in
 /proc/self/status, which `resource.getrusage(RUSAGE_SELF).ru_maxrss` also reports, in KiB
-on Linux); the peak of a phase comes from a background thread that reads `VmRSS` every
-`interval` seconds, so it can miss a spike shorter than that (the process peak cannot).
+on Linux); the peak of a phase comes from a background thread that reads `VmRSS` + `VmSwap`
+every `interval` seconds, so it can miss a spike shorter than that (the kernel's high-water
+mark cannot). On a host with swap the resident set alone understates what a process holds
+(a compile whose pages went to disk): the sampled "resident + swapped" figure is the one to
+read there (`in_use_bytes`); without swap the two are the same.
 Units: bytes (GB = 1e9 bytes in the reports).
 
 `bound_malloc()` makes glibc's allocator hand freed memory back: few malloc arenas (by default
@@ -80,6 +83,11 @@ def rss_bytes() -> int:
   return _status_bytes("VmRSS")
 
 
+def in_use_bytes() -> int:
+  """Host memory this process holds now (bytes): resident plus swapped out (VmRSS + VmSwap)."""
+  return _status_bytes("VmRSS") + _status_bytes("VmSwap")
+
+
 def peak_rss_bytes() -> int:
   """The peak resident set of this process so far (bytes): the larger of VmHWM and the current
   VmRSS (the kernel updates its high-water mark lazily). `ru_maxrss` is used only where /proc
@@ -108,7 +116,7 @@ class RssSampler:
         last_trim = time.time()
       cur = self._current
       if cur is not None:
-        cur["peak_rss"] = max(cur["peak_rss"], rss_bytes())
+        cur["peak_rss"] = max(cur["peak_rss"], in_use_bytes())
 
   def __enter__(self) -> "RssSampler":
     self._thread.start()
@@ -120,8 +128,9 @@ class RssSampler:
 
   @contextlib.contextmanager
   def phase(self, name: str, *, echo: bool = True):
-    """Record `name`: RSS at its start, its sampled peak and its wall time."""
-    now = rss_bytes()
+    """Record `name`: host memory in use (resident + swapped) at its start, its sampled peak
+    and its wall time."""
+    now = in_use_bytes()
     rec = {"name": name, "start_rss": now, "peak_rss": now, "seconds": 0.0}
     self.phases.append(rec)
     prev, self._current = self._current, rec
@@ -130,7 +139,7 @@ class RssSampler:
       yield rec
     finally:
       rec["seconds"] = time.time() - t0
-      rec["peak_rss"] = max(rec["peak_rss"], rss_bytes())
+      rec["peak_rss"] = max(rec["peak_rss"], in_use_bytes())
       self._current = prev
       if echo:
         print(f"[host memory] {name}: {rec['seconds']:.1f}s, RSS {rec['start_rss'] / GB:.2f} "
@@ -140,4 +149,9 @@ class RssSampler:
     """One line: each phase's peak (and its growth over its start), then the process peak."""
     parts = [f"{p['name']} {p['peak_rss'] / GB:.2f} GB (+{(p['peak_rss'] - p['start_rss']) / GB:.2f}, "
              f"{p['seconds']:.0f}s)" for p in self.phases]
-    return ", ".join(parts) + f"; peak {peak_rss_bytes() / GB:.2f} GB"
+    return ", ".join(parts) + f"; peak {self.peak() / GB:.2f} GB"
+
+  def peak(self) -> int:
+    """The process's peak host memory so far (bytes): the kernel's resident high-water mark or
+    the largest sampled resident + swapped figure, whichever is larger."""
+    return max([peak_rss_bytes()] + [p["peak_rss"] for p in self.phases])
