@@ -13,7 +13,10 @@ per layer, in NumPy:
     the quantile placed right, each expert gets ~ m k / E), with the code's histogram
     (`sparse_lm.moe.balancing`, `bins` bins) and with the exact quantile (bins "exact");
   - `next[bins]`: the same bias applied to batch t + 1 (the step QB really takes, without the
-    router moving in between);
+    router moving in between); "exact x8": the exact update iterated 8 times on batch t
+    (converged there), on batch t and on batch t + 1;
+  - `pooled`: a bias converged (exact, 8 iterations) on the other captured batches together,
+    applied to batch t: what the best bias fixed before seeing the batch does;
   - `uniform`: uniformly random routing of the same counts (the sampling floor).
 Numbers: worst layer per batch, mean over the batches.
 """
