@@ -7,9 +7,22 @@ once). A run that names only files or test ids runs in this process. `-n 0` or `
 forces one process; `PYTEST_XDIST_AUTO_NUM_WORKERS=N` sets the worker count.
 Tests marked `@pytest.mark.slow` run only with `--runslow`; each has a smaller version of its
 check in the default suite.
+
+Compile once per session: a persistent XLA compilation cache in a temporary directory (made by
+the first pytest process, inherited through the environment by the xdist workers, the
+multi-device subprocesses, the notebook kernels and the CLI workers; removed at the end) lets a
+program compiled by one test load in every later test, process or `jax.jit` wrapper that builds
+the same program. Set `SPARSE_LM_TEST_COMPILE_CACHE=0` to compile everything afresh, or
+`JAX_COMPILATION_CACHE_DIR` to keep a cache of your own across runs (never removed here).
+
+Scheduling: the files that take longest run first (`LONGEST_FIRST`), so that the two workers do
+not end with one of them alone on a two-minute file.
 """
 
+import importlib.util
 import os
+import shutil
+import tempfile
 
 import pytest
 
@@ -30,6 +43,41 @@ if ON_GPU:
 
 DEFAULT_WORKERS = 2  # CI's cores; each worker peaks at ~3 GB of host memory
 
+# The session's compilation cache (module level: this runs in the first pytest process before
+# it starts any worker, so every process of the session gets the same directory).
+_OWN_CACHE_DIR = None
+if (os.environ.get("SPARSE_LM_TEST_COMPILE_CACHE", "1") != "0"
+    and "JAX_COMPILATION_CACHE_DIR" not in os.environ):
+  _OWN_CACHE_DIR = tempfile.mkdtemp(prefix="sparse_lm_test_xla_cache_")
+  os.environ["JAX_COMPILATION_CACHE_DIR"] = _OWN_CACHE_DIR
+  # Programs that take >= 0.5 s to compile (the model steps; not the op-by-op kernels of eager
+  # code, which the in-memory cache already serves).
+  os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0.5")
+  # A size limit turns on the cache's file lock, so that two processes never read an entry
+  # another one is still writing (the lock needs `filelock`, which huggingface_hub brings).
+  if importlib.util.find_spec("filelock") is not None:
+    os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
+
+# Test files by their time in the last idle CI run (longest first); the others follow in
+# collection order. With `--dist=loadfile` a file runs whole on one worker, so the long ones
+# must start early (pytest.ini: --no-loadscope-reorder keeps this order).
+LONGEST_FIRST = (
+    "tests/multidevice/test_sharded_train.py",
+    "tests/model/test_transformer.py",
+    "tests/test_notebook.py",
+    "tests/multidevice/test_ep_drops.py",
+    "tests/multidevice/test_aot_plan.py",
+    "tests/experiments/test_cli.py",
+    "tests/train/test_loop.py",
+    "tests/vision/test_vision_in_model.py",
+    "tests/multidevice/test_context_parallel.py",
+    "tests/train/test_muon_resume.py",
+    "tests/rl/test_trainer.py",
+    "tests/vision/test_vision_multidevice.py",
+    "tests/vision/test_vision_packed.py",
+    "tests/ablations/test_report.py",
+)
+
 
 def pytest_addoption(parser, pluginmanager):
   parser.addoption("--runslow", action="store_true", default=False,
@@ -40,6 +88,7 @@ def pytest_addoption(parser, pluginmanager):
     group = parser.getgroup("xdist (not loaded: options ignored)")
     group.addoption("--numprocesses", dest="numprocesses", default=None)
     group.addoption("--dist", dest="dist", default="no")
+    group.addoption("--no-loadscope-reorder", dest="loadscopereorder", action="store_false")
 
 
 @pytest.hookimpl(optionalhook=True)  # an xdist hook: unknown when xdist is not loaded
@@ -56,7 +105,14 @@ def pytest_xdist_auto_num_workers(config):
   return min(DEFAULT_WORKERS, os.cpu_count() or 1)
 
 
+def pytest_unconfigure(config):
+  if _OWN_CACHE_DIR and not hasattr(config, "workerinput"):  # the process that made it
+    shutil.rmtree(_OWN_CACHE_DIR, ignore_errors=True)
+
+
 def pytest_collection_modifyitems(config, items):
+  rank = {f: i for i, f in enumerate(LONGEST_FIRST)}
+  items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable
   if config.getoption("--runslow"):
     return
   skip = pytest.mark.skip(reason="slow tier: run with --runslow")

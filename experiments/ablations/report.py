@@ -119,9 +119,12 @@ def _balancing_verdict(v: dict[str, Any]) -> str:
     text += f" The kplus1 cutoff: {tail('quantile (kplus1)')[0]:.3f}."
   floor = over("quantile (midpoint)", "load_noise_floor")
   if floor[0] == floor[0]:
-    text += (f" Sampling alone (each step's assignments spread uniformly at random over the "
-             f"experts) would give {floor[0]:.3f} on this measure: the part of the per-step "
-             "value no balancer can remove at this batch size.")
+    text += (f" Uniformly random routing of each step's assignments would give {floor[0]:.3f} "
+             "on this measure; that assumes independent tokens, and a batch's tokens are not "
+             "(its rows are runs of a few documents): how much of the per-step value any bias "
+             "can remove at this batch, and how much the histogram's resolution, the one-step "
+             "lag and the batch leave, was measured separately "
+             "(`python -m experiments.ablations.qb_probe`, docs/ablations/SIZING.md).")
   wq, wn = over("quantile (midpoint)", "window_max_mean_load"), over("none",
                                                                      "window_max_mean_load")
   if wq[0] == wq[0]:

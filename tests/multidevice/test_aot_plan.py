@@ -37,6 +37,7 @@ def _aot_env():
   env = dict(os.environ, JAX_PLATFORMS="cpu", TPU_SKIP_MDS_QUERY="1",
              ALLOW_MULTIPLE_LIBTPU_LOAD="1")
   env.pop("XLA_FLAGS", None)
+  env.pop("JAX_COMPILATION_CACHE_DIR", None)  # the tests' CPU cache (conftest): not TPU programs
   return env
 
 

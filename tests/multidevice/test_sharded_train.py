@@ -1,4 +1,4 @@
-"""One real train step of a 5-layer model (KDA, MLA, LatentMoE, AttnRes) on 8 fake CPU devices
+"""One real train step of a 3-layer model (KDA, MLA, LatentMoE, AttnRes) on 8 fake CPU devices
 vs one device (fp32): AdamW with weight decay, 2 micro-batches, the Quantile Balancing update
 after the optimizer step. Loss, gradient norm and balancer max-violation within 1e-4 relative,
 every parameter's update within 1e-4 relative, every model_vars leaf (biases, loads,

@@ -27,9 +27,11 @@ def test_config_errors_name_the_field():
 
 
 def test_sft_resumes_exactly(tmp_path):
-  cfg = dataclasses.replace(PRESETS["tiny"], model_overrides=(("num_layers", 5),), sft_steps=4,
+  # 3 layers (KDA, MLA, MLA; two MoE): what is checked is the resume, not the depth.
+  layers = (("num_layers", 3), ("mla_every", 2))
+  cfg = dataclasses.replace(PRESETS["tiny"], model_overrides=layers, sft_steps=4,
                             sft_batch=4, checkpoint_every=2, seq_len=48)
-  model_cfg = get_preset("tiny", num_layers=5)
+  model_cfg = get_preset("tiny", **dict(layers))
   tok = trainer._tokenizer(cfg, tmp_path / "a", model_cfg.vocab_size)
   full = trainer.run_sft(cfg, tmp_path / "a", Transformer(model_cfg, rngs=nnx.Rngs(0)), tok)
   # an interrupted run: only the step-2 checkpoint exists; it resumes from there

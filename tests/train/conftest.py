@@ -7,8 +7,11 @@ import shutil
 import pytest
 
 # Every in-process run uses exactly these fields, so the jitted steps are built and compiled
-# once per pytest process (sparse_lm.train.loop caches them per configuration).
-SMALL_SETS = ("model.num_layers=5", "seq_len=64", "tokens_per_batch=256", "steps=5",
+# once per pytest process (sparse_lm.train.loop caches them per configuration; the session's
+# compilation cache serves the other processes). 3 layers (KDA + dense FFN, MLA + MoE, MLA + MoE;
+# AttnRes blocks open at layers 0 and 2): every kind of layer, few to compile.
+SMALL_SETS = ("model.num_layers=3", "model.mla_every=2", "model.attnres_block_layers=2",
+              "seq_len=64", "tokens_per_batch=256", "steps=5",
               "checkpoint_every=2", "eval_every=100", "eval_batches=1", "sample_tokens=0",
               "optim.warmup_steps=2")
 

@@ -1,4 +1,4 @@
-"""The training loop end to end on a small tiny-preset stage (5 layers, 64 tokens, 5 steps):
+"""The training loop end to end on a small tiny-preset stage (3 layers, 64 tokens, 5 steps):
 exact resume after Ctrl-C (SIGINT), fallback over a truncated checkpoint that is then replaced,
 configs compared on resume, the workdir lock, plain progress lines and routing health in
 metrics.jsonl, `sparse_lm.train.load`, a NaN loss stops the run."""
@@ -116,7 +116,7 @@ def test_resume_refuses_another_model_or_schedule_and_a_held_lock(workdir):
   steps = Checkpointer(workdir / stage.name / "checkpoints").all_steps()
   with pytest.raises(ConfigMismatchError, match=r"steps: 6 \(saved\) vs 5 \(now\)"):
     loop.run(small_stage(steps=5), workdir, progress=False)
-  with pytest.raises(ConfigMismatchError, match=r"num_layers: 5 \(saved\) vs 9 \(now\).*"
+  with pytest.raises(ConfigMismatchError, match=r"num_layers: 3 \(saved\) vs 9 \(now\).*"
                      r"use a new workdir"):
     loop.run(dataclasses.replace(stage, model_overrides=()), workdir, progress=False)
   assert Checkpointer(workdir / stage.name / "checkpoints").all_steps() == steps  # untouched

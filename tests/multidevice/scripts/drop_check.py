@@ -1,6 +1,6 @@
 """Expert-parallel capacity drops in the model on 8 fake CPU devices.
 
-1. A train step of a 5-layer model (3 LatentMoE layers) with the receive cap
+1. A train step of a 3-layer model (2 LatentMoE layers) with the receive cap
    (ModelConfig.ragged_buffer_factor) reports "moe/drop_rate_total" and per-layer
    "moe/dropped" equal to an independent count: the routing of every MoE layer is recorded
    (jax.debug.callback) and the rule of docs/architecture.md (ep_rule.expected_keep) is

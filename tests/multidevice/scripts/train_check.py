@@ -26,9 +26,10 @@ from sparse_lm.moe import update_balancers
 from sparse_lm.train.state import graphdef_of, make_init_fn
 from sparse_lm.train.step import make_train_step
 
-# A 5-layer model (KDA, KDA, KDA, MLA, MLA) with 8 experts top-2: every code path of the
-# full model (dense layer 0, LatentMoE, both mixers, AttnRes blocks) at CPU-test size.
-CFG = get_preset("tiny", num_layers=5, attnres_block_layers=4, d_model=32, vocab_size=128,
+# A 3-layer model (KDA, MLA, MLA) with 8 experts top-2: every code path of the full model
+# (dense layer 0, LatentMoE, both mixers, AttnRes blocks opening at 0 and 2) at CPU-test size.
+CFG = get_preset("tiny", num_layers=3, mla_every=2, attnres_block_layers=2, d_model=32,
+                 vocab_size=128,
                  kda_num_heads=2, kda_head_dim=16, kda_value_dim=16, mla_num_heads=2,
                  q_lora_rank=16, kv_lora_rank=16, qk_nope_head_dim=8, qk_rope_head_dim=8,
                  v_head_dim=8, dense_hidden=64, moe_latent_dim=16, expert_hidden=32,
@@ -91,7 +92,7 @@ def main():
   leaves = lambda t: jax.tree.leaves(jax.device_get(t))
   params0, vars0 = leaves(state0.params), leaves(state0.model_vars)
   params_ref, vars_ref = leaves(s1_ref.params), leaves(s1_ref.model_vars)
-  assert len(vars_ref) >= 3 * 3  # bias, load, histogram of each of the 3 MoE layers
+  assert len(vars_ref) >= 2 * 3  # bias, load, histogram of each of the 2 MoE layers
   assert float(m_ref["balancer/bias_abs_max"]) > 0  # the balancer moved the biases
   failed = []
   for layout in layouts:
