@@ -129,10 +129,21 @@ def main(argv=None):
   p.add_argument("--out", default=None, help="write the numbers as JSON here")
   p.add_argument("--set", nargs="*", default=(), help="stage overrides of the data/batch")
   a = p.parse_args(argv)
+  if a.batches < 1:
+    p.error(f"--batches {a.batches}: give at least 1 (batches to probe)")
+  bins_items = a.bins.split(",")
+  if any(x != "exact" and not (x.isdigit() and int(x) > 0) for x in bins_items):
+    p.error(f"--bins {a.bins}: give positive bin counts or 'exact', comma-separated")
   from experiments.ablations import BY_NAME, probe, run  # pylint: disable=g-import-not-at-top
   from experiments.base import apply_overrides  # pylint: disable=g-import-not-at-top
   from sparse_lm import data as data_lib  # pylint: disable=g-import-not-at-top
-  step = a.step or probe.checkpoint_steps(pathlib.Path(a.run_dir))[-1]
+  saved_steps = probe.checkpoint_steps(pathlib.Path(a.run_dir))
+  if not saved_steps:
+    p.error(f"run_dir {a.run_dir}: no checkpoint there; give one seed's run directory of an "
+            "ablation run (RESULTS/runs/<key>/seed<N>)")
+  if a.step is not None and a.step not in saved_steps:
+    p.error(f"--step {a.step}: {a.run_dir} has checkpoints at steps {saved_steps}")
+  step = saved_steps[-1] if a.step is None else a.step
   model, tokenizer, saved = probe.load_at(pathlib.Path(a.run_dir), step)
   mc = saved.model_config()
   k, cutoff = mc.experts_per_token, mc.qb_cutoff
@@ -143,7 +154,7 @@ def main(argv=None):
                                     batch_size=stage.global_batch)
   for _ in range(a.skip):
     next(it)
-  bins_list = [x if x == "exact" else int(x) for x in a.bins.split(",")]
+  bins_list = [x if x == "exact" else int(x) for x in bins_items]
   caps = []
   for _ in range(a.batches + 1):
     batch = next(it)

@@ -27,8 +27,9 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 
 from sparse_lm import sharding as shd
 from sparse_lm.inference import cache as cache_lib
-from sparse_lm.inference.forward import forward_cached
+from sparse_lm.inference.forward import DecoderStack, forward_cached
 from sparse_lm.inference.sampling import sample
+from sparse_lm.model.transformer import Transformer
 
 # Kernels cast to the compute dtype once (the model casts them at every use anyway); norms,
 # the router, gates' A_log / dt_bias, conv kernels and the embedding stay as trained.
@@ -227,9 +228,6 @@ def lower_calls(cfg, mesh: jax.sharding.Mesh, *, batch: int, cache_length: int,
   Returns {"prefill": Lowered, "decode": Lowered}: a [batch, prefill_chunk] piece appended to
   caches of cache_length positions, and decode_steps decode steps of every row.
   """
-  from sparse_lm.inference.forward import DecoderStack
-  from sparse_lm.model.transformer import Transformer
-
   stack = nnx.eval_shape(lambda: DecoderStack(Transformer(cfg, rngs=nnx.Rngs(0))))
   graphdef, state = nnx.split(stack)
   w_sh = weight_shardings(state, mesh)
