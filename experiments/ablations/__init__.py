@@ -55,12 +55,15 @@ ABLATIONS = (
         (("quantile (midpoint)", "quantile"),
          ("quantile (kplus1)", "quantile", ("model.qb_cutoff=kplus1",)),
          ("bias_sign", "bias_sign"), ("aux_loss", "aux_loss"), ("none", "none")),
-        # Per-step load is measured on the whole batch of 4,096 tokens (m = 4096 x 4 / 64 =
-        # 256 assignments per expert); the rows are shuffled over a window of 4,096 rows (512K
-        # tokens, ~20 source files), so a batch mixes documents as a large one does (without
-        # it a batch is one or two files; docs/ablations/SIZING.md).
-        common=("model.num_experts=64", "model.experts_per_token=4", "tokens_per_batch=4096",
-                "data.shuffle_window=4096"),
+        # Per-step load is measured on the whole batch: 8,192 tokens as 256 rows of 32 (m =
+        # 8192 x 4 / 64 = 512 assignments per expert), rows shuffled over a window of 16,384
+        # rows (512K tokens). A row is a run of one document, so a batch's tokens are not
+        # independent: more, shorter rows per step bring the best bias fixed before the batch
+        # from 1.32 (32 rows of 128) to 1.15 (docs/ablations/SIZING.md). A 3-layer model
+        # (KDA, MLA, MLA; the dense FFN, then 2 MoE layers) pays for the 8,192 tokens.
+        common=("model.num_experts=64", "model.experts_per_token=4", "model.num_layers=3",
+                "model.mla_every=2", "seq_len=32", "tokens_per_batch=8192",
+                "data.shuffle_window=16384"),
         summary="balance", probes=("load",)),
     Ablation(
         "gate",

@@ -7,7 +7,9 @@ source (the installed corpus; `heldout_rows`):
   - `ffn_activation_max`: per FFN call (dense FFN, shared expert, routed experts, in execution
     order), the largest |h| of the GLU hidden activation h = act(x W_g) * (x W_u);
   - `moe_load`: per MoE layer, max/mean expert load of the routing summed over many held-out
-    tokens (the final router and balancer bias; less sampling noise than one training batch);
+    tokens (the final router and balancer bias; less sampling noise than one training batch):
+    the first LOAD_PROBE_TOKENS tokens (a multiple of L) of each of up to 32 held-out documents,
+    as rows of L, so runs of different L route the same tokens;
   - `position_losses`: held-out loss per position bucket [0, L), [L, 2L), [2L, 4L), [4L, 8L)
     of single-document rows of 8L tokens, and the mean loss over the first nL positions;
   - `passkey`: retrieval accuracy of a 5-digit pass key hidden at a depth of real held-out text.
@@ -25,6 +27,8 @@ from typing import Any, Callable
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+LOAD_PROBE_TOKENS = 128  # held-out tokens per document for `moe_load` (rows of L within them)
 
 
 def checkpoint_steps(run_dir: pathlib.Path, stage: str = "stage_8k") -> list[int]:
@@ -205,8 +209,9 @@ def probe_run(run_dir: pathlib.Path, kinds: tuple[str, ...], *, rows: int = 4,
         out["gate_exponent"][s] = gate_exponents(m, toks)
     if "activation" in kinds:
       out["ffn_activation_max"] = ffn_activation_max(model, toks)
-  if "load" in kinds:
-    toks = heldout_rows(stage, tokenizer, L, 32)
+  if "load" in kinds:  # the first 128+ tokens of each held-out document, as rows of L
+    per_doc = max(1, LOAD_PROBE_TOKENS // L)
+    toks = heldout_rows(stage, tokenizer, per_doc * L, 32).reshape(-1, L)
     out["heldout_load_tokens"] = int(toks.size)
     out["heldout_max_mean_load"] = moe_load(model, toks)
   if "length" in kinds:
