@@ -30,9 +30,10 @@ class Ablation:
 # matmul (moe/gmm.py; XLA's CPU ragged_dot works densely over the experts). Configurations that
 # resolve to the same config (the bounded gate, block AttnRes, gated MLA and SiTU-GLU are all
 # the default) train once and are shared (run.config_key, jobs.plan). Checkpoints every 20 steps
-# are kept for the probes over training (probe.py). The second seed of a configuration reuses
-# the first one's compiled programs through the persistent XLA cache. Measured times:
-# docs/ablations.md.
+# are kept for the probes over training (probe.py). The balancing ablation overrides the model
+# and batch (3 layers, 256 rows of 32 tokens per step: its `common` items). The second seed of
+# a configuration reuses the first one's compiled programs through the persistent XLA cache.
+# Measured times: docs/ablations.md.
 PRESETS = {
     "tiny": ("model.num_layers=5", "model.gmm_backend=blocked", "seq_len=128",
              "tokens_per_batch=2048", "steps=80", "optim.warmup_steps=10", "eval_every=40",

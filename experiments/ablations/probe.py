@@ -103,6 +103,14 @@ def heldout_rows(stage, tokenizer, length: int, max_rows: int) -> np.ndarray:
   return np.asarray(rows, np.int32)
 
 
+def load_rows(stage, tokenizer, length: int, max_docs: int = 32) -> np.ndarray:
+  """[n, length] int32: the first max(length, LOAD_PROBE_TOKENS // length * length) tokens of
+  each of up to `max_docs` held-out documents (`heldout_rows`), cut into rows of `length`, so
+  runs trained at different lengths route the same tokens (128 per document at length <= 128)."""
+  per_doc = max(1, LOAD_PROBE_TOKENS // length)
+  return heldout_rows(stage, tokenizer, per_doc * length, max_docs).reshape(-1, length)
+
+
 def gate_exponents(model, tokens: np.ndarray) -> list[float]:
   """Per KDA layer (execution order): `dense_diag_max_exponent` of its gates on `tokens`."""
   from pallas_kernels.kda.tiles import dense_diag_max_exponent  # pylint: disable=g-import-not-at-top
@@ -209,9 +217,8 @@ def probe_run(run_dir: pathlib.Path, kinds: tuple[str, ...], *, rows: int = 4,
         out["gate_exponent"][s] = gate_exponents(m, toks)
     if "activation" in kinds:
       out["ffn_activation_max"] = ffn_activation_max(model, toks)
-  if "load" in kinds:  # the first 128+ tokens of each held-out document, as rows of L
-    per_doc = max(1, LOAD_PROBE_TOKENS // L)
-    toks = heldout_rows(stage, tokenizer, per_doc * L, 32).reshape(-1, L)
+  if "load" in kinds:
+    toks = load_rows(stage, tokenizer, L)
     out["heldout_load_tokens"] = int(toks.size)
     out["heldout_max_mean_load"] = moe_load(model, toks)
   if "length" in kinds:

@@ -120,3 +120,25 @@ def test_moe_load_sums_the_loads_over_batches():
   got = probe.moe_load(Model(), tokens, batch=2)
   total = loads.sum(0)
   np.testing.assert_allclose(got, total.max(-1) / total.mean(-1), rtol=1e-6)
+
+
+def test_load_rows_route_the_same_heldout_tokens_at_any_training_length(monkeypatch):
+  rng = np.random.default_rng(_seed())
+  docs = rng.integers(0, 512, (5, 1000)).astype(np.int32)  # 5 held-out documents' tokens
+  asked = []
+
+  def heldout_rows(stage, tokenizer, length, max_rows):
+    asked.append(length)
+    return docs[:max_rows, :length]
+
+  monkeypatch.setattr(probe, "heldout_rows", heldout_rows)
+  at_128 = probe.load_rows(None, None, 128)
+  assert at_128.shape == (5, 128) and (at_128 == docs[:, :128]).all()
+  for length in (32, 64):  # the same 128 tokens per document, as consecutive rows of L
+    got = probe.load_rows(None, None, length)
+    assert got.shape == (5 * 128 // length, length)
+    np.testing.assert_array_equal(got.reshape(5, 128), docs[:, :128])
+  assert probe.load_rows(None, None, 48).shape == (5 * 2, 48)  # 96 tokens: whole rows only
+  long = probe.load_rows(None, None, 256, max_docs=3)  # longer rows: the first L tokens
+  np.testing.assert_array_equal(long, docs[:3, :256])
+  assert asked == [128, 128, 128, 96, 256]
