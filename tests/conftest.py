@@ -62,9 +62,9 @@ if (os.environ.get("SPARSE_LM_TEST_COMPILE_CACHE", "1") != "0"
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
 
 # The files that took longest in a recorded run of the suite start first (suite_durations.txt;
-# `python tests/suite_durations.py --help` refreshes it), the others follow in collection order.
-# With `--dist=loadfile` a file runs whole on one worker, so the long ones must start early
-# (pytest.ini: --no-loadscope-reorder keeps this order).
+# `python tests/suite_durations.py --help` says how to refresh it), the others follow in
+# collection order. With `--dist=loadfile` a file runs whole on one worker, so the long ones must
+# start early (pytest.ini: --no-loadscope-reorder keeps this order).
 FILE_RANK = suite_durations.rank_of()
 
 

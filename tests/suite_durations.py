@@ -93,7 +93,8 @@ def rank_of(path: pathlib.Path = RECORD):
 
 
 def main(argv=None) -> None:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawDescriptionHelpFormatter)
   p.add_argument("report", type=pathlib.Path,
                  help="pytest's --junitxml file, or its console output with --durations=N")
   p.add_argument("--source", required=True,
