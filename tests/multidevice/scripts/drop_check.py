@@ -25,6 +25,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import dataclasses
 import math
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -87,6 +88,7 @@ def virtual_case(name, mesh, records, E, cap, context=False):
   """The device-by-device check of the module docstring; with `context`, also that the
   placement of the activations (device (f, e): rows [4f, 4f+4) at positions [10e, 10e+10))
   gives other counts."""
+  t0 = time.perf_counter()
   sizes = dict(mesh.shape)
   real = device_sums(sizes)
   ref, fast, sent = virtual_sums(records, sizes, E, cap)
@@ -102,7 +104,7 @@ def virtual_case(name, mesh, records, E, cap, context=False):
     alt, _, _ = virtual_sums(records, sizes, E, cap, order)
     ok = ok and not np.array_equal(alt, real[:, 0])
     msg += f" (activation placement would give {alt.tolist()})"
-  report(f"virtual {name} cap={cap}", ok, msg)
+  report(f"virtual {name} cap={cap}", ok, msg + f" [{time.perf_counter() - t0:.2f} s]")
 
 
 def train_case(layout, factor):
