@@ -15,8 +15,9 @@ program compiled by one test load in every later test, process or `jax.jit` wrap
 the same program. Set `SPARSE_LM_TEST_COMPILE_CACHE=0` to compile everything afresh, or
 `JAX_COMPILATION_CACHE_DIR` to keep a cache of your own across runs (never removed here).
 
-Scheduling: the files that take longest run first (`LONGEST_FIRST`), so that the two workers do
-not end with one of them alone on a two-minute file.
+Scheduling: the files that took longest in a recorded run start first (`tests/suite_durations.txt`,
+written by `tests/suite_durations.py`), so that the two workers do not end with one of them alone
+on a two-minute file.
 """
 
 import importlib.util
@@ -25,6 +26,8 @@ import shutil
 import tempfile
 
 import pytest
+
+import suite_durations  # tests/ (this file's folder) is on sys.path
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
@@ -58,25 +61,11 @@ if (os.environ.get("SPARSE_LM_TEST_COMPILE_CACHE", "1") != "0"
   if importlib.util.find_spec("filelock") is not None:
     os.environ.setdefault("JAX_COMPILATION_CACHE_MAX_SIZE", str(16 << 30))
 
-# Test files by their time in the last idle CI run (longest first); the others follow in
-# collection order. With `--dist=loadfile` a file runs whole on one worker, so the long ones
-# must start early (pytest.ini: --no-loadscope-reorder keeps this order).
-LONGEST_FIRST = (
-    "tests/multidevice/test_sharded_train.py",
-    "tests/model/test_transformer.py",
-    "tests/test_notebook.py",
-    "tests/multidevice/test_ep_drops.py",
-    "tests/multidevice/test_aot_plan.py",
-    "tests/experiments/test_cli.py",
-    "tests/train/test_loop.py",
-    "tests/vision/test_vision_in_model.py",
-    "tests/multidevice/test_context_parallel.py",
-    "tests/train/test_muon_resume.py",
-    "tests/rl/test_trainer.py",
-    "tests/vision/test_vision_multidevice.py",
-    "tests/vision/test_vision_packed.py",
-    "tests/ablations/test_report.py",
-)
+# The files that took longest in a recorded run of the suite start first (suite_durations.txt;
+# `python tests/suite_durations.py --help` says how to refresh it), the others follow in
+# collection order. With `--dist=loadfile` a file runs whole on one worker, so the long ones must
+# start early (pytest.ini: --no-loadscope-reorder keeps this order).
+FILE_RANK = suite_durations.rank_of()
 
 
 def pytest_addoption(parser, pluginmanager):
@@ -111,8 +100,7 @@ def pytest_unconfigure(config):
 
 
 def pytest_collection_modifyitems(config, items):
-  rank = {f: i for i, f in enumerate(LONGEST_FIRST)}
-  items.sort(key=lambda item: rank.get(item.nodeid.split("::")[0], len(rank)))  # stable
+  items.sort(key=lambda item: FILE_RANK(item.nodeid.split("::")[0]))  # stable
   if config.getoption("--runslow"):
     return
   skip = pytest.mark.skip(reason="slow tier: run with --runslow")

@@ -16,6 +16,7 @@ Each call exists in two forms:
 
 from __future__ import annotations
 
+import collections
 import functools
 from typing import NamedTuple
 
@@ -151,7 +152,12 @@ _DECODE = jax.jit(decode_impl, static_argnames=("graphdef", "num_steps", "mesh")
 _READ_ROW = jax.jit(read_row)
 _WRITE_ROW = jax.jit(write_row, donate_argnums=(0,))
 _RESET_ROW = jax.jit(reset_row, donate_argnums=(0,))
-_MESH_CALLS: dict = {}
+# The mesh calls of the most recently used engine configurations, least recent first. Bounded:
+# each entry holds a graph definition and (once run) its compiled programs, and a process that
+# builds engines of changing models or shapes (an RL loop, a notebook) would otherwise keep every
+# one for its whole life. A configuration evicted and asked for again is jitted and compiled anew.
+MESH_CALLS_MAXSIZE = 8
+_MESH_CALLS: collections.OrderedDict = collections.OrderedDict()
 
 
 class _Compiled:
@@ -179,11 +185,25 @@ def mesh_calls(graphdef, mesh: jax.sharding.Mesh, w_sh, cfg, *, batch: int, cach
 
   w_sh: the weights' shardings (`weight_shardings`); cfg, batch, cache_length: the cache's
   shape. Cached per (graphdef, mesh, batch, cache_length, kv_block, num_steps), which fix
-  every sharding, so a second engine of the same model on the same mesh compiles nothing.
+  every sharding, so a second engine of the same model on the same mesh compiles nothing; the
+  cache keeps the MESH_CALLS_MAXSIZE most recently used configurations (least recently used
+  dropped first).
   """
   key = (graphdef, mesh, batch, cache_length, kv_block, num_steps)
-  if key in _MESH_CALLS:
-    return _MESH_CALLS[key]
+  calls = _MESH_CALLS.get(key)
+  if calls is None:
+    calls = _build_mesh_calls(graphdef, mesh, w_sh, cfg, batch=batch,
+                              cache_length=cache_length, kv_block=kv_block, num_steps=num_steps)
+  _MESH_CALLS[key] = calls
+  _MESH_CALLS.move_to_end(key)
+  while len(_MESH_CALLS) > MESH_CALLS_MAXSIZE:
+    _MESH_CALLS.popitem(last=False)
+  return calls
+
+
+def _build_mesh_calls(graphdef, mesh, w_sh, cfg, *, batch, cache_length, kv_block,
+                      num_steps) -> Calls:
+  """mesh_calls' jitted calls for one configuration (uncached)."""
   rep = NamedSharding(mesh, P())
   c_sh = cache_lib.cache_shardings(abstract_cache(cfg, batch, cache_length), mesh)
   row_sh = cache_lib.cache_shardings(abstract_cache(cfg, 1, cache_length), mesh)
@@ -200,7 +220,6 @@ def mesh_calls(graphdef, mesh: jax.sharding.Mesh, w_sh, cfg, *, batch: int, cach
               donate_argnums=(0,)),
       jax.jit(reset_row, in_shardings=(c_sh, rep), out_shardings=c_sh, donate_argnums=(0,)),
       lambda row: jax.device_put(row, row_sh))
-  _MESH_CALLS[key] = calls
   return calls
 
 

@@ -15,7 +15,7 @@ from flax import nnx
 from sparse_lm.config import get_preset
 from sparse_lm.inference import Engine, SamplingParams, engine as engine_lib
 from sparse_lm.model import Transformer
-from sparse_lm.moe.balancing import BalancerBias
+from tests.inference.engine_testlib import randomize_balancer_biases
 
 SEED = 0
 MAX_LENGTH = 224  # the reference pads every history to this length (one compile)
@@ -27,11 +27,7 @@ def setup():
   cfg = get_preset("tiny")
   model = Transformer(cfg, rngs=nnx.Rngs(SEED))
   # Non-zero routing biases: the engine must route with them, as the trained model does.
-  key = jax.random.key(SEED + 1)
-  for path, var in nnx.iter_graph(model):
-    if isinstance(var, BalancerBias):
-      key, sub = jax.random.split(key)
-      var[...] = 0.05 * jax.random.normal(sub, var[...].shape)
+  randomize_balancer_biases(model, SEED + 1)
   graphdef, state = nnx.split(model)
   forward = jax.jit(lambda st, t: jax.nn.log_softmax(nnx.merge(graphdef, st)(t), axis=-1))
 

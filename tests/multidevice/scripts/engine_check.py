@@ -28,8 +28,8 @@ from sparse_lm.inference import Engine, SamplingParams
 from sparse_lm.inference import calls as calls_lib
 from sparse_lm.inference.forward import DecoderStack
 from sparse_lm.model.transformer import Transformer
-from sparse_lm.moe.balancing import BalancerBias
 from sparse_lm.train.sample import generate
+from tests.inference.engine_testlib import randomize_balancer_biases
 
 SEED = 3
 # 5 layers (dense layer 0, KDA, MLA, LatentMoE, AttnRes blocks), 12 experts top-2: 12 appears
@@ -51,11 +51,7 @@ ENGINE = dict(max_length=36, max_batch=1, prefill_chunk=36)
 
 def model():
   m = Transformer(CFG, rngs=nnx.Rngs(SEED))
-  key = jax.random.key(SEED + 1)
-  for _, var in nnx.iter_graph(m):
-    if isinstance(var, BalancerBias):
-      key, sub = jax.random.split(key)
-      var[...] = 0.05 * jax.random.normal(sub, var[...].shape)
+  randomize_balancer_biases(m, SEED + 1)
   return m
 
 
