@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import hashlib
 import importlib
 import json
 import math
@@ -89,17 +88,6 @@ def measure(stage, mesh, steps: int, tokenizer, caps) -> dict:
         assigned.append(int((ids < E).sum()))
       out[f"cap_{c}"].append(sum(dropped) / max(sum(assigned), 1))
       out[f"worst_layer_cap_{c}"].append(max(d / max(a, 1) for d, a in zip(dropped, assigned)))
-  return out
-
-
-def _unique_calls(records) -> list:
-  """The step's layer calls, each once (a rematerialised forward may run a callback again)."""
-  seen, out = set(), []
-  for rec in records:
-    key = hashlib.blake2b(rec[0].tobytes() + rec[1].tobytes(), digest_size=16).digest()
-    if key not in seen:
-      seen.add(key)
-      out.append(rec)
   return out
 
 
@@ -185,7 +173,7 @@ def measure_virtual(stage, mesh, steps: int, tokenizer, factors, layouts: dict, 
     res["loss"].append(float(m["loss"]))
     res["max_violation"].append(float(m.get("balancer/max_violation", np.nan)))
     res["calls"].append(len(RECORD))
-    pending = _unique_calls(RECORD)
+    pending = ep_virtual.distinct_calls(RECORD)
     res["unique_calls"].append(len(pending))
     RECORD.clear()
     print(f"step {step}: {res['step_seconds'][-1]:.1f} s, loss {res['loss'][-1]:.3f}, max/mean "

@@ -118,3 +118,33 @@ def caps_in_rows(factors: Sequence[float], num_tokens: int, k: int, num_blocks: 
   """The receive cap of each factor c: ceil(c * n * k) rows per rank, n = tokens per block
   (as ep_dispatch_and_compute sizes it)."""
   return [int(math.ceil(c * (num_tokens // num_blocks) * k)) for c in factors]
+
+
+def distinct_calls(records: Sequence[tuple], same: float = 0.99) -> list:
+  """The recorded layer calls of a step, each once.
+
+  Under remat the backward's recompute of a forward runs its routing callback again:
+  bit-identical on a CPU, but not always on a GPU (2026-12-01, one H200: none of the 64 repeats
+  of a `small` step was). A call whose ids agree with an earlier kept call's in at least `same`
+  of the entries, with the same positions, is taken for its repeat (the earlier call compared
+  is the one with the nearest per-expert load).
+
+  Args:
+    records: (ids [N, k], positions [N], ...) tuples in the order recorded.
+  """
+  out, loads = [], []
+  for rec in records:
+    ids = np.asarray(rec[0])
+    load = np.bincount(ids.ravel(), minlength=int(ids.max()) + 1)
+    near = [i for i, kept in enumerate(out) if kept[0].shape == ids.shape]
+    if near:
+      def gap(i):
+        a, b = loads[i], load
+        size = max(a.size, b.size)
+        return np.abs(np.pad(a, (0, size - a.size)) - np.pad(b, (0, size - b.size))).sum()
+      j = min(near, key=gap)
+      if np.mean(out[j][0] == ids) >= same and np.array_equal(out[j][1], rec[1]):
+        continue
+    out.append(rec)
+    loads.append(load)
+  return out

@@ -6,7 +6,7 @@ tests/multidevice/test_ep_drops.py."""
 import numpy as np
 import pytest
 
-from benchmarks.ep_virtual import block_layout, drop_counts
+from benchmarks.ep_virtual import block_layout, distinct_calls, drop_counts
 from tests.multidevice.scripts.ep_rule import virtual_keep
 
 LAYOUTS = [dict(data=1, fsdp=2, expert=4, tensor=1, context=1),
@@ -43,3 +43,21 @@ def test_drop_counts_equal_the_pair_by_pair_rule(layout):
       want = ((ids < E) & ~keep).reshape(8, -1).sum(1)
       assert dropped[c].tolist() == want.tolist(), (T, cap)
     assert dropped[0].sum() == assigned.sum() and dropped[-1].sum() == 0
+
+
+def test_distinct_calls_drops_exact_and_near_repeats_only():
+  seed = 20261202
+  print("seed", seed)
+  rng = np.random.default_rng(seed)
+  positions = np.tile(np.arange(64), 4)
+  calls = [(rng.integers(0, 16, (256, 2)), positions) for _ in range(6)]
+  near = []
+  for ids, pos in calls:  # a recompute that flips one near-tie choice
+    flipped = ids.copy()
+    flipped[0, 0] = (flipped[0, 0] + 1) % 16
+    near.append((flipped, pos))
+  other = calls[3][0].copy()
+  other[:64] = rng.integers(0, 16, (64, 2))  # a quarter differs: another call
+  got = distinct_calls(calls + [calls[2]] + near + [(other, positions)])
+  assert [g[0] is c[0] for g, c in zip(got, calls)] == [True] * 6
+  assert len(got) == 7 and got[-1][0] is other
