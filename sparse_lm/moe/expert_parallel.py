@@ -319,7 +319,9 @@ def ep_dispatch_and_compute(z: jax.Array, expert_ids: jax.Array, gates: jax.Arra
   w_in = P(e_ax, None, tensor_axis)
   w_out = P(e_ax, tensor_axis, None)
   tspec = P(tok, None)
-  stats_spec = P(_present(mesh, shd.MESH_AXES) or None, None)
+  # One stats row per token shard: the `tensor` replicas of a shard hold the same tokens and
+  # would count its pairs again.
+  stats_spec = P(tok, None)
 
   body = functools.partial(_ep_body, axis=axis, impl=impl, recv_cap=recv_cap,
                            num_positions=num_positions, beta1=beta1, beta2=beta2,

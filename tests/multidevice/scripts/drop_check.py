@@ -4,10 +4,17 @@
    (ModelConfig.ragged_buffer_factor) reports "moe/drop_rate_total" and per-layer
    "moe/dropped" equal to an independent count: the routing of every MoE layer is recorded
    (jax.debug.callback) and the rule of docs/architecture.md (ep_rule.expected_keep) is
-   applied to it. Without the cap it reports 0.
+   applied to it. Without the cap it reports 0. The capped step, device by device: the pairs
+   each device sent and dropped equal those of the virtual grouping of
+   benchmarks/ep_virtual.py (device i of the token axes holds rows [i n, (i+1) n) of the
+   layer's logical [B*T] order) under the pair-by-pair rule (ep_rule.virtual_keep) and under
+   ep_virtual.drop_counts (what `benchmarks/ep_drops.py --virtual-mesh` counts).
 2. Causality with the cap on and a drop rate > 1/2 (so pairs before P are dropped): the
    logits at t < P are bit-for-bit the same when the tokens at t >= P change, for
-   expert_shards="batch" and "context".
+   expert_shards="batch" and "context"; the first call's drops, device by device, are again
+   those of the virtual grouping (with "context" too, where the activations of device
+   (fsdp f, expert e) hold a quarter of the sequence of 4 rows: that grouping is checked to
+   differ).
 
 Run by tests/multidevice/test_ep_drops.py in a subprocess. Prints "OK <case> ..." per case;
 exits 1 on failure.
@@ -18,6 +25,7 @@ os.environ.setdefault("JAX_PLATFORMS", "cpu")
 import dataclasses
 import math
 import sys
+import time
 
 import jax
 import jax.numpy as jnp
@@ -26,8 +34,9 @@ import optax
 from flax import nnx
 from jax.sharding import NamedSharding, PartitionSpec as P
 
-from ep_rule import expected_keep
-from routing_spy import install
+from benchmarks.ep_virtual import drop_counts
+from ep_rule import expected_keep, virtual_keep
+from routing_spy import install, install_device_stats
 from sparse_lm import sharding as shd
 from sparse_lm.model.loss import loss_fn
 from sparse_lm.model.transformer import Transformer
@@ -36,6 +45,7 @@ from sparse_lm.train.step import make_train_step
 from train_check import CFG, B, T, batch  # 8 rows of 40 tokens
 
 RECORD = install()
+DEVICE_STATS = install_device_stats(shd.MESH_AXES)
 FAILED = []
 
 
@@ -43,6 +53,58 @@ def report(name, ok, msg):
   print(("OK " if ok else "FAIL ") + f"{name} {msg}", flush=True)
   if not ok:
     FAILED.append(name)
+
+
+def device_sums(sizes):
+  """[blocks, 2] pairs (dropped, sent) per device, summed over the recorded calls, indexed by
+  the device's linear index over the token axes (tensor replicas left out)."""
+  axes = [a for a in ("data", "fsdp", "expert", "context") if sizes[a] > 1]
+  dims = [sizes[a] for a in axes]
+  out = np.zeros((math.prod(dims), 2), int)
+  for coords, s in DEVICE_STATS:
+    c = dict(zip(shd.MESH_AXES, coords))
+    if c["tensor"] == 0:
+      out[np.ravel_multi_index([c[a] for a in axes], dims)] += s
+  return out
+
+
+def virtual_sums(records, sizes, E, cap, order=None):
+  """Per token block (dropped by virtual_keep, dropped by drop_counts, sent), summed over the
+  layer calls; `order` first permutes each call's rows (another placement)."""
+  blocks = math.prod(sizes[a] for a in ("data", "fsdp", "expert", "context"))
+  ref = fast = sent = np.zeros(blocks, int)
+  for ids, pos, margin in records:
+    if order is not None:
+      ids, pos, margin = ids[order], pos[order], margin[order]
+    real = ids < E
+    keep = virtual_keep(ids, pos, margin, sizes=sizes, num_experts=E, cap=cap)
+    ref = ref + (real & ~keep).reshape(blocks, -1).sum(1)
+    d, a = drop_counts(ids, pos, shape=sizes, num_experts=E, caps=[cap])
+    fast, sent = fast + d[0], sent + a
+  return ref, fast, sent
+
+
+def virtual_case(name, mesh, records, E, cap, context=False):
+  """The device-by-device check of the module docstring; with `context`, also that the
+  placement of the activations (device (f, e): rows [4f, 4f+4) at positions [10e, 10e+10))
+  gives other counts."""
+  t0 = time.perf_counter()
+  sizes = dict(mesh.shape)
+  real = device_sums(sizes)
+  ref, fast, sent = virtual_sums(records, sizes, E, cap)
+  ok = (np.array_equal(real[:, 0], ref) and np.array_equal(ref, fast)
+        and np.array_equal(real[:, 1], sent) and ref.sum() > 0)
+  msg = f"per-device dropped real={real[:, 0].tolist()} virtual={ref.tolist()} sent={sent.tolist()}"
+  if context:
+    f_, e_ = sizes["fsdp"], sizes["expert"]
+    rows, span = B // f_, T // e_
+    order = np.array([b * T + t for f in range(f_) for e in range(e_)
+                      for b in range(f * rows, (f + 1) * rows)
+                      for t in range(e * span, (e + 1) * span)])
+    alt, _, _ = virtual_sums(records, sizes, E, cap, order)
+    ok = ok and not np.array_equal(alt, real[:, 0])
+    msg += f" (activation placement would give {alt.tolist()})"
+  report(f"virtual {name} cap={cap}", ok, msg + f" [{time.perf_counter() - t0:.2f} s]")
 
 
 def train_case(layout, factor):
@@ -59,6 +121,7 @@ def train_case(layout, factor):
     bsh = {k: shd.batch_sharding(mesh) for k in data}
     state = jax.jit(init, out_shardings=state_sh)()
     RECORD.clear()
+    DEVICE_STATS.clear()
     _, m = jax.jit(step, in_shardings=(state_sh, bsh),
                    out_shardings=(state_sh, NamedSharding(mesh, P())))(
                        state, jax.device_put(data, bsh))
@@ -85,6 +148,8 @@ def train_case(layout, factor):
          f"drop_rate_total={got:.4f} independent={rate:.4f} per-layer={dropped} "
          f"recv_rows_max={np.asarray(m['moe/recv_rows_max']).tolist()} "
          f"buffer={np.asarray(m['moe/recv_buffer_rows']).tolist()}")
+  if factor is not None:
+    virtual_case(layout, mesh, list(RECORD), E, math.ceil(factor * n * k))
 
 
 def causal_case(layout, factor, cut):
@@ -95,6 +160,7 @@ def causal_case(layout, factor, cut):
   mesh = shd.make_mesh(lay)
   data = batch()
   seed = 1234
+  records = []
   other = np.asarray(data["tokens"]).copy()
   other[:, cut:] = np.random.default_rng(seed).integers(1, cfg.vocab_size, (B, T - cut))
 
@@ -105,8 +171,19 @@ def causal_case(layout, factor, cut):
 
   with shd.use_mesh(mesh, lay.rules):
     f = jax.jit(fwd)
-    outs = [f(params, jnp.asarray(t), data["segment_ids"]) for t in (data["tokens"], other)]
-  (a, rate_a), (b, rate_b) = [jax.device_get(o) for o in outs]
+    outs = []
+    for t in (data["tokens"], other):
+      RECORD.clear()
+      DEVICE_STATS.clear()
+      outs.append(jax.device_get(f(params, jnp.asarray(t), data["segment_ids"])))
+      jax.effects_barrier()
+      if not records:
+        records = list(RECORD)
+        n = B * T // mesh.size  # tokens per device
+        virtual_case(layout, mesh, records, cfg.num_experts,
+                     math.ceil(factor * n * cfg.experts_per_token),
+                     context=lay.expert_shards == "context")
+  (a, rate_a), (b, rate_b) = outs
   same = bool(np.array_equal(a[:, :cut], b[:, :cut]))
   changed = not np.array_equal(a[:, cut:], b[:, cut:])
   ok = same and changed and min(float(rate_a), float(rate_b)) > 0.5

@@ -67,6 +67,7 @@ def check(name, layout, impl, *, N=64, L=8, F=16, E=16, k=2, one_expert=None, ca
     ref_gates = jnp.where(keep, gates, 0.0)
     real = np.asarray(ids) < E
     expect_drop = 1 - keep.sum() / real.sum()
+    expect_counts = (int(real.sum() - keep.sum()), int(real.sum()))
   ref = loss_fn(lambda z, g, p: ep.reference_dispatch_and_compute(
       z, ids, g * (ref_gates > 0), p))
   out = {}
@@ -87,10 +88,13 @@ def check(name, layout, impl, *, N=64, L=8, F=16, E=16, k=2, one_expert=None, ca
   if cap is None:
     ok = ok and drop == 0.0
   else:
+    # the counts themselves, not only their ratio (a `tensor` replica must not count twice)
     ok = (ok and drop > 0 and abs(drop - expect_drop) < 1e-6
+          and (int(m["dropped"]), int(m["assigned"])) == expect_counts
           and float(m["recv_rows_max"]) > cap == float(m["recv_buffer_rows"]))
   print(("OK " if ok else "FAIL ") + f"{name} impl={impl} seed={seed} "
-        f"errs={[f'{e:.1e}' for e in errs]} drop={drop:.3f}", flush=True)
+        f"errs={[f'{e:.1e}' for e in errs]} drop={drop:.3f} dropped/assigned="
+        f"{int(m['dropped'])}/{int(m['assigned'])}", flush=True)
   if not ok:
     FAILED.append(name)
 
@@ -99,7 +103,7 @@ def main():
   which = sys.argv[1] if len(sys.argv) > 1 else "all"
   cases = [
       ("ep2_dense", "expert=2,fsdp=4", "dense", {}),
-      ("ep4_dense_tensor2", "expert=4,tensor=2", "dense", {}),
+      ("ep4_dense_tensor2_cap", "expert=4,tensor=2", "dense", dict(cap=24)),
       ("ep8_dense_sentinel", "expert=8", "dense", dict(sentinel=True)),
       ("ep8_one_expert", "expert=8", "dense", dict(one_expert=5)),
       ("ep4_allgather_k8", "expert=4,fsdp=2", "allgather", dict(k=8, sentinel=True)),

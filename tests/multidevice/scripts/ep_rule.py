@@ -1,6 +1,7 @@
 """The capacity-drop rule of docs/architecture.md ("Capacity drops"), written from the text in
 plain numpy loops over the whole expert-parallel group (the code under test computes it per
-sender with collectives and a binary search). Used by ep_check.py and drop_check.py."""
+sender with collectives and a binary search). Used by ep_check.py and drop_check.py;
+`virtual_keep` is the pair-by-pair reference of benchmarks/ep_virtual.py's counts."""
 import numpy as np
 
 
@@ -34,4 +35,29 @@ def expected_keep(ids, positions, margin, *, num_blocks, ep, num_experts, cap):
         for _, _, t, s in (q for q in pairs if q[0] > p):
           keep[t, s] = False
         break
+  return keep
+
+
+def virtual_keep(ids, positions, margin, *, sizes, num_experts, cap):
+  """`expected_keep` on a whole layer's routing in logical [B, T] order, grouped as the
+  expert-parallel shard_map of a mesh with per-axis `sizes` holds it: the token axes are
+  data, fsdp, expert, context (those of size > 1, first one major); the device at linear
+  index i over them holds rows [i n, (i+1) n); its group is the devices that differ from it on
+  `expert` alone, its rank there its `expert` coordinate."""
+  ids = np.asarray(ids)
+  axes = [a for a in ("data", "fsdp", "expert", "context") if sizes.get(a, 1) > 1]
+  dims = [sizes[a] for a in axes]
+  blocks = int(np.prod(dims))
+  n = ids.shape[0] // blocks
+  ep = sizes.get("expert", 1)
+  groups = {}
+  for i in range(blocks):
+    coord = dict(zip(axes, np.unravel_index(i, dims)))
+    rank = int(coord.pop("expert", 0))
+    groups.setdefault(tuple(int(v) for v in coord.values()), {})[rank] = i
+  keep = np.zeros(ids.shape, bool)
+  for members in groups.values():
+    rows = np.concatenate([np.arange(members[r] * n, (members[r] + 1) * n) for r in range(ep)])
+    keep[rows] = expected_keep(ids[rows], np.asarray(positions)[rows], np.asarray(margin)[rows],
+                               num_blocks=ep, ep=ep, num_experts=num_experts, cap=cap)
   return keep
