@@ -24,16 +24,22 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."
 GIB = 1024**3
 
 
-def synthetic_batch(rows: int, seq_len: int, vocab: int, seed: int = 0) -> dict:
+def synthetic_batch(rows: int, seq_len: int, vocab: int, seed: int = 0,
+                    shapes: dict | None = None) -> dict:
+  """Random tokens in 2 packed documents per row. `shapes` (`builder.batch_shapes`) adds the
+  stage's image keys, if any, as rows without an image (zero patches, image segment 0), so a
+  preset with a vision encoder runs its text step."""
   import numpy as np
   rng = np.random.default_rng(seed)
+  extra = {k: np.zeros(shape, dtype) for k, (shape, dtype) in (shapes or {}).items()
+           if k.startswith("image_")}
   tokens = rng.integers(4, vocab, size=(rows, seq_len), dtype=np.int32)
   seg = np.ones((rows, seq_len), np.int32)
   seg[:, seq_len // 2:] = 2
   pos = np.concatenate([np.arange(seq_len // 2), np.arange(seq_len - seq_len // 2)])
   return {"tokens": tokens, "segment_ids": seg,
           "positions": np.broadcast_to(pos, (rows, seq_len)).astype(np.int32).copy(),
-          "loss_mask": np.ones((rows, seq_len), np.float32)}
+          "loss_mask": np.ones((rows, seq_len), np.float32), **extra}
 
 
 def main(argv=None) -> None:
@@ -57,6 +63,7 @@ def main(argv=None) -> None:
   from sparse_lm.model.params import count_params, flops_per_token
   from sparse_lm.sharding import MeshLayout
   from sparse_lm.train import loop, metrics
+  from sparse_lm.train.builder import batch_shapes
 
   stage = stage_8k.STAGES[args.preset]
   sets = [f"model.{item}" for item in args.set]
@@ -80,7 +87,8 @@ def main(argv=None) -> None:
   with shd.use_mesh(mesh):
     state = parts.init()
     batches = [{k: jax.device_put(v, sh[k]) for k, v in
-                synthetic_batch(batch, seq_len, cfg.vocab_size, s).items()} for s in range(2)]
+                synthetic_batch(batch, seq_len, cfg.vocab_size, s,
+                                batch_shapes(stage, batch, seq_len)).items()} for s in range(2)]
     t0 = time.perf_counter()
     step_fn = parts.train_step.lower(state, batches[0]).compile()
     compile_s = time.perf_counter() - t0

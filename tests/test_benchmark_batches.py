@@ -1,0 +1,34 @@
+"""benchmarks/train_step.py's synthetic batch has every key, shape and dtype the stage's train
+step takes (a preset with images included: the `small` stage_8k step once failed its lowering
+with "different numbers of pytree children" because the image keys were missing)."""
+
+import importlib.util
+import pathlib
+
+import numpy as np
+
+from experiments import stage_8k
+from sparse_lm.train.builder import batch_shapes
+
+_PATH = pathlib.Path(__file__).resolve().parents[1] / "benchmarks" / "train_step.py"
+
+
+def _train_step_module():
+  spec = importlib.util.spec_from_file_location("bench_train_step", _PATH)
+  mod = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(mod)
+  return mod
+
+
+def test_synthetic_batch_matches_the_stage_batch_with_and_without_images():
+  synthetic_batch = _train_step_module().synthetic_batch
+  for preset in ("small", "tiny"):
+    stage = stage_8k.STAGES[preset]
+    shapes = batch_shapes(stage, 2, 64)
+    batch = synthetic_batch(2, 64, 100, 0, shapes)
+    assert sorted(batch) == sorted(shapes), preset
+    for key, (shape, dtype) in shapes.items():
+      assert batch[key].shape == shape and batch[key].dtype == np.dtype(dtype), (preset, key)
+  assert "image_patches" in batch_shapes(stage_8k.STAGES["small"], 2, 64)
+  tokens = synthetic_batch(2, 64, 100, 0)["tokens"]
+  assert tokens.min() >= 4 and tokens.max() < 100 and len(np.unique(tokens)) > 10
