@@ -2,7 +2,7 @@
 
 `benchmarks/ep_drops.py --virtual-mesh` trains on the devices there are, dropless, records every
 MoE layer's routing, and asks here what the capped exchange of a named layout (say
-`fsdp=2,expert=4` on 8 devices) would have dropped on it. Numpy only.
+`fsdp=2,expert=4` on 8 devices) would have dropped on it. The counting is numpy.
 
 Where the tokens of a layer sit on a real mesh. `LatentMoE` flattens its [B, T] input to
 N = B*T rows in logical order (row b*T + t) and hands them to one `shard_map` whose token spec
@@ -33,8 +33,9 @@ from typing import Mapping, Sequence
 
 import numpy as np
 
-# The token-sharding axes of the expert-parallel shard_map, in order (expert_parallel.TOKEN_AXES).
-TOKEN_AXES = ("data", "fsdp", "expert", "context")
+# The token-sharding axes of the expert-parallel shard_map, in order: the layout counted here is
+# the one the real exchange uses.
+from sparse_lm.moe.expert_parallel import TOKEN_AXES
 
 
 def mesh_shape(layout, num_devices: int) -> dict[str, int]:
