@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from sparse_lm import sharding
 from sparse_lm.config import ModelConfig
 
 Initializer = Callable[[jax.Array, tuple[int, ...]], jax.Array]
@@ -166,8 +167,43 @@ class Embed(nnx.Module):
                            init=normal_init(1.0), dtype=jnp.dtype(cfg.param_dtype))
 
   def __call__(self, tokens: jax.Array) -> jax.Array:
-    """tokens [B, T] int32 -> [B, T, D] fp32."""
-    return jnp.take(self.embedding[...], tokens, axis=0).astype(jnp.float32)
+    """tokens [B, T] int32 -> [B, T, D] fp32 (`embedding_lookup`)."""
+    return embedding_lookup(self.embedding[...], tokens).astype(jnp.float32)
+
+
+def embedding_lookup(table: jax.Array, tokens: jax.Array) -> jax.Array:
+  """table[tokens]: table [V, D], tokens [...] int -> [..., D] in table.dtype.
+
+  The forward is `jnp.take` on the table as it is sharded (decode gathers no weight). The
+  backward is the usual scatter-add of the cotangent rows, laid out explicitly under a mesh:
+  into a gradient buffer gathered over the table's ZeRO axes (d_model whole, the vocabulary
+  split as the rules say), each batch shard adding its own rows, then summed over them. Left
+  to the partitioner, jax 0.11.2 moved the [B, T, D] cotangent from the batch split to the
+  table's d_model split as an "involuntary full rematerialization"
+  (tests/vision/test_vision_multidevice.py). Without a mesh the constraint is the identity.
+  Memory under a mesh: the gradient buffer, vocab / tensor x d_model, in the backward pass.
+  """
+  return _lookup(table, tokens)
+
+
+@jax.custom_vjp
+def _lookup(table, tokens):
+  return jnp.take(table, tokens, axis=0)
+
+
+def _lookup_fwd(table, tokens):
+  # The residual carries the table's row count and dtype as a [V, 0] array (no data).
+  return _lookup(table, tokens), (tokens, jnp.zeros((table.shape[0], 0), table.dtype))
+
+
+def _lookup_bwd(res, ct):
+  tokens, rows = res
+  grad = jnp.zeros((rows.shape[0], ct.shape[-1]), ct.dtype)
+  grad = sharding.constrain(grad, ("vocab", None))
+  return grad.at[tokens].add(ct).astype(rows.dtype), None
+
+
+_lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
 def remat_policy(name: str):
