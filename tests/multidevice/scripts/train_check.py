@@ -62,14 +62,36 @@ def batch():
           "loss_mask": jnp.asarray((seg != 0).astype(np.int32))}
 
 
-def leaf_errors(new, ref, old, floor_frac):
+# Leaves whose gradient is zero in exact arithmetic: the AttnRes query of layer 0 mixes a
+# single source (the embedding), so its softmax weight is 1 whatever the query. Their change
+# in either run is AdamW's answer to rounding noise (~1e-10 / eps 1e-3 x lr: ~1e-9), not a
+# value to compare: the sharded run's noise differs from one device's (jax 0.11.2 gave a
+# relative error of 1.0e-4 against the floor below, jax 0.10.2 7.7e-5, while every other leaf
+# stays under 5e-6). They are checked instead to stay noise in both runs.
+EXACT_ZERO_GRAD = ("['head']['layers'][0]['attn_query'].value",)
+NOISE_FRAC = 1e-6  # of the global norm of the change: the bound on those leaves' changes
+
+
+def leaf_errors(new, ref, old, floor_frac, names=None):
   """Per-leaf ||(new - old) - (ref - old)|| / max(||ref - old||, floor): the error of the
-  step's change of every leaf, floored at floor_frac of the global norm of the change."""
+  step's change of every leaf, floored at floor_frac of the global norm of the change. Leaves
+  named in EXACT_ZERO_GRAD (`names`: the leaves' key strings) are left out of the list and
+  must change by less than NOISE_FRAC of the global norm in both runs (AssertionError)."""
   d = lambda a, b: np.asarray(a, np.float64) - np.asarray(b, np.float64)
   changes = [d(r, o) for r, o in zip(ref, old)]
-  floor = floor_frac * float(np.sqrt(sum(np.sum(c ** 2) for c in changes)))
-  return sorted(((np.linalg.norm(d(n, r)) / max(np.linalg.norm(c), floor, 1e-30))
-                 for n, r, c in zip(new, ref, changes)), reverse=True)
+  total = float(np.sqrt(sum(np.sum(c ** 2) for c in changes)))
+  floor = floor_frac * total
+  errs = []
+  for i, (n, r, c) in enumerate(zip(new, ref, changes)):
+    if names is not None and names[i] in EXACT_ZERO_GRAD:
+      for run, change in (("one device", np.linalg.norm(c)),
+                          ("sharded", np.linalg.norm(d(n, old[i])))):
+        assert change < NOISE_FRAC * total, (
+            f"{names[i]} changed by {change:.2e} ({run}); its gradient is zero in exact "
+            f"arithmetic, so it must stay under {NOISE_FRAC} x {total:.3e}")
+      continue
+    errs.append(np.linalg.norm(d(n, r)) / max(np.linalg.norm(c), floor, 1e-30))
+  return sorted(errs, reverse=True)
 
 
 def main():
@@ -91,6 +113,9 @@ def main():
   s1_ref, m_ref = jax.jit(step)(state0, data)
   leaves = lambda t: jax.tree.leaves(jax.device_get(t))
   params0, vars0 = leaves(state0.params), leaves(state0.model_vars)
+  names = [jax.tree_util.keystr(p) for p, _ in jax.tree_util.tree_flatten_with_path(
+      jax.device_get(state0.params))[0]]
+  assert set(EXACT_ZERO_GRAD) <= set(names), EXACT_ZERO_GRAD
   params_ref, vars_ref = leaves(s1_ref.params), leaves(s1_ref.model_vars)
   assert len(vars_ref) >= 2 * 3  # bias, load, histogram of each of the 2 MoE layers
   assert float(m_ref["balancer/bias_abs_max"]) > 0  # the balancer moved the biases
@@ -110,7 +135,7 @@ def main():
     sharded = sum(1 for s in jax.tree.leaves(state_sh) if any(x is not None for x in s.spec))
     # Params: the AdamW update of every leaf; model_vars: every balancer leaf (biases after the
     # update, loads and histograms reset or accumulated) compared with one device.
-    p_err = leaf_errors(leaves(s1.params), params_ref, params0, 1e-4)[0]
+    p_err = leaf_errors(leaves(s1.params), params_ref, params0, 1e-4, names)[0]
     v_err = max(float(np.max(np.abs(np.asarray(a, np.float64) - np.asarray(r, np.float64))))
                 for a, r in zip(leaves(s1.model_vars), vars_ref))
     errs = [rel(m["loss"], m_ref["loss"]), rel(m["grad_norm"], m_ref["grad_norm"]),
