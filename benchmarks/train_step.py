@@ -2,12 +2,19 @@
 
   python benchmarks/train_step.py                       # small preset, 8K tokens, 1 device
   python benchmarks/train_step.py --preset tiny --quick # CPU smoke run (seconds)
+  python benchmarks/train_step.py --data real --steps 1 --set kda_backend=xla
+                                     # the stage's own first batches; prints each step's loss
 
 The step is the real one (`sparse_lm.train.loop.build`: AdamW, clipping, gradient
 accumulation, Quantile Balancing update, donated state) on synthetic packed batches (random
 tokens, 2 documents per row), so the number does not depend on the input pipeline. MFU uses
 `sparse_lm.model.params.flops_per_token` and the device's dense bf16 peak
 (`sparse_lm.train.metrics.PEAK_FLOPS`); it is n/a on CPU. Prints a table.
+
+`--data real` feeds the stage's own training batches instead (its data pipeline and tokenizer,
+trained into `--workdir` if none is cached there, images included where the preset has them)
+and prints every step's loss, gradient norm and `finite` flag: the way to split a non-finite
+step by component (`--set kda_backend=xla`, `--set attention_backend=xla_chunked`, ...).
 """
 
 from __future__ import annotations
@@ -42,6 +49,19 @@ def synthetic_batch(rows: int, seq_len: int, vocab: int, seed: int = 0,
           "loss_mask": np.ones((rows, seq_len), np.float32), **extra}
 
 
+def real_batches(stage, workdir: str, rows: int, count: int) -> list[dict]:
+  """The first `count` training batches of `stage` (its data config, tokenizer and patch
+  size), `rows` sequences each, as numpy arrays: what the training loop's first steps get."""
+  from sparse_lm import data as data_lib
+  from sparse_lm.interop import workdir as hf_import
+  cfg = stage.model_config()
+  tokenizer = data_lib.load_or_train_tokenizer(
+      hf_import.data_config(stage.data, stage.init_from), workdir, cfg.vocab_size)
+  it = data_lib.make_train_iterator(stage.data, tokenizer, seq_len=stage.seq_len,
+                                    batch_size=rows, patch_size=cfg.vision_patch_size)
+  return [next(it) for _ in range(count)]
+
+
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--preset", default="small", choices=("tiny", "small", "full"))
@@ -55,9 +75,14 @@ def main(argv=None) -> None:
                  help="override any other ModelConfig field (repeatable)")
   p.add_argument("--steps", type=int, default=10, help="timed steps (after 2 warm-up steps)")
   p.add_argument("--quick", action="store_true", help="3 timed steps (CPU smoke run)")
+  p.add_argument("--data", choices=("synthetic", "real"), default="synthetic",
+                 help="synthetic rows (default) or the stage's own first training batches")
+  p.add_argument("--workdir", default="/tmp/train_step_bench",
+                 help="with --data real: where the stage's tokenizer is cached or trained")
   args = p.parse_args(argv)
 
   import jax
+  import numpy as np
   from experiments import base, stage_8k
   from sparse_lm import sharding as shd
   from sparse_lm.model.params import count_params, flops_per_token
@@ -86,9 +111,13 @@ def main(argv=None) -> None:
   sh = parts.batch_shardings
   with shd.use_mesh(mesh):
     state = parts.init()
-    batches = [{k: jax.device_put(v, sh[k]) for k, v in
-                synthetic_batch(batch, seq_len, cfg.vocab_size, s,
-                                batch_shapes(stage, batch, seq_len)).items()} for s in range(2)]
+    if args.data == "real":
+      rows = real_batches(stage, args.workdir, batch, 2)
+    else:
+      rows = [synthetic_batch(batch, seq_len, cfg.vocab_size, s,
+                              batch_shapes(stage, batch, seq_len)) for s in range(2)]
+    batches = [{k: jax.device_put(np.asarray(v), sh[k]) for k, v in b.items() if k in sh}
+               for b in rows]
     t0 = time.perf_counter()
     step_fn = parts.train_step.lower(state, batches[0]).compile()
     compile_s = time.perf_counter() - t0
@@ -96,13 +125,19 @@ def main(argv=None) -> None:
     if mem is not None:
       print(f"compiled: arguments {mem.argument_size_in_bytes / GIB:.2f} GiB, temporaries "
             f"{mem.temp_size_in_bytes / GIB:.2f} GiB", flush=True)
+    def show(i, m):
+      if args.data == "real":
+        print(f"step {i}: loss {float(m['loss']):.4f} grad_norm {float(m['grad_norm']):.4f} "
+              f"finite {int(m['finite'])}", flush=True)
     for i in range(2):
       state, m = step_fn(state, batches[i])
       jax.block_until_ready(m)
+      show(i, m)
     t0 = time.perf_counter()
     for i in range(steps):
       state, m = step_fn(state, batches[i % 2])
     jax.block_until_ready(m)
+    show(2 + steps - 1, m)
     step_s = (time.perf_counter() - t0) / steps
 
   tokens = batch * seq_len

@@ -32,3 +32,18 @@ def test_synthetic_batch_matches_the_stage_batch_with_and_without_images():
   assert "image_patches" in batch_shapes(stage_8k.STAGES["small"], 2, 64)
   tokens = synthetic_batch(2, 64, 100, 0)["tokens"]
   assert tokens.min() >= 4 and tokens.max() < 100 and len(np.unique(tokens)) > 10
+
+
+def test_real_batches_are_the_stage_pipeline_batches_with_the_step_shapes(tmp_path):
+  """`--data real`: the stage's own first training batches, every key the step takes, with
+  its shape and dtype; two draws are different batches."""
+  real_batches = _train_step_module().real_batches
+  stage = stage_8k.STAGES["tiny"]
+  got = real_batches(stage, str(tmp_path), 2, 2)
+  shapes = batch_shapes(stage, 2, stage.seq_len)
+  for b in got:
+    for key, (shape, dtype) in shapes.items():
+      assert np.asarray(b[key]).shape == shape, key
+      assert np.asarray(b[key]).dtype == np.dtype(dtype), key
+  assert not np.array_equal(got[0]["tokens"], got[1]["tokens"])
+  assert np.asarray(got[0]["segment_ids"]).max() >= 1
