@@ -59,7 +59,12 @@ def have_tokamax() -> bool:
   return importlib.util.find_spec("tokamax") is not None
 
 
-def _tokamax_ragged_dot(lhs, rhs, group_sizes):
+def _live_rows(m: int, group_sizes: jax.Array) -> jax.Array:
+  """[m, 1] bool: the rows a grouped matmul covers (row < sum(group_sizes))."""
+  return jnp.arange(m, dtype=jnp.int32)[:, None] < jnp.sum(group_sizes)
+
+
+def _tokamax_kernel(lhs, rhs, group_sizes):
   import tokamax  # pylint: disable=g-import-not-at-top
   # tokamax reads its config from absl flags and, when the host program never parsed them
   # (pytest, argparse scripts), parses sys.argv itself and fails on foreign options. Use the
@@ -69,6 +74,21 @@ def _tokamax_ragged_dot(lhs, rhs, group_sizes):
   impl = "xla" if jax.default_backend() == "cpu" else None
   return tokamax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype,
                             implementation=impl)
+
+
+def _tokamax_ragged_dot(lhs, rhs, group_sizes):
+  """tokamax's ragged_dot with rows past sum(group_sizes) set to zero, in value and gradient.
+
+  Its Mosaic GPU kernel writes each group's rows and nothing else: the rows past the sum (the
+  padding tokens' sentinel rows, an expert-parallel receive buffer's unused tail) are whatever
+  the output buffer held. Multiplying them by a zero gate does not clear a NaN there, so a
+  `where` on both sides (the output, and the input, whose `where` also clears the gradient
+  kernel's unwritten rows) keeps them out. Without it the `small` train step on real batches
+  (rows with padding) gave a NaN loss on the H200 while synthetic rows (no padding) did not.
+  """
+  live = _live_rows(lhs.shape[0], group_sizes)
+  out = _tokamax_kernel(jnp.where(live, lhs, jnp.zeros((), lhs.dtype)), rhs, group_sizes)
+  return jnp.where(live, out, jnp.zeros((), out.dtype))
 
 
 def _tile(dim: int, prefs=(512, 256, 128)) -> int:
@@ -89,7 +109,7 @@ def _megablox_gmm(lhs, rhs, group_sizes, interpret: bool):
   m_pad = -(-m // tm) * tm
   # Mask on both sides: the forward kernel leaves rows past sum(group_sizes) unwritten, and so
   # does its lhs-gradient kernel; a `where` (not a multiply) keeps that garbage out of both.
-  live = jnp.arange(m, dtype=jnp.int32)[:, None] < jnp.sum(group_sizes)
+  live = _live_rows(m, group_sizes)
   lhs_p = jnp.pad(jnp.where(live, lhs, jnp.zeros((), lhs.dtype)), ((0, m_pad - m), (0, 0)))
   out = megablox_gmm(lhs_p, rhs, group_sizes, preferred_element_type=lhs.dtype,
                      tiling=(tm, _tile(k), _tile(n)),

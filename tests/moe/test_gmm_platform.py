@@ -58,3 +58,60 @@ def test_auto_on_a_gpu_without_tokamax_is_ragged_dot(monkeypatch):
   assert gmm_lib.resolve_backend("tokamax", "gpu") == "tokamax"
   monkeypatch.setattr(gmm_lib, "have_tokamax", lambda: True)
   assert gmm_lib.resolve_backend("auto", "gpu") == "tokamax"
+
+
+def _garbage_tail_kernel(lhs, rhs, group_sizes):
+  """A grouped matmul that, like tokamax's Mosaic GPU kernel, writes only the rows of the
+  groups: rows past sum(group_sizes) hold NaN (what an unwritten buffer may hold), in the
+  output and in its lhs gradient."""
+  @jax.custom_vjp
+  def f(lhs, rhs):
+    return jax.lax.ragged_dot(lhs, rhs, group_sizes)
+
+  def fwd(lhs, rhs):
+    return f(lhs, rhs), (lhs, rhs)
+
+  def bwd(res, ct):
+    lhs, rhs = res
+    _, vjp = jax.vjp(lambda a, b: jax.lax.ragged_dot(a, b, group_sizes), lhs, rhs)
+    dlhs, drhs = vjp(ct)
+    return jnp.where(gmm_lib._live_rows(lhs.shape[0], group_sizes), dlhs, jnp.nan), drhs
+
+  f.defvjp(fwd, bwd)
+  out = f(lhs, rhs)
+  return jnp.where(gmm_lib._live_rows(lhs.shape[0], group_sizes), out, jnp.nan)
+
+
+def test_tokamax_rows_past_the_groups_are_zero_in_value_and_gradient(monkeypatch):
+  """The padding tokens' rows sort past sum(group_sizes); a kernel that leaves them unwritten
+  must not leak NaN into the MoE output or the gradients (the `small` NaN on the H200)."""
+  monkeypatch.setattr(gmm_lib, "_tokamax_kernel", _garbage_tail_kernel)
+  rng = np.random.default_rng(3)
+  m, k, n, g = 24, 16, 8, 3
+  lhs = jnp.asarray(rng.normal(size=(m, k)), jnp.float32)
+  rhs = jnp.asarray(rng.normal(size=(g, k, n)), jnp.float32)
+  sizes = jnp.asarray([5, 0, 12], jnp.int32)  # 17 live rows, 7 past the sum, an empty group
+  live = np.arange(m) < 17
+
+  def loss(fn, a, b):
+    out = fn(a, b, sizes)
+    return jnp.sum(jnp.sin(out) * jnp.arange(n, dtype=jnp.float32)), out
+
+  # independent reference: each live row times its group's matrix; the tail is zero
+  group = np.repeat(np.arange(g), np.asarray(sizes))
+  want = np.zeros((m, n), np.float32)
+  want[:17] = np.einsum("mk,mkn->mn", np.asarray(lhs)[:17], np.asarray(rhs)[group])
+  (val, out), grads = jax.value_and_grad(
+      lambda a, b: loss(gmm_lib._tokamax_ragged_dot, a, b), argnums=(0, 1), has_aux=True)(
+          lhs, rhs)
+  np.testing.assert_allclose(np.asarray(out), want, rtol=1e-5, atol=1e-5)
+  (_, _), ref_grads = jax.value_and_grad(
+      lambda a, b: loss(lambda x, y, s: jax.lax.ragged_dot(x, y, s), a, b), argnums=(0, 1),
+      has_aux=True)(lhs, rhs)
+  for got, ref in zip(grads, ref_grads):
+    assert np.all(np.isfinite(np.asarray(got)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-5, atol=1e-5)
+  assert np.all(np.asarray(grads[0])[~live] == 0)
+  # without the masking the same kernel leaks NaN (the test sees the failure it guards)
+  leaked = _garbage_tail_kernel(lhs, rhs, sizes)
+  assert np.isnan(np.asarray(leaked)[~live]).all()
