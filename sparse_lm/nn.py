@@ -206,6 +206,25 @@ def _lookup_bwd(res, ct):
 _lookup.defvjp(_lookup_fwd, _lookup_bwd)
 
 
+def assign(variable: nnx.Variable, value) -> None:
+  """`variable[...] = value` for a whole-array replacement, cast to the variable's dtype.
+
+  Same result as flax's `variable[...] = value` when the shapes match, without its check of
+  `value.sharding`: under a trace that check raises and catches an error whose message walks
+  the whole trace (about 0.2 s per assignment in the tiny train step, 6 of its 8 s of tracing;
+  measured 2026-12-01 with flax 0.12.8).
+
+  Raises:
+    ValueError: value's shape differs from the variable's.
+  """
+  old = variable[...]
+  value = jnp.asarray(value)
+  if value.shape != old.shape:
+    raise ValueError(f"assign: value of shape {value.shape} for a variable of shape "
+                     f"{old.shape}")
+  variable.set_value(value.astype(old.dtype))
+
+
 def remat_policy(name: str):
   """The `jax.checkpoint` policy for cfg.remat_policy, or None for "none" (no remat).
 

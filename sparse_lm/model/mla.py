@@ -208,7 +208,7 @@ class MLA(nnx.Module):
       s_max = max_attention_logit(jax.lax.stop_gradient(q), jax.lax.stop_gradient(k),
                                   scale=self.scale, segment_ids=segment_ids,
                                   block=self.cfg.attention_chunk_size)
-      self.attn_logit_max[...] = jnp.maximum(self.attn_logit_max[...], s_max)
+      nn.assign(self.attn_logit_max, jnp.maximum(self.attn_logit_max[...], s_max))
     how = context_parallel.mla_under_mesh(mesh, backend or self.cfg.attention_backend)
     if how == "latent":  # T sharded over `context`: gather the latent
       c_kv, k_rope = self._latent(x)

@@ -28,6 +28,8 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from sparse_lm import nn
+
 
 class BalancerBias(nnx.Variable):
   """The routing bias b [E] (fp32): persistent, never trained, frozen at inference."""
@@ -201,14 +203,14 @@ def update_balanced_moe(moe: nnx.Module) -> dict[str, jax.Array]:
       return jnp.where(jnp.sum(h) > 0, new, b)
 
     new_bias = _over_leading(one, hist, bias, core_ndims=(2, 1))
-    moe.balancer_hist[...] = jnp.zeros_like(hist)
+    nn.assign(moe.balancer_hist, jnp.zeros_like(hist))
   elif kind == "bias_sign":
     new_bias = bias_sign_update(load, bias, moe.bias_sign_rate)
   else:
     new_bias = bias
   new_bias = jax.lax.stop_gradient(new_bias.astype(jnp.float32))
-  moe.balancer_bias[...] = new_bias
-  moe.balancer_load[...] = jnp.zeros_like(load)
+  nn.assign(moe.balancer_bias, new_bias)
+  nn.assign(moe.balancer_load, jnp.zeros_like(load))
   lm = load_metrics(load)
   return {
       "max_violation": jnp.max(lm["max_violation"]),

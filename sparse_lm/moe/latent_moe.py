@@ -299,12 +299,12 @@ class LatentMoE(nnx.Module):
     y = sharding.constrain(y.astype(x.dtype), BATCH_AXES)
 
     if train:
-      self.balancer_load[...] += load
+      nn.assign(self.balancer_load, self.balancer_load[...] + load)
       if self.balancer == "quantile":
         r = router_lib.required_bias(scores, routing.cutoff)
         lo, hi = balancing.histogram_range(bias)
-        self.balancer_hist[...] += balancing.required_bias_histogram(
-            r, weight, lo, hi, self.balancer_bins)
+        nn.assign(self.balancer_hist, self.balancer_hist[...] + balancing.required_bias_histogram(
+            r, weight, lo, hi, self.balancer_bins))
 
     aux_loss = jnp.zeros((), jnp.float32)
     if self.balancer == "aux_loss":

@@ -247,6 +247,7 @@ def qk_clip(model: nnx.Module, threshold: float) -> dict[str, jax.Array]:
     "attn/clipped_heads" (how many heads were rescaled); empty without such layers.
   """
   from sparse_lm.model.mla import MLA  # pylint: disable=g-import-not-at-top
+  from sparse_lm import nn  # pylint: disable=g-import-not-at-top
   s_all, clipped = [], []
   for _, node in nnx.iter_graph(model):
     if not isinstance(node, MLA) or not node.cfg.mla_logit_max:
@@ -257,12 +258,11 @@ def qk_clip(model: nnx.Module, threshold: float) -> dict[str, jax.Array]:
     g = gamma[..., None, :, None]  # broadcasts over [..., in, H, d]
     w_q = node.w_uq if node.cfg.q_lora_rank else node.w_q
     q = w_q[...]
-    w_q[...] = jnp.concatenate([q[..., :nope] * jnp.sqrt(g), q[..., nope:] * g],
-                               axis=-1).astype(q.dtype)
+    nn.assign(w_q, jnp.concatenate([q[..., :nope] * jnp.sqrt(g), q[..., nope:] * g], axis=-1))
     kv = node.w_ukv[...]
-    node.w_ukv[...] = jnp.concatenate([kv[..., :nope] * jnp.sqrt(g), kv[..., nope:]],
-                                      axis=-1).astype(kv.dtype)
-    node.attn_logit_max[...] = jnp.zeros_like(s_max)
+    nn.assign(node.w_ukv, jnp.concatenate([kv[..., :nope] * jnp.sqrt(g), kv[..., nope:]],
+                                          axis=-1))
+    nn.assign(node.attn_logit_max, jnp.zeros_like(s_max))
     s_all.append(jnp.max(s_max))
     clipped.append(jnp.sum(s_max > threshold))
   if not s_all:
