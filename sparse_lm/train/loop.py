@@ -88,9 +88,34 @@ class _Preemption:
       signal.signal(s, handler)
 
 
-def _flops_per_token(model_cfg, seq_len: int) -> float | None:
+class _HostClock:
+  """Where the training loop's wall time goes, by phase (for the end-of-loop line): "data"
+  (next batch + device_put), "dispatch" (the jitted step call), "wait" (blocked reading the
+  previous step's metrics: the device is behind), "log" (metrics, TensorBoard, progress) and
+  "other" (evals, checkpoints)."""
+
+  def __init__(self):
+    self.totals: dict[str, float] = {}
+    self.steps = 0
+    self.restart()
+
+  def restart(self) -> None:
+    self.totals.clear()
+    self._t = time.perf_counter()
+
+  def lap(self, phase: str) -> None:
+    now = time.perf_counter()
+    self.totals[phase] = self.totals.get(phase, 0.0) + now - self._t
+    self._t = now
+
+  def text(self) -> str:
+    n = max(self.steps, 1)
+    return ", ".join(f"{k} {1e3 * v / n:.1f} ms" for k, v in self.totals.items())
+
+
+def _flops_per_token(model_cfg, seq_len: int, params=None) -> float | None:
   try:
-    return float(flops_per_token(model_cfg, seq_len)["total"])
+    return float(flops_per_token(model_cfg, seq_len, params)["total"])
   except Exception:  # pylint: disable=broad-except  (feedback only)
     return None
 
@@ -242,7 +267,7 @@ class _StageLoop:
     self.eval_batches = self._eval_batches(stage.seq_len)
     self.writer = metrics_lib.MetricsWriter(stage_dir / "tb")
     model_cfg = stage.model_config()
-    self.flops = _flops_per_token(model_cfg, stage.seq_len)
+    self.flops = _flops_per_token(model_cfg, stage.seq_len, parts.abstract_state.params)
     self.can_drop = (model_cfg.ragged_buffer_factor is not None
                      or model_cfg.capacity_factor is not None)
     self.peak = metrics_lib.peak_flops_per_device()
@@ -255,6 +280,7 @@ class _StageLoop:
     self.warned: dict[str, int] = {}
     self.last_saved = ckpt.all_steps()[-1] if ckpt.all_steps() else None
     self.pending: tuple[int, Any] | None = None
+    self.clock = _HostClock()
     self.pre = Precompiler(precompile, label=f"[{stage.name}] ")
 
   def _eval_batches(self, seq_len):
@@ -276,16 +302,22 @@ class _StageLoop:
       self.evaluate(state, 0)
     self.pre.wait("sample")  # reads `state`: done before the first step donates it
     self.pre.wait("train")
+    clock = self.clock = _HostClock()
     with _Preemption() as preemption:
       for step in range(start, stage.steps):
+        clock.lap("other")
         t0 = time.perf_counter()
         batch = _put(next(self.train_iter), self.batch_sh, stage.global_batch)
+        clock.lap("data")
         state, m = self.parts.train_step(state, batch)
+        clock.lap("dispatch")
         if step == start:
           jax.block_until_ready(m)
           self.bar.print(f"[{stage.name}] first step (trace + compile + run) took "
                          f"{time.perf_counter() - t0:.1f} s")
+          clock.restart()
         self.drain(state)
+        clock.steps += step > start
         self.pending = (step, m)
         done = step + 1
         periodic = done % stage.checkpoint_every == 0
@@ -303,6 +335,8 @@ class _StageLoop:
                          f"{self.ckpt.directory}; run the same command again to resume.")
           return state, True
       self.drain(state)
+    if clock.steps >= 10:
+      self.bar.print(f"[{stage.name}] host time per step after the first: {clock.text()}")
     return state, False
 
   def _precompile(self, state):
@@ -327,7 +361,9 @@ class _StageLoop:
       return
     step, m = self.pending
     self.pending = None
+    clock = self.clock
     m = jax.device_get(m)
+    clock.lap("wait")
     scalars = {k: float(np.asarray(v).reshape(())) for k, v in m.items() if np.size(v) == 1}
     if not scalars["finite"] or not np.isfinite(scalars["loss"]):
       self.ckpt.wait()
@@ -359,6 +395,7 @@ class _StageLoop:
       self.on_step(step, {**scalars, **{k: v for k, v in routing.items()
                                         if isinstance(v, float)},
                           **({"moe/load": np.asarray(m["moe/load"])} if "moe/load" in m else {})})
+    clock.lap("log")
 
   def evaluate(self, state, step):
     loss = _evaluate(self.parts.eval_step, state, self.eval_batches, self.batch_sh)
