@@ -4,6 +4,8 @@
   python benchmarks/train_step.py --preset tiny --quick # CPU smoke run (seconds)
   python benchmarks/train_step.py --data real --steps 1 --set kda_backend=xla
                                      # the stage's own first batches; prints each step's loss
+  XLA_FLAGS=--xla_gpu_enable_command_buffer= python benchmarks/train_step.py --profile /tmp/tr
+                                     # + device time by named scope (KDA, MoE, AttnRes, ...)
 
 The step is the real one (`sparse_lm.train.loop.build`: AdamW, clipping, gradient
 accumulation, Quantile Balancing update, donated state) on synthetic packed batches (random
@@ -77,6 +79,10 @@ def main(argv=None) -> None:
   p.add_argument("--quick", action="store_true", help="3 timed steps (CPU smoke run)")
   p.add_argument("--data", choices=("synthetic", "real"), default="synthetic",
                  help="synthetic rows (default) or the stage's own first training batches")
+  p.add_argument("--profile", metavar="DIR", default=None,
+                 help="after the timed steps, trace 3 more into DIR and print the device "
+                      "time per named scope (benchmarks/trace_summary.py); run with "
+                      "XLA_FLAGS=--xla_gpu_enable_command_buffer= so every kernel is named")
   p.add_argument("--workdir", default="/tmp/train_step_bench",
                  help="with --data real: where the stage's tokenizer is cached or trained")
   args = p.parse_args(argv)
@@ -139,6 +145,14 @@ def main(argv=None) -> None:
     jax.block_until_ready(m)
     show(2 + steps - 1, m)
     step_s = (time.perf_counter() - t0) / steps
+    if args.profile:
+      from benchmarks import trace_summary
+      with jax.profiler.trace(args.profile, create_perfetto_trace=True):
+        for i in range(3):
+          state, m = step_fn(state, batches[i % 2])
+        jax.block_until_ready(m)
+      print(trace_summary.summarize(args.profile, steps=3, hlo_text=step_fn.as_text()),
+            flush=True)
 
   tokens = batch * seq_len
   tps = tokens / step_s

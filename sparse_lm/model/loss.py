@@ -131,9 +131,10 @@ def loss_fn(model: Transformer, batch: dict, *, train: bool = False,
   if images is not None:  # no loss on image positions (ARCHITECTURE §7)
     weights = jnp.where(image_placeholder_mask(targets), 0.0, weights)
   h, aux = model.forward_hidden(tokens, segment_ids=seg, images=images, train=train)
-  sums = chunked_cross_entropy(h, model.lm_head[...], targets, weights,
-                               chunk_size=model.cfg.loss_chunk_size,
-                               dtype=jnp.dtype(model.cfg.dtype))
+  with jax.named_scope("lm_head_loss"):  # labels profiles; changes no value
+    sums = chunked_cross_entropy(h, model.lm_head[...], targets, weights,
+                                 chunk_size=model.cfg.loss_chunk_size,
+                                 dtype=jnp.dtype(model.cfg.dtype))
   num = jnp.sum(weights)
   denom = jnp.maximum(num, 1.0)
   nll = sums["nll_sum"] / denom

@@ -70,16 +70,29 @@ class DecoderLayer(nnx.Module):
     """stream -> (stream, MoE aux or None). `opens_block` may be a traced bool."""
     cfg = self.cfg
     dtype = jnp.dtype(cfg.dtype)
-    stream = attnres.open_block(cfg, stream, opens_block)
-    x = self.attn_norm(attnres.sublayer_input(cfg, stream, self.attn_query[...])).astype(dtype)
+    # Named scopes label the ops in profiles (benchmarks/train_step.py --profile); they
+    # change no value.
+    with jax.named_scope("attnres"):
+      stream = attnres.open_block(cfg, stream, opens_block)
+      h = attnres.sublayer_input(cfg, stream, self.attn_query[...])
+    with jax.named_scope("norm"):
+      x = self.attn_norm(h).astype(dtype)
     mix_kw = {"train": train} if self.mixer_kind == "mla" else {}
-    stream = attnres.add_output(cfg, stream, self.mixer(x, segment_ids=segment_ids, **mix_kw))
-    x = self.ffn_norm(attnres.sublayer_input(cfg, stream, self.ffn_query[...])).astype(dtype)
+    with jax.named_scope(self.mixer_kind):
+      y = self.mixer(x, segment_ids=segment_ids, **mix_kw)
+    with jax.named_scope("attnres"):
+      stream = attnres.add_output(cfg, stream, y)
+      h = attnres.sublayer_input(cfg, stream, self.ffn_query[...])
+    with jax.named_scope("norm"):
+      x = self.ffn_norm(h).astype(dtype)
     if self.dense_ffn:
-      y, aux = self.ffn(x), None
+      with jax.named_scope("dense_ffn"):
+        y, aux = self.ffn(x), None
     else:
-      y, aux = self.ffn(x, valid=valid, train=train)
-    return attnres.add_output(cfg, stream, y), aux
+      with jax.named_scope("moe"):
+        y, aux = self.ffn(x, valid=valid, train=train)
+    with jax.named_scope("attnres"):
+      return attnres.add_output(cfg, stream, y), aux
 
 
 class LayerGroup(nnx.Module):
@@ -249,12 +262,14 @@ class Transformer(nnx.Module):
     """
     cfg = self.cfg
     valid = None if segment_ids is None else segment_ids != 0
-    x = self.embed(tokens)
+    if images is not None and self.vision is None:
+      raise ValueError("images were given but the model has no vision encoder: build it "
+                       "with get_preset(..., vision=True) (ModelConfig.vision)")
+    with jax.named_scope("embed"):
+      x = self.embed(tokens)
     if images is not None:
-      if self.vision is None:
-        raise ValueError("images were given but the model has no vision encoder: build it "
-                         "with get_preset(..., vision=True) (ModelConfig.vision)")
-      x = self.vision.embed_into(x, tokens, images)
+      with jax.named_scope("vision"):
+        x = self.vision.embed_into(x, tokens, images)
     stream = attnres.init_stream(cfg, x)
     kw = dict(segment_ids=segment_ids, valid=valid, train=train)
     stream, auxes = _remat_call(cfg, self.head, stream, opens_block=True, **kw)
@@ -272,8 +287,10 @@ class Transformer(nnx.Module):
         cfg, self.last, stream, opens_block=last_first % cfg.attnres_block_layers == 0, **kw)
     aux.append(_stack_aux([last_aux]))
     aux = {k: jnp.concatenate([a[k] for a in aux]) for k in aux[0]}
-    h = attnres.final_output(cfg, stream, self.final_query[...])
-    h = self.final_norm(h).astype(jnp.dtype(cfg.dtype))
+    with jax.named_scope("attnres"):
+      h = attnres.final_output(cfg, stream, self.final_query[...])
+    with jax.named_scope("norm"):
+      h = self.final_norm(h).astype(jnp.dtype(cfg.dtype))
     h = sharding.constrain(h, ("activation_batch", "activation_length", "activation_embed"))
     return h, aux
 

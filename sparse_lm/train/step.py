@@ -139,15 +139,17 @@ def make_train_step(graphdef: nnx.GraphDef, tx: optax.GradientTransformation,
       if "loss" in metrics:
         metrics["loss"] = metrics["loss"] + poison
 
-    grad_norm = optax.global_norm(grads)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
+    with jax.named_scope("optimizer"):  # the scope labels profiles; it changes no value
+      grad_norm = optax.global_norm(grads)
+      updates, opt_state = tx.update(grads, state.opt_state, state.params)
+      params = optax.apply_updates(state.params, updates)
 
     balance_metrics = {}
     if balance_fn is not None:
-      model = nnx.merge(graphdef, params, model_vars, copy=True)
-      balance_metrics = balance_fn(model) or {}
-      _, params, model_vars = nnx.split(model, nnx.Param, ...)
+      with jax.named_scope("balancer_update"):
+        model = nnx.merge(graphdef, params, model_vars, copy=True)
+        balance_metrics = balance_fn(model) or {}
+        _, params, model_vars = nnx.split(model, nnx.Param, ...)
 
     finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
     keep = lambda new, old: jax.tree.map(lambda n, o: jnp.where(finite, n, o), new, old)
