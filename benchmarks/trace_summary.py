@@ -110,7 +110,11 @@ def summarize(trace_dir: str, steps: int = 1, top: int = 15,
               hlo_text: str | None = None) -> str:
   """A text table: device ms per step and kernel count per scope, then the top kernels.
   `hlo_text` (the compiled program's text) names the scope of kernels whose trace events
-  carry only the HLO instruction name ("hlo_op" argument or the event name)."""
+  carry only the HLO instruction name ("hlo_op" argument or the event name).
+
+  Raises:
+    FileNotFoundError: no perfetto trace under trace_dir.
+  """
   events, names = load_events(trace_dir)
   kernels = device_kernels(events, names)
   if not kernels:
@@ -153,11 +157,16 @@ def main(argv=None) -> None:
   p.add_argument("--show-args", action="store_true",
                  help="print the arguments of the first 3 kernel events (to check scopes)")
   args = p.parse_args(argv)
-  if args.show_args:
-    events, names = load_events(args.trace_dir)
-    for e in device_kernels(events, names)[:3]:
-      print(e["name"][:80], json.dumps(e.get("args", {}))[:600])
-  print(summarize(args.trace_dir, args.steps, args.top))
+  if args.steps < 1:
+    p.error(f"--steps must be >= 1 (steps in the trace), got {args.steps}")
+  try:
+    if args.show_args:
+      events, names = load_events(args.trace_dir)
+      for e in device_kernels(events, names)[:3]:
+        print(e["name"][:80], json.dumps(e.get("args", {}))[:600])
+    print(summarize(args.trace_dir, args.steps, args.top))
+  except FileNotFoundError as e:
+    p.error(str(e))
 
 
 if __name__ == "__main__":

@@ -64,6 +64,11 @@ def _live_rows(m: int, group_sizes: jax.Array) -> jax.Array:
   return jnp.arange(m, dtype=jnp.int32)[:, None] < jnp.sum(group_sizes)
 
 
+def _keep_live(x: jax.Array, live: jax.Array) -> jax.Array:
+  """x with the rows past the groups set to 0 by a `where` (a multiply would keep a NaN)."""
+  return jnp.where(live, x, jnp.zeros((), x.dtype))
+
+
 def _tokamax_kernel(lhs, rhs, group_sizes):
   import tokamax  # pylint: disable=g-import-not-at-top
   # tokamax reads its config from absl flags and, when the host program never parsed them
@@ -87,8 +92,7 @@ def _tokamax_ragged_dot(lhs, rhs, group_sizes):
   (rows with padding) gave a NaN loss on the H200 while synthetic rows (no padding) did not.
   """
   live = _live_rows(lhs.shape[0], group_sizes)
-  out = _tokamax_kernel(jnp.where(live, lhs, jnp.zeros((), lhs.dtype)), rhs, group_sizes)
-  return jnp.where(live, out, jnp.zeros((), out.dtype))
+  return _keep_live(_tokamax_kernel(_keep_live(lhs, live), rhs, group_sizes), live)
 
 
 def _tile(dim: int, prefs=(512, 256, 128)) -> int:
@@ -110,11 +114,11 @@ def _megablox_gmm(lhs, rhs, group_sizes, interpret: bool):
   # Mask on both sides: the forward kernel leaves rows past sum(group_sizes) unwritten, and so
   # does its lhs-gradient kernel; a `where` (not a multiply) keeps that garbage out of both.
   live = _live_rows(m, group_sizes)
-  lhs_p = jnp.pad(jnp.where(live, lhs, jnp.zeros((), lhs.dtype)), ((0, m_pad - m), (0, 0)))
+  lhs_p = jnp.pad(_keep_live(lhs, live), ((0, m_pad - m), (0, 0)))
   out = megablox_gmm(lhs_p, rhs, group_sizes, preferred_element_type=lhs.dtype,
                      tiling=(tm, _tile(k), _tile(n)),
                      interpret=interpret)[:m]
-  return jnp.where(live, out, jnp.zeros((), out.dtype))
+  return _keep_live(out, live)
 
 
 def blocked_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,

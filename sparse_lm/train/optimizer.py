@@ -24,6 +24,8 @@ import optax
 from flax import nnx
 from optax.contrib import MuonDimensionNumbers
 
+from sparse_lm import nn
+
 # Parameters with a path component matching one of these get no weight decay: norms and their
 # scales (attn_norm/scale, latent_norm, o_norm), biases, the KDA decay parameters (A_log,
 # dt_bias) and the AttnRes pseudo-queries (attn_query, ffn_query, final_query). Matching is by
@@ -247,7 +249,6 @@ def qk_clip(model: nnx.Module, threshold: float) -> dict[str, jax.Array]:
     "attn/clipped_heads" (how many heads were rescaled); empty without such layers.
   """
   from sparse_lm.model.mla import MLA  # pylint: disable=g-import-not-at-top
-  from sparse_lm import nn  # pylint: disable=g-import-not-at-top
   s_all, clipped = [], []
   for _, node in nnx.iter_graph(model):
     if not isinstance(node, MLA) or not node.cfg.mla_logit_max:
