@@ -85,22 +85,50 @@ def attention_tokamax(q, k, v, *, segment_ids=None, scale: float, implementation
 
   Documents are contiguous runs of equal ids, so the mask is expressed without a [T, T]
   array: causal plus a per-query start index (`k_start`). That needs tokamax's `Mask`, which
-  the public function builds only from dense arrays, so we call the op's implementation table.
-  `implementation=None` lets tokamax choose (Mosaic GPU on an H100/H200); "xla" and
-  "xla_chunked" run on CPU and are used by the tests.
+  the public function builds only from dense arrays, so we call the op's implementation table
+  (`tokamax_masked`). `implementation=None` lets tokamax choose (Mosaic GPU on an H100/H200);
+  "xla" and "xla_chunked" run on CPU and are used by the tests.
   """
   import tokamax
+  if segment_ids is None:
+    _tokamax_flags()
+    return tokamax.dot_product_attention(q, k, v, scale=scale, is_causal=True,
+                                         implementation=implementation)
+  return tokamax_masked(q, k, v, scale=scale, k_start=_segment_starts(segment_ids),
+                        is_causal=True, implementation=implementation)
+
+
+def _tokamax_flags():
   from absl import flags
-  from tokamax._src.ops.attention import api as tk_api
   if not flags.FLAGS.is_parsed():
     # tokamax reads its absl flags on first use and, if nobody parsed them, parses sys.argv,
     # which fails under non-absl programs (pytest, notebooks): take the flag defaults.
     flags.FLAGS.mark_as_parsed()
+
+
+def tokamax_masked(q, k, v, *, scale: float, k_start=None, k_end=None, is_causal: bool = False,
+                   implementation=None):
+  """tokamax attention where query i of row b sees keys [k_start[b, i], k_end[b, i]) (and
+  j <= i if `is_causal`): a block-sparse mask without a [T, T] array; the Mosaic GPU kernels
+  skip the key blocks outside every query's range.
+
+  Args:
+    q, k [B, T, H, Dk], v [B, T, H, Dv]; k_start, k_end int32 [B, T] or None (0, T).
+    implementation: None tries "mosaic" (Mosaic GPU / TPU), "triton", "xla" in that order,
+      taking the first that accepts the inputs; or one of tokamax's implementation names.
+
+  Returns:
+    o [B, T, H, Dv] in q's dtype. A query with an empty range is not defined here: callers
+    give every query at least one key.
+
+  Raises:
+    RuntimeError: no implementation accepted the inputs (each one's reason listed).
+  """
+  _tokamax_flags()
+  from tokamax._src.ops.attention import api as tk_api
   from tokamax._src.ops.attention import base as tk_base
-  if segment_ids is None:
-    return tokamax.dot_product_attention(q, k, v, scale=scale, is_causal=True,
-                                         implementation=implementation)
-  mask = tk_base.Mask(k_start=_segment_starts(segment_ids)[:, None, :], is_causal=True)
+  row = lambda a: None if a is None else a[:, None, :]  # [B, 1 (heads), T]
+  mask = tk_base.Mask(k_start=row(k_start), k_end=row(k_end), is_causal=is_causal)
   impls = (implementation,) if implementation else ("mosaic", "triton", "xla")
   errors = []
   for impl in impls:

@@ -19,8 +19,10 @@ Choices not fixed by the sources (documented, not config fields):
   * Projector hidden width 4C (the merged width); a final RMSNorm with learned scale so image
     tokens enter the residual stream at RMS ~1, like the unit-variance text embeddings
     (`nn.Embed`).
-  * Attention is exact softmax over all patches of an image, queries and keys blocked by
-    cfg.attention_chunk_size (the decoder's blocked softmax, `flash_attention`) to bound memory.
+  * Attention is exact softmax over all patches of an image: with packed rows on a GPU with
+    tokamax (cfg.attention_backend "auto" or "tokamax"), tokamax's kernels over each image's
+    key range; otherwise queries and keys blocked by cfg.attention_chunk_size (the decoder's
+    blocked softmax, `flash_attention`) to bound memory.
   * Images do not attend to each other. Two input forms: a padded batch [N, H, W, 3] with a
     key mask (`__call__`, `ImageBatch`), or NaViT-style packed rows of patches with segment
     ids (`encode_packed`, `PackedImages`: what the data pipeline feeds; fixed shapes for any
@@ -106,9 +108,8 @@ def apply_rope_2d(x: jax.Array, cos: jax.Array, sin: jax.Array) -> jax.Array:
 
 def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_mask: jax.Array | None = None,
                      *, segment_ids: jax.Array | None = None,
-                     query_chunk: int | None = None) -> jax.Array:
-  """Bidirectional softmax attention within images: the blocked softmax of
-  `pallas_kernels.attention.flash_attention` with causal=False.
+                     query_chunk: int | None = None, backend: str = "xla_chunked") -> jax.Array:
+  """Bidirectional softmax attention within images.
 
   Args:
     q, k, v: [N, P, H, Dh] in the compute dtype.
@@ -117,15 +118,28 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_mask: jax.Arr
     segment_ids: int [N, P] instead: the image of each patch of a packed row (0 = padding);
       query i sees key j iff segment_ids[i] == segment_ids[j] != 0 (NaViT packing), so a
       patch's output does not depend on the other images of its row.
-    query_chunk: query and key block (None: one block of P); the fp32 logits held at once are
-      [N, H, query_chunk, query_chunk] instead of [N, H, P, P], in the forward and the
-      (recomputing) backward pass; the result is the same up to fp32 rounding.
+    query_chunk: query and key block of the blocked softmax (None: one block of P); the fp32
+      logits held at once are [N, H, query_chunk, query_chunk] instead of [N, H, P, P], in the
+      forward and the (recomputing) backward pass; the result is the same up to fp32 rounding.
+    backend: the decoder's `attention_backend` ("auto" resolved as there). With packed
+      `segment_ids` and "tokamax" (what "auto" is on a GPU with tokamax), tokamax's kernels
+      with each patch's run of equal ids as its key range (`image_key_ranges`; equal ids
+      must be one contiguous run per row, as `PackedImages` lays them out): key blocks outside
+      every query's image are skipped, where the blocked softmax visits all P/block squared
+      block pairs (issue 16: the small preset's 8 x 8,192 patch slots took 65% of its train
+      step that way). Otherwise `pallas_kernels.attention.flash_attention`, causal=False.
 
   Returns:
     [N, P, H, Dh] in q.dtype. Logits and softmax in fp32, scale 1/sqrt(Dh). A query with no
     visible key (an empty slot) gets a zero row and zero gradients.
   """
+  from sparse_lm.model import attention as attention_lib
   N, P = q.shape[:2]
+  scale = q.shape[-1] ** -0.5
+  if segment_ids is not None and attention_lib.resolve_backend(backend) == "tokamax":
+    start, end = image_key_ranges(segment_ids)
+    o = attention_lib.tokamax_masked(q, k, v, scale=scale, k_start=start, k_end=end)
+    return jnp.where((segment_ids > 0)[..., None, None], o, 0).astype(q.dtype)
   block = P if query_chunk is None else query_chunk
   if segment_ids is None:
     kseg = key_mask.astype(jnp.int32)  # 0 = padding key
@@ -133,8 +147,27 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_mask: jax.Arr
   else:
     kseg = qseg = segment_ids.astype(jnp.int32)
   pos = jnp.arange(P, dtype=jnp.int32)
-  return flash_attention(q, k, v, pos, pos, qseg, kseg, scale=q.shape[-1] ** -0.5,
+  return flash_attention(q, k, v, pos, pos, qseg, kseg, scale=scale,
                          block_q=block, block_k=block, causal=False)
+
+
+def image_key_ranges(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The keys each patch of a packed row may see, as ranges: start, end int32 [N, P].
+
+  Patch i of a run of equal non-zero ids [a, b) gets [a, b): its image (equal ids must form
+  one contiguous run per row, as `PackedImages` lays them out). A padding patch (id 0) gets
+  [i, i + 1), itself only, so no query has an empty range and padding costs one diagonal
+  block; `masked_attention` zeroes its output.
+  """
+  seg = segment_ids.astype(jnp.int32)
+  P = seg.shape[1]
+  t = jnp.arange(P, dtype=jnp.int32)[None]
+  prev = jnp.concatenate([seg[:, :1] - 1, seg[:, :-1]], axis=1)
+  nxt = jnp.concatenate([seg[:, 1:], seg[:, -1:] - 1], axis=1)
+  start = jax.lax.cummax(jnp.where(seg != prev, t, 0), axis=1)
+  end = jax.lax.cummin(jnp.where(seg != nxt, t + 1, P), axis=1, reverse=True)
+  pad = seg == 0
+  return jnp.where(pad, t, start), jnp.where(pad, t + 1, end)
 
 
 # ------------------------------------------------------------------------------ modules
@@ -163,6 +196,7 @@ class VisionBlock(nnx.Module):
     dense = lambda i, o, n: nn.dense_param(rngs, i, o, n, cfg)
     self.dtype = jnp.dtype(cfg.dtype)
     self.query_chunk = cfg.attention_chunk_size
+    self.attention_backend = cfg.attention_backend
     self.attn_norm = nn.RMSNorm(C, cfg=cfg, rngs=rngs)
     self.w_q = dense((C,), (H, dh), ("vision_embed", "heads", "kv"))
     self.w_k = dense((C,), (H, dh), ("vision_embed", "heads", "kv"))
@@ -181,7 +215,8 @@ class VisionBlock(nnx.Module):
     q = apply_rope_2d(nn.project(h, self.w_q[...]), cos, sin)
     k = apply_rope_2d(nn.project(h, self.w_k[...]), cos, sin)
     v = nn.project(h, self.w_v[...])
-    o = masked_attention(q, k, v, valid, segment_ids=segment_ids, query_chunk=self.query_chunk)
+    o = masked_attention(q, k, v, valid, segment_ids=segment_ids, query_chunk=self.query_chunk,
+                         backend=self.attention_backend)
     x = x + nn.project(o, self.w_o[...], 2, out_dtype=jnp.float32)
     h = self.mlp_norm(x).astype(dt)
     h = jax.nn.gelu(nn.project(h, self.w_1[...]), approximate=True)
