@@ -62,10 +62,26 @@ def load_at(run_dir: pathlib.Path, step: int, stage: str = "stage_8k"):
   return model, Tokenizer.from_json(meta["tokenizer"]["json"]), stage_cfg
 
 
+def has_cpu_platform() -> bool:
+  """Whether JAX initialised its CPU platform (host callbacks run through it)."""
+  try:
+    return bool(jax.devices("cpu"))
+  except RuntimeError:
+    return False
+
+
 @contextlib.contextmanager
 def record_calls(module, name: str, stat: Callable[..., jax.Array], out: list):
   """Within the block, `module.name(*args)` also appends `float(stat(result, *args))` to `out`
-  (in execution order, through an ordered host callback)."""
+  (in execution order, through an ordered host callback).
+
+  Raises:
+    RuntimeError: the CPU platform is not initialised (JAX_PLATFORMS=cuda or tpu alone): JAX
+      runs host callbacks through it, so list it too (JAX_PLATFORMS=cuda,cpu).
+  """
+  if not has_cpu_platform():
+    raise RuntimeError("record_calls: jax.debug.callback needs the CPU platform; run with "
+                       "JAX_PLATFORMS=cuda,cpu (the accelerator and cpu)")
   orig = getattr(module, name)
 
   def wrapped(*args, **kwargs):

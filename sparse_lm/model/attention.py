@@ -17,12 +17,10 @@ Backends (`attention_backend`):
 
 from __future__ import annotations
 
-import importlib.util
-
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention import flash_attention
+from pallas_kernels.attention import flash_attention, resolve_backend, tokamax_flags, tokamax_masked
 
 _NEG = -1e30  # finite "minus infinity" for masked logits (avoids inf - inf = nan)
 
@@ -91,57 +89,11 @@ def attention_tokamax(q, k, v, *, segment_ids=None, scale: float, implementation
   """
   import tokamax
   if segment_ids is None:
-    _tokamax_flags()
+    tokamax_flags()
     return tokamax.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                          implementation=implementation)
   return tokamax_masked(q, k, v, scale=scale, k_start=_segment_starts(segment_ids),
                         is_causal=True, implementation=implementation)
-
-
-def _tokamax_flags():
-  from absl import flags
-  if not flags.FLAGS.is_parsed():
-    # tokamax reads its absl flags on first use and, if nobody parsed them, parses sys.argv,
-    # which fails under non-absl programs (pytest, notebooks): take the flag defaults.
-    flags.FLAGS.mark_as_parsed()
-
-
-def tokamax_masked(q, k, v, *, scale: float, k_start=None, k_end=None, is_causal: bool = False,
-                   implementation=None):
-  """tokamax attention where query i of row b sees keys [k_start[b, i], k_end[b, i]) (and
-  j <= i if `is_causal`): a block-sparse mask without a [T, T] array; the Mosaic GPU kernels
-  skip the key blocks outside every query's range.
-
-  Args:
-    q, k [B, T, H, Dk], v [B, T, H, Dv]; k_start, k_end int32 [B, T] or None (0, T).
-    implementation: None tries "mosaic" (Mosaic GPU / TPU), "triton", "xla" in that order,
-      taking the first that accepts the inputs; or one of tokamax's implementation names.
-
-  Returns:
-    o [B, T, H, Dv] in q's dtype. A query with an empty range is not defined here: callers
-    give every query at least one key.
-
-  Raises:
-    RuntimeError: no implementation accepted the inputs (each one's reason listed).
-  """
-  _tokamax_flags()
-  from tokamax._src.ops.attention import api as tk_api
-  from tokamax._src.ops.attention import base as tk_base
-  row = lambda a: None if a is None else a[:, None, :]  # [B, 1 (heads), T]
-  mask = tk_base.Mask(k_start=row(k_start), k_end=row(k_end), is_causal=is_causal)
-  impls = (implementation,) if implementation else ("mosaic", "triton", "xla")
-  errors = []
-  for impl in impls:
-    if impl == "mosaic":
-      kind = jax.devices()[0].device_kind
-      impl = "mosaic_gpu" if "NVIDIA" in kind else "mosaic_tpu"
-    fn = tk_api.IMPLEMENTATIONS[impl]
-    try:
-      return fn(q, k, v, bias=None, mask=mask, logits_scale=scale, precision=None,
-                logits_soft_cap=None, q_sharding=None)
-    except NotImplementedError as e:
-      errors.append(e)
-  raise RuntimeError(f"no tokamax attention implementation accepted the inputs: {errors}")
 
 
 def _pad_v(q, v):
@@ -178,17 +130,6 @@ def attention_splash(q, k, v, *, segment_ids=None, scale: float, interpret: bool
   o = jax.vmap(lambda qq, kk, vv, ss: kernel(qq, kk, vv, segment_ids=sk.SegmentIds(ss, ss)))(
       to_hd(q * jnp.asarray(scale, q.dtype)), to_hd(k), to_hd(_pad_v(q, v)), seg)
   return o.transpose(0, 2, 1, 3)[..., :Dv].astype(q.dtype)
-
-
-def resolve_backend(backend: str) -> str:
-  if backend != "auto":
-    return backend
-  platform = jax.default_backend()
-  if platform == "gpu" and importlib.util.find_spec("tokamax") is not None:
-    return "tokamax"
-  if platform == "tpu":
-    return "splash"
-  return "xla_chunked"
 
 
 def dot_product_attention(q, k, v, *, segment_ids=None, scale: float | None = None,

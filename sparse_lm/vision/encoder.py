@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels.attention import flash_attention
+from pallas_kernels.attention import flash_attention, resolve_backend, tokamax_masked
 from sparse_lm import nn, sharding
 from sparse_lm.config import ModelConfig
 from sparse_lm.data import images as image_data
@@ -124,21 +124,22 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_mask: jax.Arr
     backend: the decoder's `attention_backend` ("auto" resolved as there). With packed
       `segment_ids` and "tokamax" (what "auto" is on a GPU with tokamax), tokamax's kernels
       with each patch's run of equal ids as its key range (`image_key_ranges`; equal ids
-      must be one contiguous run per row, as `PackedImages` lays them out): key blocks outside
-      every query's image are skipped, where the blocked softmax visits all P/block squared
-      block pairs (issue 16: the small preset's 8 x 8,192 patch slots took 65% of its train
-      step that way). Otherwise `pallas_kernels.attention.flash_attention`, causal=False.
+      must be one contiguous run per row, as `PackedImages` lays them out): the forward kernel
+      skips the key blocks outside a query block's images (the backward, in tokamax 0.0.17,
+      does not), where the blocked softmax runs every one of the (P / block)^2 block pairs as
+      its own small kernels (the small preset's 8 x 8,192 patch slots took 65% of its train
+      step on an H200 that way, docs/benchmarks.md). Otherwise
+      `pallas_kernels.attention.flash_attention`, causal=False.
 
   Returns:
     [N, P, H, Dh] in q.dtype. Logits and softmax in fp32, scale 1/sqrt(Dh). A query with no
     visible key (an empty slot) gets a zero row and zero gradients.
   """
-  from sparse_lm.model import attention as attention_lib
   N, P = q.shape[:2]
   scale = q.shape[-1] ** -0.5
-  if segment_ids is not None and attention_lib.resolve_backend(backend) == "tokamax":
+  if segment_ids is not None and resolve_backend(backend) == "tokamax":
     start, end = image_key_ranges(segment_ids)
-    o = attention_lib.tokamax_masked(q, k, v, scale=scale, k_start=start, k_end=end)
+    o = tokamax_masked(q, k, v, scale=scale, k_start=start, k_end=end)
     return jnp.where((segment_ids > 0)[..., None, None], o, 0).astype(q.dtype)
   block = P if query_chunk is None else query_chunk
   if segment_ids is None:

@@ -8,6 +8,7 @@ under `jax.experimental.checkify`.
 from __future__ import annotations
 
 import re
+import types
 
 import jax
 import jax.numpy as jnp
@@ -75,7 +76,15 @@ def test_checked_mode_ignores_padding_tokens():
 
 
 def test_backends_declare_where_they_run():
-  cpu = jax.devices("cpu")[0]
+  # The decisions read only `platform` (and a GPU's compute capability): stand-in devices, so
+  # the test also runs where the CPU platform is not initialised (JAX_PLATFORMS=cuda).
+  cpu = types.SimpleNamespace(platform="cpu", device_kind="cpu")
+  hopper = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA H200",
+                                 compute_capability="9.0")
+  ampere = types.SimpleNamespace(platform="gpu", device_kind="NVIDIA A100",
+                                 compute_capability="8.0")
+  assert api.resolve_backend("auto", hopper) == "pallas_gpu"
+  assert api.resolve_backend("auto", ampere) == "xla"
   assert reference.supported_on(cpu) and xla.supported_on(cpu)
   assert not pallas_tpu.supported_on(cpu)
   assert api.resolve_backend("auto", cpu) == "xla"
