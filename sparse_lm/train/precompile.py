@@ -4,18 +4,12 @@ A stage runs four kinds of program: the train step, the eval step at the stage's
 twice it (the final held-out losses), and the sampler's prefill and decode (the end-of-stage
 sample). Called in turn, each is traced and compiled when first needed, so the device idles
 through every compile: on one H200 the README's tiny job spent 77 s of its 140 s compiling
-(docs/benchmarks.md). XLA compiles on the host, so the compiles can overlap the device's work.
-`jax.jit(f).lower(*abstract).compile()` fills the same caches that a call of `f` with
-arguments of those shapes and shardings reads, so the later call neither traces nor compiles
-again (tests/train/test_precompile.py counts the compiles).
-
-The jobs run one after another on one host thread (`max_workers=1`), in the order the loop
-needs them: the train step, the eval step (the step-0 eval), the sample (it must finish
-before the first step donates the state it reads), then the eval step at twice the length,
-which compiles while the first steps run. Side by side (`max_workers` > 1: tracing one job
-at a time, the XLA compiles together) they slowed each other down on an H200: the tiny
-preset's train-step compile took 28 s alone and 45-65 s beside the others, and the README
-job's wall time spread from 93 to 136 s over three runs (docs/benchmarks.md).
+(docs/benchmarks.md). XLA compiles on the host, so the compiles can overlap each other and the
+device's work. `jax.jit(f).lower(*abstract).compile()` fills the same caches that a call of `f`
+with arguments of those shapes and shardings reads, so the later call neither traces nor
+compiles again (tests/train/test_precompile.py counts the compiles). Tracing and lowering (Python,
+with libraries' global state) run one job at a time, in the order submitted (the train step,
+the longest compile, first); the XLA compiles run side by side.
 
 Numerics are untouched: the same programs run on the same inputs. A compile that fails here is
 reported and left to the real call, which compiles (and raises) as it would have.
@@ -46,14 +40,12 @@ class Precompiler:
   """Named jobs on host threads; `wait(name)` blocks until that job is done.
 
   `enabled=False` runs nothing (each program then compiles at its first call, as before).
-  `max_workers`: 1 (default) runs the jobs one after another in the order submitted; more
-  runs up to that many at once, their traces still one at a time in that order.
   """
 
-  def __init__(self, enabled: bool, label: str = "", max_workers: int = 1):
+  def __init__(self, enabled: bool, label: str = ""):
     self.enabled = enabled
     self.label = label
-    self._pool = (concurrent.futures.ThreadPoolExecutor(max_workers=max_workers,
+    self._pool = (concurrent.futures.ThreadPoolExecutor(max_workers=4,
                                                         thread_name_prefix="precompile")
                   if enabled else None)
     self._jobs: dict[str, concurrent.futures.Future] = {}
@@ -85,11 +77,10 @@ class Precompiler:
 
   def start(self, stage, parts, batch_shardings: dict, eval_rows: int,
             sample: Callable[[], Any] | None = None) -> None:
-    """A stage's jobs, in this order: "train" (the train step for [global_batch, seq_len]
-    batches), "eval" (the eval step for [eval_rows, seq_len]; none when eval_rows is 0),
-    "sample" (`sample()`, when given; it traces as it runs, so it counts as tracing
-    throughout) and "eval_2x" (the eval step for [eval_rows, 2 * seq_len]).
-    `parts`: `builder.Parts`."""
+    """A stage's jobs, traced in this order: "train" (the train step for [global_batch,
+    seq_len] batches), "eval" and "eval_2x" (the eval step for [eval_rows, seq_len] and
+    [eval_rows, 2 * seq_len]; none when eval_rows is 0) and "sample" (`sample()`, when given;
+    it traces as it runs, so it counts as tracing throughout). `parts`: `builder.Parts`."""
     if not self.enabled:
       return
     state = abstract_with_shardings(parts.abstract_state, parts.state_shardings)
@@ -98,10 +89,9 @@ class Precompiler:
     self.compile("train", parts.train_step, state, batch(stage.global_batch, stage.seq_len))
     if eval_rows:
       self.compile("eval", parts.eval_step, state, batch(eval_rows, stage.seq_len))
+      self.compile("eval_2x", parts.eval_step, state, batch(eval_rows, 2 * stage.seq_len))
     if sample is not None:
       self.submit("sample", sample)
-    if eval_rows:
-      self.compile("eval_2x", parts.eval_step, state, batch(eval_rows, 2 * stage.seq_len))
 
   def wait(self, name: str) -> None:
     """Block until job `name` (if submitted) has finished; its error, if any, is printed."""

@@ -70,26 +70,3 @@ def test_disabled_precompiler_runs_nothing():
   pre.wait("x")
   pre.close()
   assert ran == []
-
-
-def test_jobs_run_one_after_another_in_submission_order():
-  """The default: one job at a time, in the order submitted (a later job's trace does not
-  start before the earlier job's `then` has finished)."""
-  import time
-  pre = Precompiler(True)
-  log = []
-
-  def job(name, seconds):
-    def trace():
-      log.append(("start", name))
-      time.sleep(seconds)
-      return name
-    return trace
-
-  for name, seconds in (("a", 0.2), ("b", 0.0), ("c", 0.1)):
-    pre.submit(name, job(name, seconds), lambda n: log.append(("end", n)))
-  for name in ("c", "a", "b"):
-    pre.wait(name)
-  pre.close()
-  assert log == [("start", "a"), ("end", "a"), ("start", "b"), ("end", "b"),
-                 ("start", "c"), ("end", "c")]
