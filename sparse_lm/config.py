@@ -124,6 +124,10 @@ class ModelConfig:
   vision_layers: int = 27
   vision_heads: int = 16
   vision_mlp: int = 4304
+  # Packed rows run the encoder on the shortest of this many prefixes of their L patch slots
+  # (L, L/2, L/4, ...) that holds every image of the batch, chosen on the device
+  # (`VisionEncoder.encode_packed`); 1 = always all L slots.
+  vision_prefix_buckets: int = 1
 
   # Numerics and memory
   norm_eps: float = 1e-6  # RMSNorm epsilon (pre-norms, final norm, KDA o_norm, latent norm)
@@ -246,6 +250,10 @@ class ModelConfig:
           f"mla_every={self.mla_every} so blocks align with the scanned layer groups")
     if self.vision and self.d_model % 2:
       bad("vision requires an even d_model")
+    buckets = self.vision_prefix_buckets
+    if not isinstance(buckets, int) or not 1 <= buckets <= 8:
+      bad(f"vision_prefix_buckets={self.vision_prefix_buckets!r} must be an int in [1, 8] "
+          "(1 = the encoder always runs on all patch slots)")
     if self.num_dense_layers > self.mla_every:
       bad(f"num_dense_layers={self.num_dense_layers} > mla_every={self.mla_every}: the dense "
           "FFN layers must all sit in the first (unrolled) layer group")

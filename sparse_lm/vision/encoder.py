@@ -321,17 +321,54 @@ class VisionEncoder(nnx.Module):
       2D RoPE at its own (row, col), so an image's tokens do not depend on what else its row
       holds. Shapes depend only on (R, L): one compile for every mix of image sizes.
 
+      With cfg.vision_prefix_buckets = n > 1 the encoder runs on the first L / 2^j slots of
+      every row, j the largest of 0 .. n-1 whose prefix holds every non-empty slot of the
+      batch (`lax.switch` over n static shapes, picked on the device); the tokens past that
+      prefix are 0 and not valid. The valid tokens are those of the whole-L encoder up to
+      rounding (the same patches, attention within the same images): the cost follows how far
+      the batch's images reach instead of L (the small preset's rows have 8,192 slots, the
+      images of its first batch fill at most 1,792 of them).
+
     Raises:
-      ValueError: L not a multiple of 4 or inconsistent shapes.
+      ValueError: L not a multiple of 4 (of 4 x 2^(n-1) with n prefix buckets) or
+        inconsistent shapes.
     """
     cfg = self.cfg
-    p, dt = cfg.vision_patch_size, jnp.dtype(cfg.dtype)
+    p = cfg.vision_patch_size
     x, seg, coords = images.patches, images.segment_ids, images.coords
     R, L = seg.shape
     if L % 4 or x.shape != (R, L, p * p * 3) or coords.shape != (R, L, 2):
       raise ValueError(f"VisionEncoder.encode_packed: patches {x.shape} must be [R, L, {p*p*3}] "
                        f"with L % 4 == 0, segment_ids {seg.shape} [R, L], coords "
                        f"{coords.shape} [R, L, 2]")
+    n = cfg.vision_prefix_buckets
+    valid = seg[:, ::4] > 0
+    if n == 1:
+      return self._encode_slots(x, seg, coords), valid
+    if L % (4 << (n - 1)):
+      raise ValueError(f"VisionEncoder.encode_packed: L={L} patch slots must be a multiple of "
+                       f"4 x 2^{n - 1} = {4 << (n - 1)} for vision_prefix_buckets={n}; set "
+                       "DataConfig.image_patches_per_row to such a multiple or lower the "
+                       "buckets")
+    sizes = [L >> j for j in reversed(range(n))]  # ascending: L/2^(n-1), ..., L/2, L
+    slot = jnp.arange(L, dtype=jnp.int32)
+    extent = jnp.max(jnp.where(seg > 0, slot + 1, 0))  # 0 when the batch has no image
+    branch = jnp.sum(jnp.asarray(sizes[:-1], jnp.int32) < extent)  # the first size >= extent
+
+    def prefix(m):
+      def run(x, seg, coords):
+        e = self._encode_slots(x[:, :m], seg[:, :m], coords[:, :m])
+        return jnp.pad(e, ((0, 0), (0, (L - m) // 4), (0, 0)))
+      return run
+    e = jax.lax.switch(branch, [prefix(m) for m in sizes], x, seg, coords)
+    return e, valid
+
+  def _encode_slots(self, x, seg, coords):
+    """The encoder on packed slots: x [R, L, p*p*3], seg int [R, L], coords int [R, L, 2]
+    -> tokens fp32 [R, L/4, D] (see `encode_packed`)."""
+    cfg = self.cfg
+    dt = jnp.dtype(cfg.dtype)
+    R, L = seg.shape
     if x.dtype == jnp.uint8:
       x = image_data.normalize(x)
     x = jnp.where((seg > 0)[..., None], x, 0.0).astype(dt)
@@ -342,8 +379,7 @@ class VisionEncoder(nnx.Module):
     z = self.final_norm(x).astype(dt).reshape(R, L // 4, 4 * cfg.vision_width)
     z = jax.nn.gelu(nn.project(z, self.proj_1[...]), approximate=True)
     e = self.out_norm(nn.project(z, self.proj_2[...]))  # fp32 [R, L/4, D]
-    e = sharding.constrain(e, ("activation_batch", None, "activation_embed"))
-    return e, seg[:, ::4] > 0
+    return sharding.constrain(e, ("activation_batch", None, "activation_embed"))
 
   def embed_into(self, text_embeddings: jax.Array, tokens: jax.Array,
                  images: ImageBatch | PackedImages,

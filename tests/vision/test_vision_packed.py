@@ -2,6 +2,8 @@
 row; text after an image sees it, text before does not (bit for bit); no loss on image
 positions (ARCHITECTURE §7)."""
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -106,3 +108,63 @@ def test_loss_mask_excludes_image_positions(model):
   assert float(metrics["num_tokens"]) == tokens.shape[1] - 1 - n_img  # no image targets
   vision_grads = jax.tree.leaves(nnx.state(grads, nnx.Param)["vision"])
   assert max(float(jnp.abs(g).max()) for g in vision_grads) > 0
+
+
+def _stack_rows(*rows):
+  return vision.PackedImages(*[np.concatenate(parts) for parts in zip(*rows)])
+
+
+@pytest.mark.parametrize("reach", ["short", "long", "none"])
+def test_prefix_buckets_equal_the_whole_row_encoder(cfg, reach):
+  """cfg.vision_prefix_buckets = 3 over L = 64 slots (prefixes of 16, 32, 64) against the
+  encoder on all 64 slots, same parameters: the valid tokens within 1e-5, the tokens past the
+  prefix 0, and the gradients of every parameter through the valid tokens within 1e-4 (plus 1e-5
+  of each leaf's largest entry: they are sums over patches, rounded in another order). The
+  batch's images end within the first 16 slots (prefix 16), past slot 32 (prefix 64), or there
+  is no image (prefix 16)."""
+  rng = np.random.default_rng(SEED + 4)
+  L = 64
+  if reach == "short":
+    rows = [vision.pack_images(_imgs(rng, (28, 56)), P, L), vision.pack_images([], P, L)]
+  elif reach == "long":
+    rows = [vision.pack_images(_imgs(rng, (40, 60), (56, 84)), P, L),
+            vision.pack_images(_imgs(rng, (28, 28)), P, L)]
+  else:
+    rows = [vision.pack_images([], P, L), vision.pack_images([], P, L)]
+  packed = jax.tree.map(jnp.asarray, _stack_rows(*rows))
+  extent = int(np.max(np.where(np.asarray(packed.segment_ids) > 0, np.arange(L) + 1, 0)))
+  prefix = min(m for m in (16, 32, 64) if m >= extent)
+  assert prefix == {"short": 16, "long": 64, "none": 16}[reach]
+  assert (extent > 0) == (reach != "none")
+  whole = vision.VisionEncoder(cfg, rngs=nnx.Rngs(5))
+  cut = vision.VisionEncoder(dataclasses.replace(cfg, vision_prefix_buckets=3),
+                             rngs=nnx.Rngs(5))  # same seed -> same params
+  w = jnp.asarray(rng.standard_normal((2, L // 4, cfg.d_model)), jnp.float32)
+
+  def loss_and_grads(enc):
+    def f(e):
+      tokens, valid = e.encode_packed(packed)
+      return jnp.sum(jnp.where(valid[..., None], tokens, 0) * w), (tokens, valid)
+    return nnx.jit(lambda e: nnx.value_and_grad(f, has_aux=True)(e))(enc)
+
+  (l1, (t1, v1)), g1 = loss_and_grads(whole)
+  (l2, (t2, v2)), g2 = loss_and_grads(cut)
+  v = np.asarray(v1)
+  np.testing.assert_array_equal(v, np.asarray(v2))
+  np.testing.assert_allclose(np.asarray(t2)[v], np.asarray(t1)[v], rtol=1e-5, atol=1e-5)
+  assert np.all(np.asarray(t2)[:, prefix // 4:] == 0)
+  np.testing.assert_allclose(float(l2), float(l1), rtol=1e-5, atol=1e-6)
+  for a, b in zip(jax.tree.leaves(nnx.state(g2, nnx.Param)),
+                  jax.tree.leaves(nnx.state(g1, nnx.Param))):
+    b = np.asarray(b)  # sums over patches: rounding is relative to the leaf's scale
+    np.testing.assert_allclose(np.asarray(a), b, rtol=1e-4, atol=1e-5 * np.abs(b).max())
+
+
+def test_prefix_buckets_refuse_a_row_length_they_cannot_halve(cfg):
+  enc = vision.VisionEncoder(dataclasses.replace(cfg, vision_prefix_buckets=3),
+                             rngs=nnx.Rngs(5))
+  packed = jax.tree.map(jnp.asarray, vision.pack_images([], P, 36))  # 36 % 16 != 0
+  with pytest.raises(ValueError, match="multiple of 4 x 2\\^2 = 16 for vision_prefix_buckets=3"):
+    enc.encode_packed(packed)
+  with pytest.raises(ValueError, match="vision_prefix_buckets=0"):
+    dataclasses.replace(cfg, vision_prefix_buckets=0)
