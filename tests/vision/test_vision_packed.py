@@ -114,6 +114,16 @@ def _stack_rows(*rows):
   return vision.PackedImages(*[np.concatenate(parts) for parts in zip(*rows)])
 
 
+@nnx.jit
+def _loss_and_grads(enc, packed, w):
+  """Loss sum(valid tokens * w) of `enc.encode_packed(packed)`, (tokens, valid), and the
+  gradients (one compile per encoder config for every batch of the same shapes)."""
+  def f(e):
+    tokens, valid = e.encode_packed(packed)
+    return jnp.sum(jnp.where(valid[..., None], tokens, 0) * w), (tokens, valid)
+  return nnx.value_and_grad(f, has_aux=True)(enc)
+
+
 @pytest.mark.parametrize("reach", ["short", "long", "none"])
 def test_prefix_buckets_equal_the_whole_row_encoder(cfg, reach):
   """cfg.vision_prefix_buckets = 3 over L = 64 slots (prefixes of 16, 32, 64) against the
@@ -140,15 +150,8 @@ def test_prefix_buckets_equal_the_whole_row_encoder(cfg, reach):
   cut = vision.VisionEncoder(dataclasses.replace(cfg, vision_prefix_buckets=3),
                              rngs=nnx.Rngs(5))  # same seed -> same params
   w = jnp.asarray(rng.standard_normal((2, L // 4, cfg.d_model)), jnp.float32)
-
-  def loss_and_grads(enc):
-    def f(e):
-      tokens, valid = e.encode_packed(packed)
-      return jnp.sum(jnp.where(valid[..., None], tokens, 0) * w), (tokens, valid)
-    return nnx.jit(lambda e: nnx.value_and_grad(f, has_aux=True)(e))(enc)
-
-  (l1, (t1, v1)), g1 = loss_and_grads(whole)
-  (l2, (t2, v2)), g2 = loss_and_grads(cut)
+  (l1, (t1, v1)), g1 = _loss_and_grads(whole, packed, w)
+  (l2, (t2, v2)), g2 = _loss_and_grads(cut, packed, w)
   v = np.asarray(v1)
   np.testing.assert_array_equal(v, np.asarray(v2))
   np.testing.assert_allclose(np.asarray(t2)[v], np.asarray(t1)[v], rtol=1e-5, atol=1e-5)
