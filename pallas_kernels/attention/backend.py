@@ -7,15 +7,26 @@ import importlib.util
 import jax
 
 
-def resolve_backend(backend: str) -> str:
-  """The backend `backend` names: "auto" is "tokamax" on a GPU where tokamax is installed,
-  "splash" on a TPU, "xla_chunked" elsewhere; any other name is returned as it is (the callers
-  validate it: `sparse_lm.model.attention.dot_product_attention`, `ModelConfig`)."""
+MIN_TOKAMAX_CC = 9.0  # tokamax's Mosaic GPU attention backward needs sm90 or sm100
+
+
+def resolve_backend(backend: str, device=None) -> str:
+  """The backend `backend` names: "auto" is "tokamax" on an NVIDIA GPU of compute capability
+  >= 9.0 (Hopper, Blackwell) where tokamax is installed, "splash" on a TPU, "xla_chunked"
+  elsewhere (older GPUs included: tokamax 0.0.17 runs their forward but raises in the
+  backward, at gradient time); any other name is returned as it is (the callers validate it:
+  `sparse_lm.model.attention.dot_product_attention`, `ModelConfig`). `device`: default
+  `jax.devices()[0]`."""
   if backend != "auto":
     return backend
-  platform = jax.default_backend()
-  if platform == "gpu" and importlib.util.find_spec("tokamax") is not None:
-    return "tokamax"
-  if platform == "tpu":
+  device = jax.devices()[0] if device is None else device
+  if device.platform == "gpu" and importlib.util.find_spec("tokamax") is not None:
+    try:
+      cc = float(getattr(device, "compute_capability", "0"))
+    except ValueError:
+      cc = 0.0
+    if cc >= MIN_TOKAMAX_CC:
+      return "tokamax"
+  if device.platform == "tpu":
     return "splash"
   return "xla_chunked"

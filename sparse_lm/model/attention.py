@@ -11,7 +11,8 @@ Backends (`attention_backend`):
   "tokamax"      tokamax.dot_product_attention (Mosaic GPU kernels; accepts Dk != Dv). GPU.
   "cudnn"        jax.nn.dot_product_attention(implementation="cudnn") with v padded to Dk. GPU.
   "splash"       Pallas splash attention, v padded to Dk. TPU.
-  "auto"         tokamax on GPU (xla_chunked where tokamax is not installed), splash on TPU,
+  "auto"         tokamax on a Hopper or newer GPU (xla_chunked where tokamax is not installed,
+                 and on older GPUs: tokamax's attention backward needs sm90), splash on TPU,
                  xla_chunked elsewhere.
 """
 

@@ -19,8 +19,8 @@ Choices not fixed by the sources (documented, not config fields):
   * Projector hidden width 4C (the merged width); a final RMSNorm with learned scale so image
     tokens enter the residual stream at RMS ~1, like the unit-variance text embeddings
     (`nn.Embed`).
-  * Attention is exact softmax over all patches of an image: with packed rows on a GPU with
-    tokamax (cfg.attention_backend "auto" or "tokamax"), tokamax's kernels over each image's
+  * Attention is exact softmax over all patches of an image: with packed rows on a Hopper GPU
+    with tokamax (cfg.attention_backend "auto" or "tokamax"), tokamax's kernels over each image's
     key range; otherwise queries and keys blocked by cfg.attention_chunk_size (the decoder's
     blocked softmax, `flash_attention`) to bound memory.
   * Images do not attend to each other. Two input forms: a padded batch [N, H, W, 3] with a
@@ -122,8 +122,8 @@ def masked_attention(q: jax.Array, k: jax.Array, v: jax.Array, key_mask: jax.Arr
       logits held at once are [N, H, query_chunk, query_chunk] instead of [N, H, P, P], in the
       forward and the (recomputing) backward pass; the result is the same up to fp32 rounding.
     backend: the decoder's `attention_backend` ("auto" resolved as there). With packed
-      `segment_ids` and "tokamax" (what "auto" is on a GPU with tokamax), tokamax's kernels
-      with each patch's run of equal ids as its key range (`image_key_ranges`; equal ids
+      `segment_ids` and "tokamax" (what "auto" is on a Hopper GPU with tokamax), tokamax's
+      kernels with each patch's run of equal ids as its key range (`image_key_ranges`; equal ids
       must be one contiguous run per row, as `PackedImages` lays them out): the forward kernel
       skips the key blocks outside a query block's images (the backward, in tokamax 0.0.17,
       does not), where the blocked softmax runs every one of the (P / block)^2 block pairs as
@@ -169,6 +169,16 @@ def image_key_ranges(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
   end = jax.lax.cummin(jnp.where(seg != nxt, t + 1, P), axis=1, reverse=True)
   pad = seg == 0
   return jnp.where(pad, t, start), jnp.where(pad, t + 1, end)
+
+
+def prefix_branch(segment_ids: jax.Array, sizes: list[int]) -> jax.Array:
+  """Index into `sizes` (ascending prefix lengths, the last = L) of the shortest prefix that
+  holds every non-empty slot (segment id != 0) of every row: int32 scalar, 0 when no slot is
+  used. segment_ids int [R, L]."""
+  L = segment_ids.shape[1]
+  slot = jnp.arange(L, dtype=jnp.int32)
+  extent = jnp.max(jnp.where(segment_ids > 0, slot + 1, 0))  # one past the last used slot
+  return jnp.sum(jnp.asarray(sizes[:-1], jnp.int32) < extent).astype(jnp.int32)
 
 
 # ------------------------------------------------------------------------------ modules
@@ -325,9 +335,10 @@ class VisionEncoder(nnx.Module):
       every row, j the largest of 0 .. n-1 whose prefix holds every non-empty slot of the
       batch (`lax.switch` over n static shapes, picked on the device); the tokens past that
       prefix are 0 and not valid. The valid tokens are those of the whole-L encoder up to
-      rounding (the same patches, attention within the same images): the cost follows how far
-      the batch's images reach instead of L (the small preset's rows have 8,192 slots, the
-      images of its first batch fill at most 1,792 of them).
+      rounding (the same patches, attention within the same images): the compute follows how
+      far the batch's images reach instead of L (the small preset's rows have 8,192 slots,
+      the images of its first batch fill at most 1,792 of them). Each branch is checkpointed
+      (its forward runs again in the backward pass; it keeps only its inputs).
 
     Raises:
       ValueError: L not a multiple of 4 (of 4 x 2^(n-1) with n prefix buckets) or
@@ -351,16 +362,18 @@ class VisionEncoder(nnx.Module):
                        "DataConfig.image_patches_per_row to such a multiple or lower the "
                        "buckets")
     sizes = [L >> j for j in reversed(range(n))]  # ascending: L/2^(n-1), ..., L/2, L
-    slot = jnp.arange(L, dtype=jnp.int32)
-    extent = jnp.max(jnp.where(seg > 0, slot + 1, 0))  # 0 when the batch has no image
-    branch = jnp.sum(jnp.asarray(sizes[:-1], jnp.int32) < extent)  # the first size >= extent
 
     def prefix(m):
+      # Checkpointed: under autodiff a switch keeps the residuals of every branch (they differ
+      # in shape, so none are shared), about twice the whole-row encoder's; this way each
+      # branch keeps only its inputs, the same arrays in all branches, and recomputes its
+      # forward in the backward pass.
+      @jax.checkpoint
       def run(x, seg, coords):
         e = self._encode_slots(x[:, :m], seg[:, :m], coords[:, :m])
         return jnp.pad(e, ((0, 0), (0, (L - m) // 4), (0, 0)))
       return run
-    e = jax.lax.switch(branch, [prefix(m) for m in sizes], x, seg, coords)
+    e = jax.lax.switch(prefix_branch(seg, sizes), [prefix(m) for m in sizes], x, seg, coords)
     return e, valid
 
   def _encode_slots(self, x, seg, coords):

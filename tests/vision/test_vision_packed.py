@@ -128,7 +128,9 @@ def _loss_and_grads(enc, packed, w):
 def test_prefix_buckets_equal_the_whole_row_encoder(cfg, reach):
   """cfg.vision_prefix_buckets = 3 over L = 64 slots (prefixes of 16, 32, 64) against the
   encoder on all 64 slots, same parameters: the valid tokens within 1e-5, the tokens past the
-  prefix 0, and the gradients of every parameter through the valid tokens within 1e-4 (plus 1e-5
+  prefix 0 (as the whole-row encoder's padding tokens are: which prefix ran is checked by
+  `test_prefix_branch_at_the_bucket_boundaries`), and the gradients of every parameter through
+  the valid tokens within 1e-4 (plus 1e-5
   of each leaf's largest entry: they are sums over patches, rounded in another order). The
   batch's images end within the first 16 slots (prefix 16), past slot 32 (prefix 64), or there
   is no image (prefix 16)."""
@@ -161,6 +163,18 @@ def test_prefix_buckets_equal_the_whole_row_encoder(cfg, reach):
                   jax.tree.leaves(nnx.state(g1, nnx.Param))):
     b = np.asarray(b)  # sums over patches: rounding is relative to the leaf's scale
     np.testing.assert_allclose(np.asarray(a), b, rtol=1e-4, atol=1e-5 * np.abs(b).max())
+
+
+def test_prefix_branch_at_the_bucket_boundaries():
+  """The shortest of the prefixes 16, 32, 64 that holds the last used slot of any row; an
+  image ending exactly at a boundary stays in the shorter prefix."""
+  from sparse_lm.vision import encoder as encoder_lib
+  for last_used, want in ((None, 0), (0, 0), (15, 0), (16, 1), (31, 1), (32, 2), (63, 2)):
+    seg = np.zeros((2, 64), np.int32)
+    if last_used is not None:
+      seg[1, max(0, last_used - 3):last_used + 1] = 7
+    got = int(encoder_lib.prefix_branch(jnp.asarray(seg), [16, 32, 64]))
+    assert got == want, (last_used, got, want)
 
 
 def test_prefix_buckets_refuse_a_row_length_they_cannot_halve(cfg):
