@@ -227,13 +227,8 @@ def test_packed_attention_matches_reference(backend):
 
 
 def _on_hopper():
-  import importlib.util
-  d = jax.devices()[0]
-  try:
-    cc = float(getattr(d, "compute_capability", "0"))
-  except ValueError:
-    cc = 0.0
-  return d.platform == "gpu" and cc >= 9.0 and importlib.util.find_spec("tokamax") is not None
+  from pallas_kernels.attention import resolve_backend  # "auto": tokamax on sm90+ only
+  return jax.devices()[0].platform == "gpu" and resolve_backend("auto") == "tokamax"
 
 
 @pytest.mark.skipif(not _on_hopper(), reason="GPU-only: tokamax's Mosaic GPU kernels (sm90+)")
