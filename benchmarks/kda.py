@@ -154,6 +154,22 @@ def _time_jax(backend, shape, warmup, repeats, skip_fwd=False):
   return t_f, t_fb
 
 
+def profile_jax(backend, shape, trace_dir, warmup, repeats) -> str:
+  """Trace `repeats` fwd+bwd calls of a JAX backend (after `warmup`) into trace_dir; returns
+  benchmarks/trace_summary.py's table of device time per call and the top 30 kernels."""
+  import jax
+  from benchmarks import trace_summary  # pylint: disable=g-import-not-at-top
+  _, fwd_bwd = _jax_fns(backend)
+  args = _jax_inputs(*shape)
+  for _ in range(warmup):
+    jax.block_until_ready(fwd_bwd(*args))
+  with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+    for _ in range(repeats):
+      jax.block_until_ready(fwd_bwd(*args))
+  return f"## {backend} fwd+bwd at B,H,T,D={shape}\n" + trace_summary.summarize(
+      trace_dir, steps=repeats, top=30)
+
+
 # ---------------------------------------------------------------------------------------------
 # torch backends (CUDA only)
 
@@ -292,6 +308,10 @@ def main(argv=None):
   p.add_argument("--repeats", type=int, default=None)
   p.add_argument("--skip-fwd", action="store_true",
                  help="time forward+backward only (half the compiles)")
+  p.add_argument("--profile", default=None, metavar="DIR",
+                 help="instead of the table: trace --repeats fwd+bwd calls of each JAX backend "
+                      "at --profile-shape into DIR/<backend> and print its top kernels")
+  p.add_argument("--profile-shape", default="1,16,32768,128", metavar="B,H,T,D")
   a = p.parse_args(argv)
   backends = [b for b in a.backends.split(",") if b]
   unknown = set(backends) - set(JAX_BACKENDS + TORCH_BACKENDS)
@@ -299,6 +319,16 @@ def main(argv=None):
     p.error(f"unknown backends {sorted(unknown)}")
   warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
   repeats = a.repeats if a.repeats is not None else (3 if a.quick else 10)
+  if a.profile:
+    shape = tuple(int(x) for x in a.profile_shape.split(","))
+    if len(shape) != 4:
+      p.error(f"--profile-shape {a.profile_shape!r}: expected B,H,T,D")
+    for be in backends:
+      if be in TORCH_BACKENDS:
+        print(f"{be}: not profiled (torch)", file=sys.stderr)
+        continue
+      print(profile_jax(be, shape, f"{a.profile}/{be}", warmup, repeats))
+    return
   run(backends, _shapes(a.quick), warmup, repeats, a.out, a.skip_fwd)
 
 

@@ -13,7 +13,10 @@ Structure (C-token chunks, N = T / C of them, every equation as in xla.py's docs
      X = (I + A_kk)⁻¹ (`blocked_unit_lower_inverse`), W, U, Q ⊙ Γ,
      Kd = (K ⊙ e^(G_C − G) ⊙ m_C)ᵀ and the chunk decay.
   2. state pass, sequential over chunks only (pallas_gpu_kernels.py, custom VJP): the states H_n
-     entering every chunk and V'_n = U_n − W_n H_n, one Pallas program per (head, value block).
+     entering every chunk and V'_n = U_n − W_n H_n, one Pallas program per (head, value block);
+     its backward kernel runs only the ∂S recursion, the other gradients are batched matmuls.
+  The cumulative sums of g inside a chunk are triangular matmuls (xla.tri_cumsum), not XLA's
+  O(C²) reduce-window cumsum.
   3. output, parallel: O_n = (Q ⊙ Γ)_n H_n + A_qk,n V'_n (batched matmul).
 What this is not (yet): one fused Mosaic GPU (wgmma/TMA) kernel per chunk as issue 16 asks;
 steps 1 and 3 are XLA fusions and matmuls, and their backward is XLA autodiff.
@@ -99,20 +102,17 @@ def _fwd_call(w, u, kd, dec, h0, C, BV, precision, interpret):
                         name="kda_state_fwd")(w, u, kd, dec, h0)
 
 
-def _bwd_call(w, kd, dec, hs, vn, dhs, dvn, dht, C, BV, precision, interpret):
+def _bwd_call(w, kd, dec, dvn, dhs, dht, C, BV, precision, interpret):
   BH, Tp, Kp = w.shape
-  Vp = vn.shape[-1]
-  N, J = Tp // C, Vp // BV
+  Vp = dvn.shape[-1]
+  N = Tp // C
   f32 = jnp.float32
-  out_shape = [jax.ShapeDtypeStruct((BH, Tp, Vp), f32),
-               jax.ShapeDtypeStruct((J, BH, Tp, Kp), f32),
-               jax.ShapeDtypeStruct((J, BH, N, Kp, C), f32),
-               jax.ShapeDtypeStruct((J, BH, N, Kp), f32),
+  out_shape = [jax.ShapeDtypeStruct((BH, N, Kp, Vp), f32),
                jax.ShapeDtypeStruct((BH, Kp, Vp), f32)]
   kernel = functools.partial(state_bwd_kernel, num_chunks=N, C=C, BV=BV, precision=precision)
-  return pl.pallas_call(kernel, grid=(BH, J), out_shape=out_shape,
+  return pl.pallas_call(kernel, grid=(BH, Vp // BV), out_shape=out_shape,
                         compiler_params=_params(interpret), interpret=interpret,
-                        name="kda_state_bwd")(w, kd, dec, hs, vn, dhs, dvn, dht)
+                        name="kda_state_bwd")(w, kd, dec, dvn, dhs, dht)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(5, 6, 7, 8))
@@ -137,11 +137,20 @@ def _state_pass_fwd(w, u, kd, dec, h0, C, BV, precision, interpret):
 
 
 def _state_pass_bwd(C, BV, precision, interpret, res, cts):
+  """∂L/∂S after every chunk from the sequential kernel, then (batched over all chunks n):
+  ∂U_n = ∂V'_n + Kd_nᵀ ∂S_n, ∂Kd_n = ∂S_n V'_nᵀ, ∂d_n = Σ_v ∂S_n ⊙ H_n, ∂W_n = −∂U_n H_nᵀ."""
   w, kd, dec, hs, vn = res
   dhs, dvn, dht = (x.astype(jnp.float32) for x in cts)
-  du, dw, dkd, ddec, dh0 = _bwd_call(w, kd, dec, hs, vn, dhs, dvn, dht, C, BV, precision,
-                                     interpret)
-  return jnp.sum(dw, 0), du, jnp.sum(dkd, 0), jnp.sum(ddec, 0), dh0
+  ds, dh0 = _bwd_call(w, kd, dec, dvn, dhs, dht, C, BV, precision, interpret)
+  BH, N, Kp, Vp = hs.shape
+  mm = functools.partial(jnp.einsum, precision=precision,
+                         preferred_element_type=jnp.float32)
+  vn4 = vn.reshape(BH, N, C, Vp)
+  du = dvn.reshape(BH, N, C, Vp) + mm("bnkc,bnkv->bncv", kd, ds)
+  dkd = mm("bnkv,bncv->bnkc", ds, vn4)
+  ddec = jnp.sum(ds * hs, axis=-1)
+  dw = -mm("bncv,bnkv->bnck", du, hs)
+  return dw.reshape(BH, N * C, Kp), du.reshape(BH, N * C, Vp), dkd, ddec, dh0
 
 
 state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
@@ -219,7 +228,8 @@ def chunk_kda_pallas_gpu(
     same, m0, mlast = mask_chunks(same), mask_chunks(m0), mask_chunks(mlast)
   W, U, Qg, A_qk, Kd, dec = kda_xla._intra_chunk(qc, kc, vc, gc, bc, same, m0, mlast,
                                                  scale=scale, diag=diag, precision=precision,
-                                                 inverse=blocked_unit_lower_inverse)
+                                                 inverse=blocked_unit_lower_inverse,
+                                                 tri_cumsum=True)
   if initial_state is None:
     h0 = jnp.zeros((BH, Kp, Vp), jnp.float32)
   else:

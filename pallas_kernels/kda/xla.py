@@ -60,6 +60,33 @@ def _rev_cumsum(x, axis=-2):
   return jnp.flip(jnp.cumsum(jnp.flip(x, axis), axis), axis)
 
 
+def tri_cumsum(x, reverse=False):
+  """Inclusive cumulative sum over axis −2 as one matmul with a 0/1 triangular matrix.
+
+  Same sums as `jnp.cumsum` (each output a direct sum of the inputs it covers), in another
+  order: a few ulp apart in fp32. Why: XLA lowers `cumsum` to an O(n²) reduce-window, which on
+  a GPU took 2 ms (forward) + 2 ms (backward) of a 21 ms KDA fwd+bwd at T = 32K, H = 16
+  (docs/benchmarks.md); the matmul runs on the GEMM units. HIGHEST precision: the products
+  with 0 and 1 are exact and the sums are fp32 (never TF32, which would round g to 10 bits).
+  Entries after row i are multiplied by an exact 0, so row i stays causal.
+
+  Args: x [..., n, d] float. reverse: Σ_{j ≥ i} instead of Σ_{j ≤ i}.
+  Returns: [..., n, d] in x's dtype.
+  """
+  n = x.shape[-2]
+  ii = jnp.arange(n)
+  tri = (ii[:, None] <= ii[None, :]) if reverse else (ii[:, None] >= ii[None, :])
+  return jnp.einsum("ij,...jd->...id", tri.astype(x.dtype), x,
+                    precision=jax.lax.Precision.HIGHEST)
+
+
+def _cumsum_fn(tri: bool):
+  """(cumsum, reverse cumsum) over axis −2: XLA's, or `tri_cumsum` (tri=True, GPU)."""
+  if tri:
+    return tri_cumsum, functools.partial(tri_cumsum, reverse=True)
+  return functools.partial(jnp.cumsum, axis=-2), _rev_cumsum
+
+
 def _shift_up(x, axis=-2):
   """x[m + 1] at position m along `axis` (0 at the end)."""
   x = jnp.moveaxis(x, axis, -1)
@@ -67,7 +94,7 @@ def _shift_up(x, axis=-2):
   return jnp.moveaxis(x, -1, axis)
 
 
-def _pairwise_scores(q, k, g, *, diag: str, precision):
+def _pairwise_scores(q, k, g, *, diag: str, precision, tri_cumsum: bool = False):
   """Causal decayed scores of one chunk, for queries q and for keys-as-queries k.
 
   Sub-tiles of `sub` tokens: query tile a, key tile b. The reference point of query tile a is
@@ -83,6 +110,7 @@ def _pairwise_scores(q, k, g, *, diag: str, precision):
   Args:
     q, k, g: [..., C, K] fp32 (g: the per-token log-decay, not its cumsum).
     diag: "dense" | "safe".
+    tri_cumsum: the cumulative sums as triangular matmuls (`tri_cumsum`; the GPU backend).
 
   Returns:
     (Sq, Sk), each [..., C, C] fp32: Sq[i, j] = Σ_d q_id k_jd e^(G_id − G_jd) and likewise Sk
@@ -95,7 +123,8 @@ def _pairwise_scores(q, k, g, *, diag: str, precision):
   q, k, g = (x.reshape(lead + (n, sub, K)) for x in (q, k, g))
   ii = jnp.arange(sub)
   tri = ii[:, None] >= ii[None, :]  # causal inside a tile
-  Pf = jnp.cumsum(jnp.where((ii == 0)[:, None], 0.0, g), axis=-2)  # Σ_{s_a<m≤i} g_m
+  cumsum, rev_cumsum = _cumsum_fn(tri_cumsum)
+  Pf = cumsum(jnp.where((ii == 0)[:, None], 0.0, g))  # Σ_{s_a<m≤i} g_m
   dq = jnp.exp(Pf)
   qt, kt = q * dq, k * dq  # query-side operands [..., a, i, K]
 
@@ -110,7 +139,7 @@ def _pairwise_scores(q, k, g, *, diag: str, precision):
     return Dq.reshape(lead + (C, C)), Dk.reshape(lead + (C, C))
   # Off-diagonal tiles b < a: one matmul per query tile a against all earlier keys, whose
   # copy ko ⊙ e^(B_ba) (shared by Sq and Sk) totals n(n−1)/2 tiles, 1.5 q for n = 4.
-  tail = _rev_cumsum(_shift_up(g))  # Σ_{j<m≤e_b} g_m ≤ 0 inside key tile b
+  tail = rev_cumsum(_shift_up(g))  # Σ_{j<m≤e_b} g_m ≤ 0 inside key tile b
   ko = k * jnp.exp(tail)  # [..., b, j, K]
   tot = jnp.sum(g, axis=-2)  # [..., n, K] tile totals
   aa = jnp.arange(n)
@@ -230,20 +259,23 @@ def _chunk_masks(segment_ids, B, T, Tp, C):
 
 
 def _intra_chunk(qc, kc, vc, gc, bc, same, m0, mlast, *, scale, diag, precision,
-                 inverse=None):
+                 inverse=None, tri_cumsum=False):
   """Everything that does not depend on the state entering a chunk (ARCHITECTURE §2.4).
 
   Args: [M, C, ·] chunked fp32 q, k, v, g; β [M, C]; document masks [M, C, C], [M, C], [M, C]
   (bool) or None; inverse: (I + A)⁻¹ of strictly lower-triangular A (default
-  `_unit_lower_inverse`; pallas_gpu passes a blocked one).
+  `_unit_lower_inverse`; pallas_gpu passes a blocked one); tri_cumsum: the cumulative sums
+  as triangular matmuls (`tri_cumsum`; pallas_gpu).
   Returns W, U, Q ⊙ Γ · scale, A_qk, (K ⊙ e^(G_C − G))ᵀ, e^(G_C) (masked).
   """
   C = qc.shape[-2]
-  G = jnp.cumsum(gc, axis=-2)  # inclusive cumulative log-decay in the chunk, ≤ 0
+  cumsum, rev_cumsum = _cumsum_fn(tri_cumsum)
+  G = cumsum(gc)  # inclusive cumulative log-decay in the chunk, ≤ 0
   # G_C − G_j = Σ_{j<m<C} g_m, summed directly (not as a difference of cumsums).
-  tail = _rev_cumsum(_shift_up(gc))
+  tail = rev_cumsum(_shift_up(gc))
 
-  Sq, Sk = _pairwise_scores(qc, kc, gc, diag=diag, precision=precision)
+  Sq, Sk = _pairwise_scores(qc, kc, gc, diag=diag, precision=precision,
+                            tri_cumsum=tri_cumsum)
   ii = jnp.arange(C)
   strict = ii[:, None] > ii[None, :]
   A_kk = jnp.where(strict, Sk, 0.0) * bc[..., :, None]
