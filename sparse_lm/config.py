@@ -285,7 +285,10 @@ def _small() -> ModelConfig:
       expert_hidden=1024, num_shared_experts=1, shared_expert_hidden=2048,
       attnres_block_layers=4, remat_policy="full",
       # a ViT-B-sized encoder: width 768, 12 layers, 12 heads, MLP 3072 (98M with projector)
-      vision=True, vision_width=768, vision_layers=12, vision_heads=12, vision_mlp=3072)
+      vision=True, vision_width=768, vision_layers=12, vision_heads=12, vision_mlp=3072,
+      # the encoder on 1,024-8,192 of the 8,192 patch slots, as far as the batch's images
+      # reach: its share of the H200 step 387.5 -> 78.6 ms (docs/benchmarks.md, 2026-12-01)
+      vision_prefix_buckets=4)
 
 
 def _tiny() -> ModelConfig:

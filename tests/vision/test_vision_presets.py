@@ -29,6 +29,8 @@ def test_stage_files_mix_images_in_small_and_full_not_tiny():
       s = stages[preset]
       assert s.data.images and 0 < s.data.image_ratio < 1 and s.model_config().vision
       assert s.data.image_patches_per_row == 8192
+      # the prefix buckets halve the row's slots n - 1 times, in units of 4-patch merge cells
+      assert s.data.image_patches_per_row % (4 << (s.model_config().vision_prefix_buckets - 1)) == 0
     assert not stages["tiny"].data.images
   bad = dataclasses.replace(stage_8k.TINY, data=dataclasses.replace(
       stage_8k.TINY.data, images="digits", image_ratio=0.5))
