@@ -102,8 +102,8 @@ def test_loss_mask_excludes_image_positions(model):
   batch = {"tokens": jnp.asarray(tokens), "segment_ids": jnp.ones_like(tokens),
            "image_patches": packed.patches, "image_segment_ids": packed.segment_ids,
            "image_coords": packed.coords}
-  (_, metrics), grads = nnx.value_and_grad(lambda m: loss_fn(m, batch, train=False),
-                                           has_aux=True)(model)
+  (_, metrics), grads = nnx.jit(nnx.value_and_grad(lambda m: loss_fn(m, batch, train=False),
+                                                   has_aux=True))(model)
   n_img = int((tokens == IMG).sum())
   assert float(metrics["num_tokens"]) == tokens.shape[1] - 1 - n_img  # no image targets
   vision_grads = jax.tree.leaves(nnx.state(grads, nnx.Param)["vision"])
