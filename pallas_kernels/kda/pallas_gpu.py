@@ -229,7 +229,7 @@ def chunk_kda_pallas_gpu(
   W, U, Qg, A_qk, Kd, dec = kda_xla._intra_chunk(qc, kc, vc, gc, bc, same, m0, mlast,
                                                  scale=scale, diag=diag, precision=precision,
                                                  inverse=blocked_unit_lower_inverse,
-                                                 tri_cumsum=True)
+                                                 matmul_cumsum=True)
   if initial_state is None:
     h0 = jnp.zeros((BH, Kp, Vp), jnp.float32)
   else:

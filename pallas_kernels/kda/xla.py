@@ -80,9 +80,9 @@ def tri_cumsum(x, reverse=False):
                     precision=jax.lax.Precision.HIGHEST)
 
 
-def _cumsum_fn(tri: bool):
-  """(cumsum, reverse cumsum) over axis −2: XLA's, or `tri_cumsum` (tri=True, GPU)."""
-  if tri:
+def _cumsum_fn(matmul: bool):
+  """(cumsum, reverse cumsum) over axis −2: XLA's, or `tri_cumsum` (matmul=True, GPU)."""
+  if matmul:
     return tri_cumsum, functools.partial(tri_cumsum, reverse=True)
   return functools.partial(jnp.cumsum, axis=-2), _rev_cumsum
 
@@ -94,7 +94,7 @@ def _shift_up(x, axis=-2):
   return jnp.moveaxis(x, -1, axis)
 
 
-def _pairwise_scores(q, k, g, *, diag: str, precision, tri_cumsum: bool = False):
+def _pairwise_scores(q, k, g, *, diag: str, precision, matmul_cumsum: bool = False):
   """Causal decayed scores of one chunk, for queries q and for keys-as-queries k.
 
   Sub-tiles of `sub` tokens: query tile a, key tile b. The reference point of query tile a is
@@ -110,7 +110,7 @@ def _pairwise_scores(q, k, g, *, diag: str, precision, tri_cumsum: bool = False)
   Args:
     q, k, g: [..., C, K] fp32 (g: the per-token log-decay, not its cumsum).
     diag: "dense" | "safe".
-    tri_cumsum: the cumulative sums as triangular matmuls (`tri_cumsum`; the GPU backend).
+    matmul_cumsum: the cumulative sums as triangular matmuls (`tri_cumsum`; the GPU backend).
 
   Returns:
     (Sq, Sk), each [..., C, C] fp32: Sq[i, j] = Σ_d q_id k_jd e^(G_id − G_jd) and likewise Sk
@@ -123,7 +123,7 @@ def _pairwise_scores(q, k, g, *, diag: str, precision, tri_cumsum: bool = False)
   q, k, g = (x.reshape(lead + (n, sub, K)) for x in (q, k, g))
   ii = jnp.arange(sub)
   tri = ii[:, None] >= ii[None, :]  # causal inside a tile
-  cumsum, rev_cumsum = _cumsum_fn(tri_cumsum)
+  cumsum, rev_cumsum = _cumsum_fn(matmul_cumsum)
   Pf = cumsum(jnp.where((ii == 0)[:, None], 0.0, g))  # Σ_{s_a<m≤i} g_m
   dq = jnp.exp(Pf)
   qt, kt = q * dq, k * dq  # query-side operands [..., a, i, K]
@@ -259,23 +259,23 @@ def _chunk_masks(segment_ids, B, T, Tp, C):
 
 
 def _intra_chunk(qc, kc, vc, gc, bc, same, m0, mlast, *, scale, diag, precision,
-                 inverse=None, tri_cumsum=False):
+                 inverse=None, matmul_cumsum=False):
   """Everything that does not depend on the state entering a chunk (ARCHITECTURE §2.4).
 
   Args: [M, C, ·] chunked fp32 q, k, v, g; β [M, C]; document masks [M, C, C], [M, C], [M, C]
   (bool) or None; inverse: (I + A)⁻¹ of strictly lower-triangular A (default
-  `_unit_lower_inverse`; pallas_gpu passes a blocked one); tri_cumsum: the cumulative sums
-  as triangular matmuls (`tri_cumsum`; pallas_gpu).
+  `_unit_lower_inverse`; pallas_gpu passes a blocked one); matmul_cumsum: the cumulative
+  sums as triangular matmuls (`tri_cumsum`; pallas_gpu).
   Returns W, U, Q ⊙ Γ · scale, A_qk, (K ⊙ e^(G_C − G))ᵀ, e^(G_C) (masked).
   """
   C = qc.shape[-2]
-  cumsum, rev_cumsum = _cumsum_fn(tri_cumsum)
+  cumsum, rev_cumsum = _cumsum_fn(matmul_cumsum)
   G = cumsum(gc)  # inclusive cumulative log-decay in the chunk, ≤ 0
   # G_C − G_j = Σ_{j<m<C} g_m, summed directly (not as a difference of cumsums).
   tail = rev_cumsum(_shift_up(gc))
 
   Sq, Sk = _pairwise_scores(qc, kc, gc, diag=diag, precision=precision,
-                            tri_cumsum=tri_cumsum)
+                            matmul_cumsum=matmul_cumsum)
   ii = jnp.arange(C)
   strict = ii[:, None] > ii[None, :]
   A_kk = jnp.where(strict, Sk, 0.0) * bc[..., :, None]
