@@ -320,9 +320,13 @@ def main(argv=None):
   warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
   repeats = a.repeats if a.repeats is not None else (3 if a.quick else 10)
   if a.profile:
-    shape = tuple(int(x) for x in a.profile_shape.split(","))
-    if len(shape) != 4:
-      p.error(f"--profile-shape {a.profile_shape!r}: expected B,H,T,D")
+    try:
+      shape = tuple(int(x) for x in a.profile_shape.split(","))
+    except ValueError:
+      shape = ()
+    if len(shape) != 4 or min(shape) < 1:
+      p.error(f"--profile-shape {a.profile_shape!r}: expected four positive integers B,H,T,D "
+              "(e.g. 1,16,32768,128)")
     for be in backends:
       if be in TORCH_BACKENDS:
         print(f"{be}: not profiled (torch)", file=sys.stderr)

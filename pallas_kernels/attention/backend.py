@@ -6,6 +6,8 @@ import importlib.util
 
 import jax
 
+from pallas_kernels.platform import compute_capability
+
 
 MIN_TOKAMAX_CC = 9.0  # tokamax's Mosaic GPU attention backward needs sm90 or sm100
 
@@ -20,13 +22,9 @@ def resolve_backend(backend: str, device=None) -> str:
   if backend != "auto":
     return backend
   device = jax.devices()[0] if device is None else device
-  if device.platform == "gpu" and importlib.util.find_spec("tokamax") is not None:
-    try:
-      cc = float(getattr(device, "compute_capability", "0"))
-    except ValueError:
-      cc = 0.0
-    if cc >= MIN_TOKAMAX_CC:
-      return "tokamax"
+  if (compute_capability(device) >= MIN_TOKAMAX_CC
+      and importlib.util.find_spec("tokamax") is not None):
+    return "tokamax"
   if device.platform == "tpu":
     return "splash"
   return "xla_chunked"

@@ -38,18 +38,14 @@ from jax.experimental import pallas as pl
 from pallas_kernels.kda import xla as kda_xla
 from pallas_kernels.kda.pallas_gpu_kernels import state_bwd_kernel, state_fwd_kernel
 from pallas_kernels.kda.tiles import SUB, resolve_diag
+from pallas_kernels.platform import compute_capability
 
 MIN_HOPPER = 9.0  # compute capability from which "auto" picks this backend
 
 
 def supported_on(device) -> bool:
   """Where "auto" picks this backend: NVIDIA GPUs of compute capability ≥ 9.0 (Hopper)."""
-  if device.platform != "gpu":
-    return False
-  try:
-    return float(getattr(device, "compute_capability", "0")) >= MIN_HOPPER
-  except ValueError:
-    return False
+  return compute_capability(device) >= MIN_HOPPER
 
 
 @kda_xla.inverse_with_closed_form_jvp

@@ -70,8 +70,11 @@ def tri_cumsum(x, reverse=False):
   with 0 and 1 are exact and the sums are fp32 (never TF32, which would round g to 10 bits).
   Entries after row i are multiplied by an exact 0, so row i stays causal.
 
-  Args: x [..., n, d] float. reverse: Σ_{j ≥ i} instead of Σ_{j ≤ i}.
-  Returns: [..., n, d] in x's dtype.
+  Args: x [..., n, d] float (here the per-token log-decays g, nats). reverse: Σ_{j ≥ i}
+    instead of Σ_{j ≤ i}.
+  Returns: [..., n, d] in x's dtype. Raises nothing of its own (x of rank < 2: einsum's error).
+  Source: the in-chunk cumulative log-decay G of ARCHITECTURE.md §2.4 (Kimi Linear, arXiv
+  2510.26692, §3); test: `test_tri_cumsum_matches_fp64_prefix_sums_and_is_causal`.
   """
   n = x.shape[-2]
   ii = jnp.arange(n)

@@ -92,7 +92,8 @@ def _state_pass_scan(w, u, kd, dec, h0, C):
 
 
 def test_state_pass_kernel_and_its_vjp_match_a_scan():
-  """Two value blocks per head (block partial sums of dW, dKd, dd), fp32, random cotangents."""
+  """Two value blocks per head (each runs the dS recursion on its columns; dW, dKd, dd sum over
+  all columns in the batched einsums), fp32, random cotangents."""
   seed = 5
   print(f"seed={seed}")
   rng = np.random.default_rng(seed)
