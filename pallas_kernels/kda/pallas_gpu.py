@@ -19,7 +19,9 @@ Structure (C-token chunks, N = T / C of them, every equation as in xla.py's docs
   O(C²) reduce-window cumsum.
   3. output, parallel: O_n = (Q ⊙ Γ)_n H_n + A_qk,n V'_n (batched matmul).
 What this is not (yet): one fused Mosaic GPU (wgmma/TMA) kernel per chunk as issue 16 asks;
-steps 1 and 3 are XLA fusions and matmuls, and their backward is XLA autodiff.
+steps 1 and 3 are XLA fusions and matmuls, and their backward is XLA autodiff. `fused=True`
+runs step 1 as one fused Triton kernel per chunk instead (pallas_gpu_intra.py, forward and
+backward): exact, but 3× slower on an H200 so far (docs/benchmarks.md), hence opt-in.
 
 Precision: `precision=None` runs the matmuls of steps 1-3 at DEFAULT (TF32 tensor cores on
 NVIDIA) for bf16 inputs and HIGHEST (true fp32) for fp32/fp64 inputs; the triangular inverse is
@@ -36,6 +38,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import xla as kda_xla
+from pallas_kernels.kda.pallas_gpu_intra import intra_chunk
 from pallas_kernels.kda.pallas_gpu_kernels import state_bwd_kernel, state_fwd_kernel
 from pallas_kernels.kda.tiles import SUB, resolve_diag
 from pallas_kernels.platform import compute_capability
@@ -158,6 +161,7 @@ def chunk_kda_pallas_gpu(
     output_final_state: bool = False, segment_ids: jax.Array | None = None,
     chunk_size: int = 64, interpret: bool = False, diag: str = "auto",
     gate_lower_bound: float | None = None, precision=None, block_v: int = 32,
+    fused: bool = False,
 ) -> tuple[jax.Array, jax.Array | None]:
   """Chunked KDA with a Pallas GPU state pass (Kimi Linear, arXiv 2510.26692; ARCH §2.4).
 
@@ -176,6 +180,11 @@ def chunk_kda_pallas_gpu(
     gate_lower_bound: g_min of the gate that produced g (−5.0 for the bounded gate), or None.
     precision: matmul precision of all steps; None = DEFAULT for bf16 inputs, else HIGHEST.
     block_v: value columns per state-pass program (a power of two; capped at the padded V).
+    fused: with dense diagonal tiles and fp32/bf16 inputs, run the intra-chunk work as one
+      fused Triton kernel per chunk, forward and backward (pallas_gpu_intra.py). Off by
+      default: measured 3× slower than the XLA intra-chunk path on an H200 (61 against
+      20.6 ms fwd+bwd at T = 32K, H = 16; docs/benchmarks.md). False (and always for the safe
+      path or fp64 inputs): XLA ops differentiated by autodiff.
 
   Returns:
     (o [B, T, H, V] in q's dtype, 0 at padding tokens; final state [B, H, K, V] fp32 or None).
@@ -202,7 +211,7 @@ def chunk_kda_pallas_gpu(
   acc = jnp.float64 if q.dtype == jnp.float64 else jnp.float32
   scale = K ** -0.5 if scale is None else scale
 
-  valid, same, m0, mlast = kda_xla._chunk_masks(segment_ids, B, T, Tp, C)
+  valid, doc, m0, mlast = kda_xla._chunk_docs(segment_ids, B, T, Tp, C)
   if segment_ids is not None:  # padding tokens are identity steps (g = 0, β = 0)
     g = jnp.where(valid[:, :T, None, None], g.astype(acc), 0)
     beta = jnp.where(valid[:, :T, None], beta.astype(acc), 0)
@@ -220,12 +229,19 @@ def chunk_kda_pallas_gpu(
   qc, kc, gc = (to_chunks(x, Kp) for x in (q, k, g))
   vc = to_chunks(v, Vp)
   bc = to_chunks(beta)
-  if same is not None:
-    same, m0, mlast = mask_chunks(same), mask_chunks(m0), mask_chunks(mlast)
-  W, U, Qg, A_qk, Kd, dec = kda_xla._intra_chunk(qc, kc, vc, gc, bc, same, m0, mlast,
-                                                 scale=scale, diag=diag, precision=precision,
-                                                 inverse=blocked_unit_lower_inverse,
-                                                 matmul_cumsum=True)
+  if doc is not None:
+    doc, m0, mlast = mask_chunks(doc), mask_chunks(m0), mask_chunks(mlast)
+  if diag == "dense" and fused and acc == jnp.float32:
+    masks = (None,) * 3 if doc is None else tuple(
+        x.astype(jnp.float32) for x in (doc, m0, mlast))
+    W, U, Qg, A_qk, Kd, dec = intra_chunk(qc, kc, vc, gc, bc, *masks, scale, precision,
+                                          interpret)
+  else:
+    same = None if doc is None else doc[..., :, None] == doc[..., None, :]
+    W, U, Qg, A_qk, Kd, dec = kda_xla._intra_chunk(qc, kc, vc, gc, bc, same, m0, mlast,
+                                                   scale=scale, diag=diag, precision=precision,
+                                                   inverse=blocked_unit_lower_inverse,
+                                                   matmul_cumsum=True)
   if initial_state is None:
     h0 = jnp.zeros((BH, Kp, Vp), jnp.float32)
   else:

@@ -245,6 +245,16 @@ def _chunk_masks(segment_ids, B, T, Tp, C):
   Returns (valid [B, Tp], same [B, N, C, C], m0 [B, N, C], mlast [B, N, C]) as bool, or
   (valid, None, None, None) when there are no segments.
   """
+  valid, doc, m0, mlast = _chunk_docs(segment_ids, B, T, Tp, C)
+  if doc is None:
+    return valid, None, None, None
+  same = doc[..., :, None] == doc[..., None, :]
+  return valid, same, m0, mlast
+
+
+def _chunk_docs(segment_ids, B, T, Tp, C):
+  """Like `_chunk_masks`, with the document index of every token [B, N, C] int32 (counted from
+  the sequence start) in place of the pairwise `same` mask: (valid, doc, m0, mlast)."""
   N = Tp // C
   if segment_ids is None:
     valid = jnp.arange(Tp)[None, :] < T
@@ -255,10 +265,9 @@ def _chunk_masks(segment_ids, B, T, Tp, C):
   valid = jnp.pad(valid, ((0, 0), (0, Tp - T)))
   doc = jnp.cumsum(reset.astype(jnp.int32), axis=1).reshape(B, N, C)
   doc_in = doc[..., 0] - reset.reshape(B, N, C)[..., 0].astype(jnp.int32)
-  same = doc[..., :, None] == doc[..., None, :]
   m0 = doc == doc_in[..., None]
   mlast = doc == doc[..., -1:]
-  return valid, same, m0, mlast
+  return valid, doc, m0, mlast
 
 
 def _intra_chunk(qc, kc, vc, gc, bc, same, m0, mlast, *, scale, diag, precision,

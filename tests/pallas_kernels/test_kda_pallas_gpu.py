@@ -19,7 +19,8 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import api, chunk_kda, pallas_gpu
+from pallas_kernels.kda import api, chunk_kda, pallas_gpu, pallas_gpu_intra
+from pallas_kernels.kda import xla as kda_xla
 import kda_testing as kt  # tests/pallas_kernels/kda_testing.py
 
 BF16, F32 = jnp.bfloat16, jnp.float32
@@ -51,6 +52,11 @@ CASES = [
      dict(gate_lower_bound=-5.0, chunk_size=16), True, False),
     ("T70_unbounded_safe_fp32_segments", (1, 70, 2, 64, 64), F32, "unbounded", dict(), True,
      True),
+    # the fused intra-chunk kernels (pallas_gpu_intra.py), opt-in
+    ("T77_bf16_fused_segments_h0", (1, 77, 2, 64, 32), BF16, "bounded",
+     dict(gate_lower_bound=-5.0, fused=True), True, True),
+    ("T50_fp32_fused_C32", (1, 50, 1, 32, 32), F32, "saturated",
+     dict(gate_lower_bound=-5.0, fused=True, chunk_size=32), False, False),
 ]
 
 
@@ -111,6 +117,40 @@ def test_state_pass_kernel_and_its_vjp_match_a_scan():
     assert kt.rel_rmse(b, a) <= 1e-5, name
 
 
+@pytest.mark.parametrize("C,segments", [(64, True)])
+def test_fused_intra_chunk_kernels_match_the_xla_intra_chunk(C, segments):
+  """The fused kernels' outputs and vjp against `xla._intra_chunk` (dense diagonal tiles,
+  HIGHEST; itself checked against the fp64 reference through the `xla` backend's tests), fp32,
+  gates down to the −5 bound, random cotangents: an independent, op-by-op formulation."""
+  seed = 40 + C + segments
+  print(f"seed={seed}")
+  rng = np.random.default_rng(seed)
+  M, K, V = 3, 32, 16
+  r = lambda *s: jnp.asarray(rng.normal(size=s), F32)
+  k = rng.normal(size=(M, C, K))
+  k = jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), F32)
+  g = jnp.asarray(-5.0 * rng.uniform(size=(M, C, K)) ** 3, F32)
+  args = (r(M, C, K), k, r(M, C, V), g, jnp.asarray(rng.uniform(size=(M, C)), F32))
+  if segments:
+    doc = np.cumsum(rng.uniform(size=(M, C)) < 0.1, axis=1)
+    m0, mlast = doc == doc[:, :1], doc == doc[:, -1:]
+    xla_masks = (jnp.asarray(doc[:, :, None] == doc[:, None, :]), jnp.asarray(m0),
+                 jnp.asarray(mlast))
+    kern_masks = tuple(jnp.asarray(x, F32) for x in (doc, m0, mlast))
+  else:
+    xla_masks = kern_masks = (None, None, None)
+  hi = jax.lax.Precision.HIGHEST
+  scale = K ** -0.5
+  ref = lambda *a: kda_xla._intra_chunk(*a, *xla_masks, scale=scale, diag="dense", precision=hi)
+  new = lambda *a: pallas_gpu_intra.intra_chunk(*a, *kern_masks, scale, hi, INTERPRET)
+  out_r, vjp_r = jax.vjp(ref, *args)
+  out_n, vjp_n = jax.vjp(new, *args)
+  cts = tuple(r(*x.shape) for x in out_r)
+  names = ("W", "U", "Qg", "A_qk", "Kd", "d", "dq", "dk", "dv", "dg", "dbeta")
+  for name, a, b in zip(names, out_r + vjp_r(cts), out_n + vjp_n(cts)):
+    assert kt.rel_rmse(a, b) <= 1e-5, name
+
+
 def test_blocked_unit_lower_inverse():
   """(I + A)⁻¹ by 16-row blocks against numpy's inverse in fp64, and its jvp (−X dA X)."""
   seed = 9
@@ -126,7 +166,8 @@ def test_blocked_unit_lower_inverse():
   assert np.all(np.triu(np.asarray(X), 1) == 0) and np.all(np.diagonal(X, 0, 1, 2) == 1)
 
 
-def test_causal_bit_for_bit():
+@pytest.mark.parametrize("fused", [False, True])
+def test_causal_bit_for_bit(fused):
   """Outputs and gradients at t < P are identical when only q, k, v, g, β at t ≥ P change."""
   B, T, H, K, V, P = 1, 100, 2, 64, 64, 45   # P inside a chunk and inside a 16-token tile
   print("seeds=21,22")
@@ -136,7 +177,7 @@ def test_causal_bit_for_bit():
   for n in NAMES:
     changed[n] = base[n].at[:, P:].set(other[n][:, P:])
   do = jnp.asarray(np.random.default_rng(3).normal(size=(B, T, H, V)), F32).at[:, P:].set(0)
-  fn = _kernel_fn(gate_lower_bound=-5.0)
+  fn = _kernel_fn(gate_lower_bound=-5.0, fused=fused)
 
   @jax.jit
   def run(q, k, v, g, beta, h0, seg):
