@@ -367,6 +367,11 @@ def _bwd_kernel(*refs, n, C, scale, precision, segments):
     db_ref[_rows(x)] = db[x]
 
 
+# Triton warps per program. 8 compiled to wrong gradients (relative error 0.17 in dq at T = 32K,
+# H = 16, K = V = 128 on an H200, jax 0.11.2; 4 matched the XLA path to 1e-5): keep 4.
+NUM_WARPS = 4
+
+
 def _params(interpret):
   if interpret:
     return None
@@ -380,11 +385,6 @@ def _specs(C, Kp, Vp, segments):
   vec = pl.BlockSpec((None, C), lambda m: (m, 0))
   ins = [row_k, row_k, row_v, row_k, vec] + ([vec] * 3 if segments else [])
   return row_k, row_v, vec, ins
-
-
-# Triton warps per program. 8 compiled to wrong gradients (relative error 0.17 in dq at T = 32K,
-# H = 16, K = V = 128 on an H200, jax 0.11.2; 4 matched the XLA path to 1e-5): keep 4.
-NUM_WARPS = 4
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(8, 9, 10))
@@ -401,6 +401,10 @@ def intra_chunk(q, k, v, g, beta, doc, m0, mlast, scale, precision, interpret):
   Returns:
     (W [M, C, Kp], U [M, C, Vp], Qg [M, C, Kp], A_qk [M, C, C], Kd [M, Kp, C], d [M, Kp]),
     fp32. Differentiable in q, k, v, g, beta (custom VJP: one fused backward kernel).
+
+  Raises: nothing of its own (the caller, `chunk_kda_pallas_gpu`, checks chunk size and pads
+  K, V to powers of two; Triton rejects other block shapes when lowering).
+  Source: Kimi Linear (arXiv 2510.26692) §3; ARCHITECTURE.md §2.4; the module docstring.
   """
   return _fwd(q, k, v, g, beta, doc, m0, mlast, scale, precision, interpret)
 
