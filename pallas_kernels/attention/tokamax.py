@@ -8,6 +8,25 @@ and the vision encoder (bidirectional images of packed rows).
 from __future__ import annotations
 
 import jax
+import jax.numpy as jnp
+
+
+def run_ranges(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Each position's run of equal ids as [start, end): int32 [B, T] each.
+
+  Position t of a run [a, b) of equal consecutive ids gets start a and end b (a run is
+  contiguous: the same id later in the row, after another id, starts a new run). The key
+  ranges of `tokamax_masked` for documents (causal: [start, t + 1)) and images (bidirectional:
+  [start, end)). Args: segment_ids int [B, T]. Raises nothing of its own.
+  """
+  seg = segment_ids.astype(jnp.int32)
+  T = seg.shape[1]
+  t = jnp.arange(T, dtype=jnp.int32)[None]
+  prev = jnp.concatenate([seg[:, :1] - 1, seg[:, :-1]], axis=1)
+  nxt = jnp.concatenate([seg[:, 1:], seg[:, -1:] - 1], axis=1)
+  start = jax.lax.cummax(jnp.where(seg != prev, t, 0), axis=1)
+  end = jax.lax.cummin(jnp.where(seg != nxt, t + 1, T), axis=1, reverse=True)
+  return start, end
 
 
 def tokamax_flags() -> None:

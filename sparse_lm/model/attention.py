@@ -21,7 +21,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.attention import flash_attention, resolve_backend, tokamax_flags, tokamax_masked
+from pallas_kernels.attention import (flash_attention, resolve_backend, run_ranges,
+                                     tokamax_flags, tokamax_masked)
 
 _NEG = -1e30  # finite "minus infinity" for masked logits (avoids inf - inf = nan)
 
@@ -70,15 +71,6 @@ def attention_xla_chunked(q, k, v, *, segment_ids=None, scale: float, chunk_size
                          block_k=chunk_size, backward="autodiff")
 
 
-def _segment_starts(segment_ids):
-  """[B, T] int32: index of the first token of the run of equal ids containing t."""
-  B, T = segment_ids.shape
-  t = jnp.arange(T)[None]
-  prev = jnp.concatenate([segment_ids[:, :1] - 1, segment_ids[:, :-1]], axis=1)
-  start = jnp.where(segment_ids != prev, t, 0)
-  return jax.lax.cummax(start, axis=1)
-
-
 def attention_tokamax(q, k, v, *, segment_ids=None, scale: float, implementation=None):
   """tokamax.dot_product_attention with causal + document mask (Dk != Dv is supported).
 
@@ -93,7 +85,7 @@ def attention_tokamax(q, k, v, *, segment_ids=None, scale: float, implementation
     tokamax_flags()
     return tokamax.dot_product_attention(q, k, v, scale=scale, is_causal=True,
                                          implementation=implementation)
-  return tokamax_masked(q, k, v, scale=scale, k_start=_segment_starts(segment_ids),
+  return tokamax_masked(q, k, v, scale=scale, k_start=run_ranges(segment_ids)[0],
                         is_causal=True, implementation=implementation)
 
 

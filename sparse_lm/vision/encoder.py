@@ -40,7 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels.attention import flash_attention, resolve_backend, tokamax_masked
+from pallas_kernels.attention import flash_attention, resolve_backend, run_ranges, tokamax_masked
 from sparse_lm import nn, sharding
 from sparse_lm.config import ModelConfig
 from sparse_lm.data import images as image_data
@@ -160,14 +160,9 @@ def image_key_ranges(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
   [i, i + 1), itself only, so no query has an empty range and padding costs one diagonal
   block; `masked_attention` zeroes its output.
   """
-  seg = segment_ids.astype(jnp.int32)
-  P = seg.shape[1]
-  t = jnp.arange(P, dtype=jnp.int32)[None]
-  prev = jnp.concatenate([seg[:, :1] - 1, seg[:, :-1]], axis=1)
-  nxt = jnp.concatenate([seg[:, 1:], seg[:, -1:] - 1], axis=1)
-  start = jax.lax.cummax(jnp.where(seg != prev, t, 0), axis=1)
-  end = jax.lax.cummin(jnp.where(seg != nxt, t + 1, P), axis=1, reverse=True)
-  pad = seg == 0
+  start, end = run_ranges(segment_ids)
+  t = jnp.arange(segment_ids.shape[1], dtype=jnp.int32)[None]
+  pad = segment_ids == 0
   return jnp.where(pad, t, start), jnp.where(pad, t + 1, end)
 
 
