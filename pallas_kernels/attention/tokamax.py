@@ -17,8 +17,12 @@ def run_ranges(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
   Position t of a run [a, b) of equal consecutive ids gets start a and end b (a run is
   contiguous: the same id later in the row, after another id, starts a new run). The key
   ranges of `tokamax_masked` for documents (causal: [start, t + 1)) and images (bidirectional:
-  [start, end)). Args: segment_ids int [B, T]. Raises nothing of its own.
+  [start, end)). Args: segment_ids int [B, T].
+  Raises: ValueError if segment_ids is not 2-D (pass one row as [1, T]).
   """
+  if segment_ids.ndim != 2:
+    raise ValueError(f"segment_ids: expected [B, T], got shape {segment_ids.shape} "
+                     "(pass one row as [1, T])")
   seg = segment_ids.astype(jnp.int32)
   T = seg.shape[1]
   t = jnp.arange(T, dtype=jnp.int32)[None]

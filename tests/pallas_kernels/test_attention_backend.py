@@ -49,3 +49,5 @@ def test_run_ranges_match_a_loop_over_random_rows():
       while e < seg.shape[1] and seg[b, e] == seg[b, t]:
         e += 1
       assert (start[b, t], end[b, t]) == (a, e), (b, t)
+  with pytest.raises(ValueError, match=r"segment_ids: expected \[B, T\]"):
+    run_ranges(jnp.asarray(seg[0]))
