@@ -80,7 +80,8 @@ def main(argv=None) -> None:
   p.add_argument("--data", choices=("synthetic", "real"), default="synthetic",
                  help="synthetic rows (default) or the stage's own first training batches")
   p.add_argument("--profile", metavar="DIR", default=None,
-                 help="after the timed steps, trace 3 more into DIR and print the device "
+                 help="after the timed steps, trace 3 more into DIR (with the compiled program's "
+                      "text, DIR/step.hlo.txt) and print the device "
                       "time per named scope (benchmarks/trace_summary.py); run with "
                       "XLA_FLAGS=--xla_gpu_enable_command_buffer= so every kernel is named")
   p.add_argument("--workdir", default="/tmp/train_step_bench",
@@ -151,8 +152,10 @@ def main(argv=None) -> None:
         for i in range(3):
           state, m = step_fn(state, batches[i % 2])
         jax.block_until_ready(m)
-      print(trace_summary.summarize(args.profile, steps=3, hlo_text=step_fn.as_text()),
-            flush=True)
+      hlo_text = step_fn.as_text()
+      with open(os.path.join(args.profile, "step.hlo.txt"), "w") as f:
+        f.write(hlo_text)  # names every fusion of the trace (what it reads, writes, computes)
+      print(trace_summary.summarize(args.profile, steps=3, hlo_text=hlo_text), flush=True)
 
   tokens = batch * seq_len
   tps = tokens / step_s

@@ -10,6 +10,7 @@ leading `layers` axis through `transform_metadata`.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Callable, Sequence
 
@@ -17,6 +18,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
+from jax.ad_checkpoint import checkpoint_name
 
 from sparse_lm import sharding
 from sparse_lm.config import ModelConfig
@@ -109,14 +111,69 @@ def project(x: jax.Array, kernel: jax.Array, n_in: int = 1, *, dtype=None,
 
   x [..., *in] @ kernel [*in, *out] -> [..., *out], computed in `dtype` (default x.dtype)
   with fp32 accumulation; returned in `out_dtype` (default `dtype`).
+
+  Backward: with a 16-bit `dtype` and `out_dtype == dtype`, the cotangent of the output is a
+  16-bit array, and the two backward products take it as one (`_project_lowp`): autodiff of
+  the plain product would hand them an fp32 copy of it, which XLA:GPU runs as an fp32 (TF32)
+  GEMM at half the bf16 rate (118 ms of the `small` step on an H200, docs/benchmarks.md).
+  The values are the same: the cotangent and both operands are exact in either type and the
+  accumulation stays fp32. An fp32 `out_dtype` keeps the plain product (its cotangent is
+  genuinely fp32).
   """
-  dtype = x.dtype if dtype is None else dtype
-  out_dtype = dtype if out_dtype is None else out_dtype
-  nx = x.ndim
-  dims = ((tuple(range(nx - n_in, nx)), tuple(range(n_in))), ((), ()))
-  y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype), dims,
+  dtype = jnp.dtype(x.dtype if dtype is None else dtype)
+  out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
+  if dtype.itemsize == 2 and out_dtype == dtype:
+    return _project_lowp(x, kernel, n_in, dtype)
+  y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype), _project_dims(x.ndim, n_in),
                           preferred_element_type=jnp.float32)
   return y.astype(out_dtype)
+
+
+def _project_dims(nx: int, n_in: int):
+  return ((tuple(range(nx - n_in, nx)), tuple(range(n_in))), ((), ()))
+
+
+def _lowp_product(x, kernel, n_in, dtype):
+  y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype), _project_dims(x.ndim, n_in),
+                          preferred_element_type=jnp.float32)
+  return checkpoint_name(y.astype(dtype), PROJECT_NAME)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
+def _project_lowp(x, kernel, n_in, dtype):
+  """`project` with a 16-bit dtype and output; backward products on 16-bit operands."""
+  return _lowp_product(x, kernel, n_in, dtype)
+
+
+def _project_lowp_fwd(x, kernel, n_in, dtype):
+  # the operands in `dtype` (what autodiff of the plain product keeps), and zero-size arrays
+  # that carry the primal dtypes the cotangents must have
+  xc, kc = x.astype(dtype), kernel.astype(dtype)
+  return _lowp_product(x, kernel, n_in, dtype), (xc, kc, jnp.zeros((0,), x.dtype),
+                                                 jnp.zeros((0,), kernel.dtype))
+
+
+def _project_lowp_bwd(n_in, dtype, res, ct):
+  xc, kc, x_tag, k_tag = res
+  ct = ct.astype(dtype)  # exact: the output's cotangent has the output's dtype
+  nb = xc.ndim - n_in  # batch dims of x
+  n_out = kc.ndim - n_in
+  # dx [..., *in] = ct [..., *out] . kernel [*in, *out] over *out
+  dx = jax.lax.dot_general(ct, kc, ((tuple(range(nb, nb + n_out)),
+                                     tuple(range(n_in, n_in + n_out))), ((), ())),
+                           preferred_element_type=jnp.float32)
+  # dkernel [*in, *out] = x [..., *in] . ct [..., *out] over the batch dims
+  dk = jax.lax.dot_general(xc, ct, ((tuple(range(nb)), tuple(range(nb))), ((), ())),
+                           preferred_element_type=jnp.float32)
+  # through `dtype`, as autodiff of the casts in the plain product rounds them
+  return dx.astype(dtype).astype(x_tag.dtype), dk.astype(dtype).astype(k_tag.dtype)
+
+
+_project_lowp.defvjp(_project_lowp_fwd, _project_lowp_bwd)
+
+# The name `project` gives its 16-bit outputs (`checkpoint_name`): a custom VJP hides its
+# product from the dot-based remat policies, which save it by this name instead (`remat_policy`).
+PROJECT_NAME = "project"
 
 
 def rms_norm(x: jax.Array, scale: jax.Array | None = None, eps: float = 1e-6, *,
@@ -242,10 +299,13 @@ def remat_policy(name: str):
     return None
   if name == "full":
     return cp.nothing_saveable
+  # `project`'s 16-bit products sit inside a custom VJP, out of the dot policies' sight: they
+  # are saved by name
   if name == "save_dots":
-    return cp.checkpoint_dots
+    return cp.save_from_both_policies(cp.checkpoint_dots, cp.save_only_these_names(PROJECT_NAME))
   if name == "minimal":
-    return cp.dots_with_no_batch_dims_saveable
+    return cp.save_from_both_policies(cp.dots_with_no_batch_dims_saveable,
+                                      cp.save_only_these_names(PROJECT_NAME))
   if name == "save_qkv_proj":
     return cp.save_only_these_names("query_proj", "key_proj", "value_proj", "out_proj")
   raise ValueError(f"unknown remat_policy {name!r}")
