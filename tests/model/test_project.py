@@ -7,6 +7,7 @@ dW = bf16(bf16(x)ᵀ @ g), summed over the batch dimensions.
 """
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 import ml_dtypes
 import numpy as np
@@ -66,7 +67,7 @@ def _dots(jaxpr):
   for eqn in jaxpr.eqns:
     if eqn.primitive.name == "dot_general":
       yield eqn
-    for sub in jax.core.jaxprs_in_params(eqn.params):
+    for sub in jax.extend.core.jaxprs_in_params(eqn.params):
       yield from _dots(sub)
 
 
