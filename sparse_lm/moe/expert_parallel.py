@@ -49,7 +49,7 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from sparse_lm import sharding as shd
 from sparse_lm.config import EP_EXCHANGES
 from sparse_lm.moe import permute
-from sparse_lm.moe.gmm import gmm, gmm_pair
+from sparse_lm.moe.gmm import gmm
 from sparse_lm.moe.situ_glu import situ_activation
 
 # Mesh axes the flattened [B, T] tokens span, in order. The same tuple for both values of
@@ -83,7 +83,8 @@ def expert_ffn_local(x: jax.Array, local_ids: jax.Array, w_gate: jax.Array, w_up
   inverse = permute.inverse_permutation(order)
   xs = permute.permute_rows(x, order, inverse)
   sizes = permute.one_hot_counts(local_ids, G)
-  g, u = gmm_pair(xs, w_gate, w_up, sizes, backend=gmm_backend, platform=platform)
+  g = gmm(xs, w_gate, sizes, backend=gmm_backend, platform=platform)
+  u = gmm(xs, w_up, sizes, backend=gmm_backend, platform=platform)
   h = situ_activation(g, u, beta1, beta2).astype(x.dtype)
   ys = gmm(h, w_down, sizes, backend=gmm_backend, platform=platform)
   valid = (jnp.arange(x.shape[0]) < jnp.sum(sizes))[:, None]

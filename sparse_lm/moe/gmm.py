@@ -204,32 +204,3 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   if backend == "megablox":
     return _megablox_gmm(lhs, rhs, group_sizes, interpret=platform != "tpu")
   raise ValueError(f"unknown gmm backend {backend!r}; choose one of {('auto',) + GMM_IMPLS}")
-
-
-def gmm_pair(lhs: jax.Array, rhs_a: jax.Array, rhs_b: jax.Array, group_sizes: jax.Array, *,
-             backend: str = "auto", platform: str | None = None
-             ) -> tuple[jax.Array, jax.Array]:
-  """(gmm(lhs, rhs_a), gmm(lhs, rhs_b)) as one grouped matmul over [rhs_a | rhs_b].
-
-  The gate and up projections of a GLU expert read the same rows: one product of twice the
-  width reads and masks the rows once, and its backward is one grouped matmul for the rows'
-  gradient (fp32 accumulation over both halves, rounded once) and one for the weights'.
-  Every output column is the same dot product as in two separate calls.
-
-  Args:
-    lhs: [M, K] rows sorted by group; rhs_a, rhs_b: [G, K, Na], [G, K, Nb];
-    group_sizes, backend, platform: as for `gmm`.
-
-  Returns:
-    ([M, Na], [M, Nb]) in lhs's dtype.
-
-  Raises:
-    ValueError: rhs_a and rhs_b differ in G or K, or an unknown backend.
-  """
-  if rhs_a.shape[:-1] != rhs_b.shape[:-1]:
-    raise ValueError(f"gmm_pair: rhs_a {rhs_a.shape} and rhs_b {rhs_b.shape} must share "
-                     "[G, K]")
-  rhs = jnp.concatenate([rhs_a.astype(lhs.dtype), rhs_b.astype(lhs.dtype)], axis=-1)
-  y = gmm(lhs, rhs, group_sizes, backend=backend, platform=platform)
-  na = rhs_a.shape[-1]
-  return y[:, :na], y[:, na:]

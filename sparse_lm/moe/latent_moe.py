@@ -105,7 +105,8 @@ def sorted_dispatch(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
   inverse = permute.inverse_permutation(order)
   group_sizes = permute.one_hot_counts(flat_ids, num_experts)
   zs = permute.permute_rows(z, order, inverse, k)  # [N k, L] sorted by expert
-  g, u = gmm_lib.gmm_pair(zs, params["w_gate"], params["w_up"], group_sizes, backend=backend)
+  g = gmm_lib.gmm(zs, params["w_gate"], group_sizes, backend=backend)
+  u = gmm_lib.gmm(zs, params["w_up"], group_sizes, backend=backend)
   h = situ_activation(g, u, beta1, beta2).astype(z.dtype)
   out = gmm_lib.gmm(h, params["w_down"], group_sizes, backend=backend)  # [N k, L]
   out = permute.permute_rows(out, inverse, order).reshape(num_tokens, k, -1).astype(jnp.float32)
