@@ -206,3 +206,20 @@ def test_end_of_run_summary_reports_the_drop_rate():
   seen = types.SimpleNamespace(drop_rates=[(1, 0.01), (2, 0.03), (3, 0.02)])
   assert loop._StageLoop.summary(seen) == (
       "; expert-parallel drop rate 2.00% mean over 3 steps, 3.00% max (step 2)")
+
+
+def test_host_clock_reports_means_and_a_median_that_differs(monkeypatch):
+  from sparse_lm.train import loop
+  t = [0.0]
+  monkeypatch.setattr(loop.time, "perf_counter", lambda: t[0])
+  clock = loop._HostClock()
+  for i in range(5):  # data 2 ms every step; dispatch 50 ms once, then 10 ms
+    t[0] += 0.002
+    clock.lap("data")
+    t[0] += 0.050 if i == 0 else 0.010
+    clock.lap("dispatch")
+    clock.steps += 1
+  # means: data 2.0, dispatch (50 + 4 x 10) / 5 = 18.0; dispatch's median 10.0 differs by >20%
+  assert clock.text() == "data 2.0 ms, dispatch 18.0 ms (median 10.0)"
+  clock.restart()
+  assert clock.text() == ""
