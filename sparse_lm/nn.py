@@ -112,17 +112,24 @@ def project(x: jax.Array, kernel: jax.Array, n_in: int = 1, *, dtype=None,
   x [..., *in] @ kernel [*in, *out] -> [..., *out], computed in `dtype` (default x.dtype)
   with fp32 accumulation; returned in `out_dtype` (default `dtype`).
 
-  Backward: with a 16-bit `dtype` and `out_dtype == dtype`, the cotangent of the output is a
-  16-bit array, and the two backward products take it as one (`_project_lowp`): autodiff of
-  the plain product would hand them an fp32 copy of it, which XLA:GPU runs as an fp32 (TF32)
-  GEMM at half the bf16 rate (118 ms of the `small` step on an H200, docs/benchmarks.md).
-  The values are the same: the cotangent and both operands are exact in either type and the
-  accumulation stays fp32. An fp32 `out_dtype` keeps the plain product (its cotangent is
-  genuinely fp32).
+  Backward: with a 16-bit float `dtype` and `out_dtype == dtype`, the cotangent of the output
+  is a 16-bit array, and the two backward products take it as one (`_project_lowp`): autodiff
+  of the plain product would hand them an fp32 copy of it, which XLA:GPU runs as an fp32
+  (TF32) GEMM at half the bf16 rate (on an H200 the `small` step's TF32 GEMMs went from about
+  122 to 69 ms, the step from 1,409 to 1,346 ms: docs/benchmarks.md). The products are the
+  same: the cotangent and both operands are exact in either type and the accumulation stays
+  fp32; results differ only in summation order. An fp32 `out_dtype` (the LM head's logits,
+  the sigmoid gates, the vision encoder's residual projections) keeps the plain product, whose
+  cotangent is genuinely fp32.
+
+  Limits of the 16-bit path (a custom VJP): no forward-mode autodiff (`jax.jvp`, `jacfwd`);
+  inside a `shard_map` with `check_vma=True` and operands that vary over different mesh axes
+  its cotangents raise a type error (every `shard_map` here runs with `check_vma=False`); the
+  remat policies save its bf16 output by name (`remat_policy`).
   """
   dtype = jnp.dtype(x.dtype if dtype is None else dtype)
   out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
-  if dtype.itemsize == 2 and out_dtype == dtype:
+  if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2 and out_dtype == dtype:
     return _project_lowp(x, kernel, n_in, dtype)
   y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype), _project_dims(x.ndim, n_in),
                           preferred_element_type=jnp.float32)
@@ -300,7 +307,7 @@ def remat_policy(name: str):
   if name == "full":
     return cp.nothing_saveable
   # `project`'s 16-bit products sit inside a custom VJP, out of the dot policies' sight: they
-  # are saved by name
+  # are saved by name, as their 16-bit outputs (the plain product's saved output was fp32)
   if name == "save_dots":
     return cp.save_from_both_policies(cp.checkpoint_dots, cp.save_only_these_names(PROJECT_NAME))
   if name == "minimal":
