@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gzip
 import os
 import sys
 import time
@@ -81,7 +82,7 @@ def main(argv=None) -> None:
                  help="synthetic rows (default) or the stage's own first training batches")
   p.add_argument("--profile", metavar="DIR", default=None,
                  help="after the timed steps, trace 3 more into DIR (with the compiled program's "
-                      "text, DIR/step.hlo.txt) and print the device "
+                      "text, DIR/step.hlo.txt.gz) and print the device "
                       "time per named scope (benchmarks/trace_summary.py); run with "
                       "XLA_FLAGS=--xla_gpu_enable_command_buffer= so every kernel is named")
   p.add_argument("--workdir", default="/tmp/train_step_bench",
@@ -153,8 +154,10 @@ def main(argv=None) -> None:
           state, m = step_fn(state, batches[i % 2])
         jax.block_until_ready(m)
       hlo_text = step_fn.as_text()
-      with open(os.path.join(args.profile, "step.hlo.txt"), "w") as f:
-        f.write(hlo_text)  # names every fusion of the trace (what it reads, writes, computes)
+      # names every fusion of the trace (what it reads, writes, computes); gzipped: the small
+      # step's text is 37 MB
+      with gzip.open(os.path.join(args.profile, "step.hlo.txt.gz"), "wt") as f:
+        f.write(hlo_text)
       print(trace_summary.summarize(args.profile, steps=3, hlo_text=hlo_text), flush=True)
 
   tokens = batch * seq_len
