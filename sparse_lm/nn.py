@@ -131,37 +131,36 @@ def project(x: jax.Array, kernel: jax.Array, n_in: int = 1, *, dtype=None,
   out_dtype = dtype if out_dtype is None else jnp.dtype(out_dtype)
   if jnp.issubdtype(dtype, jnp.floating) and dtype.itemsize == 2 and out_dtype == dtype:
     return _project_lowp(x, kernel, n_in, dtype)
-  y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype), _project_dims(x.ndim, n_in),
-                          preferred_element_type=jnp.float32)
-  return y.astype(out_dtype)
+  return _product(x.astype(dtype), kernel.astype(dtype), n_in).astype(out_dtype)
 
 
-def _project_dims(nx: int, n_in: int):
-  return ((tuple(range(nx - n_in, nx)), tuple(range(n_in))), ((), ()))
+def _product(xc, kc, n_in):
+  """fp32 xc [..., *in] @ kc [*in, *out] over the last n_in dims of xc."""
+  nx = xc.ndim
+  return jax.lax.dot_general(xc, kc, ((tuple(range(nx - n_in, nx)), tuple(range(n_in))), ((), ())),
+                             preferred_element_type=jnp.float32)
 
 
-def _lowp_product(x, kernel, n_in, dtype):
-  y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype), _project_dims(x.ndim, n_in),
-                          preferred_element_type=jnp.float32)
-  return checkpoint_name(y.astype(dtype), PROJECT_NAME)
-
-
-@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3))
 def _project_lowp(x, kernel, n_in, dtype):
   """`project` with a 16-bit dtype and output; backward products on 16-bit operands."""
-  return _lowp_product(x, kernel, n_in, dtype)
+  return _project_lowp_vjp(x, kernel, n_in, dtype, x.dtype, kernel.dtype)
 
 
-def _project_lowp_fwd(x, kernel, n_in, dtype):
-  # the operands in `dtype` (what autodiff of the plain product keeps), and zero-size arrays
-  # that carry the primal dtypes the cotangents must have
-  xc, kc = x.astype(dtype), kernel.astype(dtype)
-  return _lowp_product(x, kernel, n_in, dtype), (xc, kc, jnp.zeros((0,), x.dtype),
-                                                 jnp.zeros((0,), kernel.dtype))
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2, 3, 4, 5))
+def _project_lowp_vjp(x, kernel, n_in, dtype, x_dtype, k_dtype):
+  del x_dtype, k_dtype  # the cotangents' dtypes (the backward's)
+  return checkpoint_name(_product(x.astype(dtype), kernel.astype(dtype), n_in).astype(dtype),
+                         PROJECT_NAME)
 
 
-def _project_lowp_bwd(n_in, dtype, res, ct):
-  xc, kc, x_tag, k_tag = res
+def _project_lowp_fwd(x, kernel, n_in, dtype, x_dtype, k_dtype):
+  del x_dtype, k_dtype
+  xc, kc = x.astype(dtype), kernel.astype(dtype)  # what autodiff of the plain product keeps
+  return checkpoint_name(_product(xc, kc, n_in).astype(dtype), PROJECT_NAME), (xc, kc)
+
+
+def _project_lowp_bwd(n_in, dtype, x_dtype, k_dtype, res, ct):
+  xc, kc = res
   ct = ct.astype(dtype)  # exact: the output's cotangent has the output's dtype
   nb = xc.ndim - n_in  # batch dims of x
   n_out = kc.ndim - n_in
@@ -173,10 +172,10 @@ def _project_lowp_bwd(n_in, dtype, res, ct):
   dk = jax.lax.dot_general(xc, ct, ((tuple(range(nb)), tuple(range(nb))), ((), ())),
                            preferred_element_type=jnp.float32)
   # through `dtype`, as autodiff of the casts in the plain product rounds them
-  return dx.astype(dtype).astype(x_tag.dtype), dk.astype(dtype).astype(k_tag.dtype)
+  return dx.astype(dtype).astype(x_dtype), dk.astype(dtype).astype(k_dtype)
 
 
-_project_lowp.defvjp(_project_lowp_fwd, _project_lowp_bwd)
+_project_lowp_vjp.defvjp(_project_lowp_fwd, _project_lowp_bwd)
 
 # The name `project` gives its 16-bit outputs (`checkpoint_name`): a custom VJP hides its
 # product from the dot-based remat policies, which save it by this name instead (`remat_policy`).

@@ -95,19 +95,16 @@ class _HostClock:
   "other" (evals, checkpoints)."""
 
   def __init__(self):
-    self.totals: dict[str, float] = {}
     self.laps: dict[str, list[float]] = {}
     self.steps = 0
     self.restart()
 
   def restart(self) -> None:
-    self.totals.clear()
     self.laps.clear()
     self._t = time.perf_counter()
 
   def lap(self, phase: str) -> None:
     now = time.perf_counter()
-    self.totals[phase] = self.totals.get(phase, 0.0) + now - self._t
     self.laps.setdefault(phase, []).append(now - self._t)
     self._t = now
 
@@ -117,8 +114,8 @@ class _HostClock:
     than 20% (a few long laps, such as steps beside a background compile, or a steady cost)."""
     n = max(self.steps, 1)
     parts = []
-    for k, v in self.totals.items():
-      mean, med = 1e3 * v / n, 1e3 * float(np.median(self.laps[k]))
+    for k, laps in self.laps.items():
+      mean, med = 1e3 * sum(laps) / n, 1e3 * float(np.median(laps))
       parts.append(f"{k} {mean:.1f} ms" + (f" (median {med:.1f})"
                                             if abs(med - mean) > 0.2 * max(mean, 1e-3) else ""))
     return ", ".join(parts)

@@ -111,7 +111,6 @@ def test_dot_remat_policies_save_the_bf16_projections(policy, capsys):
   assert saved("full") == []
 
 
-
 @pytest.mark.parametrize("policy", ["full", "minimal", "save_dots", "none"])
 def test_scanned_rematerialised_layers_match_the_plain_product(policy, monkeypatch):
   """bf16 layers scanned under `jax.checkpoint` (how the model runs them): gradients through
@@ -136,7 +135,8 @@ def test_scanned_rematerialised_layers_match_the_plain_product(policy, monkeypat
   custom = grads(x, w1, w2)
 
   def plain(x, kernel, n_in, dtype):
-    y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype), nn._project_dims(x.ndim, n_in),
+    dims = ((tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in))), ((), ()))
+    y = jax.lax.dot_general(x.astype(dtype), kernel.astype(dtype), dims,
                             preferred_element_type=jnp.float32)
     return y.astype(dtype)
 
