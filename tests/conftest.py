@@ -8,6 +8,9 @@ forces one process; `PYTEST_XDIST_AUTO_NUM_WORKERS=N` sets the worker count.
 Tests marked `@pytest.mark.slow` run only with `--runslow`; each has a smaller version of its
 check in the default suite.
 
+On a CPU host the tests compile at XLA's backend optimization level 0 (see below;
+`SPARSE_LM_TEST_XLA_OPT=1` keeps XLA's default level).
+
 Compile once per session: a persistent XLA compilation cache in a temporary directory (made by
 the first pytest process, inherited through the environment by the xdist workers, the
 multi-device subprocesses, the notebook kernels and the CLI workers; removed at the end) lets a
@@ -43,6 +46,18 @@ if ON_GPU:
   os.environ.setdefault("JAX_DEFAULT_MATMUL_PRECISION", "highest")
   os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
                              " --xla_gpu_deterministic_ops=true").strip()
+
+# On the CPU platform the suite compiles at XLA's backend optimization level 0 (LLVM's machine-code
+# passes off; the HLO and its fusions are the same, results may differ in the last bits): most
+# of the suite's time is compiling small programs, not running them (2026-12-02, 2 cores, the
+# whole suite 22 min 22 s -> 17 min 37 s; docs/benchmarks.md "Test suite"). The flags reach the
+# tests' subprocesses through SPARSE_LM_TEST_XLA_FLAGS (tests/_xla_flags.py);
+# SPARSE_LM_TEST_XLA_OPT=1 keeps XLA's default level.
+if (os.environ["JAX_PLATFORMS"] == "cpu"
+    and os.environ.get("SPARSE_LM_TEST_XLA_OPT", "0") != "1"):
+  os.environ.setdefault("SPARSE_LM_TEST_XLA_FLAGS", "--xla_backend_optimization_level=0")
+  os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " " +
+                             os.environ["SPARSE_LM_TEST_XLA_FLAGS"]).strip()
 
 DEFAULT_WORKERS = 2  # CI's cores; each worker peaks at ~3 GB of host memory
 

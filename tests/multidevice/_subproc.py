@@ -7,13 +7,15 @@ import pathlib
 import subprocess
 import sys
 
+from tests._xla_flags import with_devices
+
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 SCRIPTS = pathlib.Path(__file__).resolve().parent / "scripts"
 
 
 def run_script(name: str, *args: str, devices: int = 8, timeout: int = 600) -> str:
   env = dict(os.environ)
-  env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+  env["XLA_FLAGS"] = with_devices(devices)
   env["JAX_PLATFORMS"] = "cpu"
   env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
   proc = subprocess.run([sys.executable, str(SCRIPTS / name), *args], env=env, cwd=ROOT,

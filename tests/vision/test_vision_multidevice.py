@@ -10,7 +10,8 @@ import textwrap
 
 SCRIPT = textwrap.dedent("""
     import os
-    os.environ["XLA_FLAGS"] = "--xla_force_host_platform_device_count=8"
+    os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 " +
+                               os.environ.get("SPARSE_LM_TEST_XLA_FLAGS", "")).strip()
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax, jax.numpy as jnp, numpy as np, optax
     from flax import nnx
