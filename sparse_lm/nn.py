@@ -42,6 +42,8 @@ def numpy_rng(key: jax.Array) -> np.random.Generator:
 
 
 def normal_init(std: float) -> Initializer:
+  """normal(0, std) as fp32 of `shape`: NumPy's generator seeded by the key's data for a
+  concrete key (fast eager init), `jax.random.normal` under a trace."""
   def init(key, shape):
     if _concrete(key):
       return jnp.asarray(std * numpy_rng(key).standard_normal(shape, np.float32))
@@ -58,6 +60,7 @@ def jax_normal_init(std: float) -> Initializer:
 
 
 def uniform_init(lo: float, hi: float) -> Initializer:
+  """uniform[lo, hi) as fp32 of `shape`, drawn like `normal_init` (NumPy for a concrete key)."""
   def init(key, shape):
     if _concrete(key):
       return jnp.asarray(numpy_rng(key).uniform(lo, hi, shape).astype(np.float32))
@@ -66,11 +69,13 @@ def uniform_init(lo: float, hi: float) -> Initializer:
 
 
 def zeros_init(key, shape):
+  """fp32 zeros of `shape` (`key` unused)."""
   del key
   return jnp.zeros(shape, jnp.float32)
 
 
 def ones_init(key, shape):
+  """fp32 ones of `shape` (`key` unused)."""
   del key
   return jnp.ones(shape, jnp.float32)
 
@@ -318,6 +323,7 @@ def remat_policy(name: str):
 
 
 def fan_in_std(fan_in: int) -> float:
+  """1 / sqrt(fan_in): the std of a weight that keeps unit-variance inputs at unit variance."""
   return 1.0 / math.sqrt(fan_in)
 
 

@@ -183,6 +183,7 @@ def use_mesh(mesh: jax.sharding.Mesh | None, rules=None):
 
 
 def current_mesh() -> jax.sharding.Mesh | None:
+  """The mesh set by the innermost `use_mesh`, or None outside one."""
   return _MESH.get()
 
 
@@ -339,6 +340,7 @@ def batch_shardings(batch, mesh: jax.sharding.Mesh):
 
 
 def replicated(mesh: jax.sharding.Mesh) -> NamedSharding:
+  """A sharding that puts the whole array on every device of `mesh`."""
   return NamedSharding(mesh, P())
 
 

@@ -68,6 +68,7 @@ class Checkpointer:
                                              enable_async_checkpointing=async_save))
 
   def all_steps(self) -> list[int]:
+    """The steps of the checkpoints in the directory, ascending."""
     return sorted(self._mgr.all_steps())
 
   def save(self, state: TrainState, *, data_state: dict | None, meta: dict[str, Any],
@@ -83,13 +84,16 @@ class Checkpointer:
     return step
 
   def wait(self) -> None:
+    """Block until every started save is written and committed."""
     self._mgr.wait_until_finished()
 
   def close(self) -> None:
+    """Wait for the started saves, then release the manager (no save after this)."""
     self._mgr.wait_until_finished()
     self._mgr.close()
 
   def read_meta(self, step: int) -> dict[str, Any]:
+    """The JSON metadata saved with checkpoint `step` (no arrays are read)."""
     return self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
 
   def restore_latest(self, abstract_state: Any,

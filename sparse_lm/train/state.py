@@ -33,6 +33,7 @@ def split_model(model: nnx.Module) -> tuple[nnx.GraphDef, nnx.State, nnx.State]:
 
 
 def merge_model(graphdef: nnx.GraphDef, params: nnx.State, model_vars: nnx.State):
+  """The NNX model of `split_model`'s three parts (the inverse of `split_model`)."""
   return nnx.merge(graphdef, params, model_vars)
 
 
