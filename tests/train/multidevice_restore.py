@@ -7,8 +7,7 @@ mesh and back with equal held-out loss; a layout whose heads do not divide the m
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 " +  # + the suite's
-                            os.environ.get("SPARSE_LM_TEST_XLA_FLAGS", "")).strip()
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 

@@ -8,8 +8,7 @@ sharded like its parameter.
 import os
 import sys
 
-os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 " +  # + the suite's
-                            os.environ.get("SPARSE_LM_TEST_XLA_FLAGS", "")).strip()
+os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
 os.environ["JAX_PLATFORMS"] = "cpu"
 sys.path.insert(0, os.path.join(os.path.dirname(__file__), "..", ".."))
 

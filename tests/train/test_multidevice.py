@@ -6,10 +6,12 @@ import pathlib
 import subprocess
 import sys
 
+from tests._xla_flags import with_devices
+
 
 def test_checkpoint_restores_across_device_layouts(workdir):
   script = pathlib.Path(__file__).with_name("multidevice_restore.py")
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = dict(os.environ, XLA_FLAGS=with_devices(8))
   proc = subprocess.run([sys.executable, str(script), str(workdir)], capture_output=True,
                         text=True, env=env, timeout=900)
   out = proc.stdout + proc.stderr

@@ -14,6 +14,7 @@ import numpy as np
 from experiments.base import apply_overrides
 from sparse_lm.train import loop
 from sparse_lm.train.checkpoint import Checkpointer
+from tests._xla_flags import with_devices
 from tests.train.conftest import small_stage
 from tests.train.test_loop import _signal_at
 
@@ -51,7 +52,7 @@ def test_muon_checkpoint_resumes_bit_exact(workdir, tmp_path_factory):
 
 def test_sharded_muon_step_equals_one_device():
   script = pathlib.Path(__file__).with_name("muon_sharded.py")
-  env = {k: v for k, v in os.environ.items() if k != "XLA_FLAGS"}
+  env = dict(os.environ, XLA_FLAGS=with_devices(8))
   proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env,
                         timeout=900)
   assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

@@ -8,10 +8,11 @@ import subprocess
 import sys
 import textwrap
 
+from tests._xla_flags import with_devices
+
 SCRIPT = textwrap.dedent("""
     import os
-    os.environ["XLA_FLAGS"] = ("--xla_force_host_platform_device_count=8 " +
-                               os.environ.get("SPARSE_LM_TEST_XLA_FLAGS", "")).strip()
+    os.environ.setdefault("XLA_FLAGS", "--xla_force_host_platform_device_count=8")
     os.environ["JAX_PLATFORMS"] = "cpu"
     import jax, jax.numpy as jnp, numpy as np, optax
     from flax import nnx
@@ -84,7 +85,8 @@ SCRIPT = textwrap.dedent("""
 
 def test_vision_train_step_sharded_matches_single_device_with_shipped_rules():
   root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-  env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+  env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             XLA_FLAGS=with_devices(8))
   out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True, text=True,
                        timeout=1800)
   assert out.returncode == 0 and "OK" in out.stdout, out.stdout[-2000:] + out.stderr[-4000:]
