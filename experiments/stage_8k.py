@@ -45,7 +45,9 @@ TINY = dataclasses.replace(
     SMALL, preset="tiny", seq_len=256, tokens_per_batch=8 * 256, micro_batches=1, steps=500,
     optim=OptimizerConfig(peak_lr=3e-3, warmup_steps=50, decay_fraction=0.2, weight_decay=0.01),
     eval_every=100, eval_batches=4, eval_batch_size=8, checkpoint_every=100,
-    data=DataConfig())
+    data=DataConfig(),
+    # launch-bound on a GPU: XLA's autotuning costs compile time and buys no step time
+    gpu_autotune=False)
 
 STAGES = {"full": FULL, "small": SMALL, "tiny": TINY}
 

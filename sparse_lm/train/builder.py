@@ -108,11 +108,19 @@ def import_gpu_kernels() -> None:
       pass
 
 
+def compiler_options(stage: StageConfig, mesh: jax.sharding.Mesh) -> dict[str, int] | None:
+  """XLA options for the stage's train and eval steps: `{"xla_gpu_autotune_level": 0}` when
+  the mesh is on GPUs and `stage.gpu_autotune` is False, else None (XLA's defaults)."""
+  on_gpu = mesh.devices.flat[0].platform == "gpu"
+  return {"xla_gpu_autotune_level": 0} if on_gpu and not stage.gpu_autotune else None
+
+
 def build(stage: StageConfig, mesh: jax.sharding.Mesh) -> Parts:
   """The model graph, optimizer, abstract state with shardings and the jitted steps."""
   import_gpu_kernels()
   key = (stage.model_config(), stage.optim, stage.steps, stage.micro_batches,
-         stage.z_loss_coef, stage.nan_at_step, stage.seed, mesh, stage.mesh.rules)
+         stage.z_loss_coef, stage.nan_at_step, stage.seed, mesh, stage.mesh.rules,
+         stage.gpu_autotune)
   if key in _PARTS:
     return _PARTS[key]
   model_cfg = stage.model_config()
@@ -129,13 +137,16 @@ def build(stage: StageConfig, mesh: jax.sharding.Mesh) -> Parts:
     if stage.data.images:
       batch_sh.update({k: shd.batch_sharding(mesh, nd) for k, nd in IMAGE_BATCH_KEYS.items()})
   balance = _post_update_fn(model_cfg, stage.optim)
+  options = compiler_options(stage, mesh)
   train_step = jax.jit(
       _traced_in(stage, mesh, make_train_step(
           graphdef, tx, schedule, loss_fn, micro_batches=stage.micro_batches,
           z_loss_coef=stage.z_loss_coef, balance_fn=balance, nan_at_step=stage.nan_at_step)),
-      in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, repl), donate_argnums=0)
+      in_shardings=(state_sh, batch_sh), out_shardings=(state_sh, repl), donate_argnums=0,
+      compiler_options=options)
   eval_fn = _traced_in(stage, mesh, make_eval_step(graphdef, loss_fn))
-  eval_step = jax.jit(eval_fn, in_shardings=(state_sh, batch_sh), out_shardings=repl)
+  eval_step = jax.jit(eval_fn, in_shardings=(state_sh, batch_sh), out_shardings=repl,
+                      compiler_options=options)
   if mesh.size == 1:
     # One device: initialise op by op (compiling the init program of a small model takes
     # longer than running it); on a real mesh the jitted init places every shard directly.

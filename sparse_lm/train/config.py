@@ -46,6 +46,11 @@ class StageConfig:
     reference_seq_len: the length the stage has at full scale (printed when a preset scales
       it down).
     nan_at_step: fault injection for tests; makes that step's loss NaN.
+    gpu_autotune: let XLA autotune the GPU kernels of the train and eval steps (matmul tile
+      configs; `xla_gpu_autotune_level`). False compiles them with the compiler's default
+      configs: on one H200 the tiny train step's XLA compile spent 13.3 s of its 38 s
+      autotuning, for a step that is bound by kernel launches (docs/benchmarks.md). Ignored
+      off GPUs.
   """
 
   name: str
@@ -73,6 +78,7 @@ class StageConfig:
   sample_prompt: str = "def "
   reference_seq_len: int | None = None
   nan_at_step: int | None = None
+  gpu_autotune: bool = True
 
   @property
   def global_batch(self) -> int:

@@ -46,6 +46,37 @@ def test_program_compiled_on_a_thread_is_not_compiled_again():
   pre.close()
 
 
+def test_program_with_compiler_options_is_not_compiled_again():
+  """The stage's `gpu_autotune=False` reaches XLA as the jit's `compiler_options`: a step
+  precompiled with them is found by the later call (the options are part of the program)."""
+  sh = NamedSharding(jax.sharding.Mesh(jax.devices()[:1], ("x",)), P())
+  fn = jax.jit(lambda a: jnp.sin(a) @ a.T, in_shardings=(sh,), out_shardings=sh,
+               compiler_options={"xla_gpu_autotune_level": 0})
+  pre = Precompiler(True)
+  pre.compile("fn", fn, jax.ShapeDtypeStruct((24, 16), jnp.float32, sharding=sh))
+  pre.wait("fn")
+  a = jax.device_put(np.random.default_rng(5).standard_normal((24, 16), np.float32), sh)
+  events = _count_compiles()
+  out = fn(a)
+  assert events == [], events
+  np.testing.assert_allclose(np.asarray(out), np.sin(np.asarray(a)) @ np.asarray(a).T,
+                             rtol=1e-5, atol=1e-5)
+  pre.close()
+
+
+def test_compiler_options_only_on_gpus_and_only_when_asked():
+  import dataclasses
+  import types
+  from sparse_lm.train import builder
+  stage = small_stage()
+  gpu = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="gpu")]))
+  cpu = shd.make_mesh(stage.mesh)
+  on, off = (dataclasses.replace(stage, gpu_autotune=x) for x in (True, False))
+  assert builder.compiler_options(on, gpu) is None
+  assert builder.compiler_options(off, gpu) == {"xla_gpu_autotune_level": 0}
+  assert builder.compiler_options(off, cpu) is None
+
+
 def test_abstract_batch_is_the_pipelines_batch(tokenizer_json):
   stage = small_stage()
   tokenizer = data_lib.load_or_train_tokenizer(stage.data, str(tokenizer_json.parent), 512)
