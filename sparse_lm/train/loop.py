@@ -15,7 +15,9 @@ moments; step, schedule and data restart); else a fresh initialisation.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import gc
 import pathlib
 import signal
 import threading
@@ -88,11 +90,47 @@ class _Preemption:
       signal.signal(s, handler)
 
 
+class _StepGC:
+  """Python's cyclic garbage collector kept out of the step loop (Megatron-LM's "manual GC").
+
+  Every step builds and drops tens of thousands of small objects (the train state's pytree is
+  flattened and rebuilt around each call), so the collector runs dozens of times per step, and
+  every few steps a full collection walks the whole heap: the traced programs, the tokenizer,
+  the data pipeline, about 600,000 objects in the tiny job, 200-575 ms each on 2 CPU cores
+  (docs/benchmarks.md). Inside the loop (entered after the first step, when everything
+  long-lived exists): what lives now is frozen (`gc.freeze`: never scanned again), automatic
+  collection is off, and a full collection of what is not frozen runs every `every` steps
+  (milliseconds). Leaving restores the collector as it was. Reference counting frees almost all
+  of a step's garbage regardless; only reference cycles wait for the next periodic collection.
+  """
+
+  def __init__(self, every: int = 100):
+    self.every = every
+    self._enabled = None
+
+  def __enter__(self):
+    self._enabled = gc.isenabled()
+    gc.collect()
+    gc.freeze()
+    gc.disable()
+    return self
+
+  def step(self, done: int) -> None:
+    """After `done` steps: a full collection (of the non-frozen objects) every `every` steps."""
+    if done % self.every == 0:
+      gc.collect()
+
+  def __exit__(self, *exc):
+    gc.unfreeze()
+    if self._enabled:
+      gc.enable()
+
+
 class _HostClock:
   """Where the training loop's wall time goes, by phase (for the end-of-loop line): "data"
-  (next batch + device_put), "dispatch" (the jitted step call), "wait" (blocked reading the
-  previous step's metrics: the device is behind), "log" (metrics, TensorBoard, progress) and
-  "other" (evals, checkpoints)."""
+  (next batch + device_put), "dispatch" (the jitted step call), "gc" (`_StepGC`'s periodic
+  collection), "wait" (blocked reading the previous step's metrics: the device is behind),
+  "log" (metrics, TensorBoard, progress) and "other" (evals, checkpoints)."""
 
   def __init__(self):
     self.laps: dict[str, list[float]] = {}
@@ -311,7 +349,8 @@ class _StageLoop:
     self.pre.wait("sample")  # reads `state`: done before the first step donates it
     self.pre.wait("train")
     clock = self.clock = _HostClock()
-    with _Preemption() as preemption:
+    step_gc = _StepGC()
+    with _Preemption() as preemption, contextlib.ExitStack() as stack:
       for step in range(start, stage.steps):
         clock.lap("other")
         t0 = time.perf_counter()
@@ -323,7 +362,11 @@ class _StageLoop:
           jax.block_until_ready(m)
           self.bar.print(f"[{stage.name}] first step (trace + compile + run) took "
                          f"{time.perf_counter() - t0:.1f} s")
+          stack.enter_context(step_gc)
           clock.restart()
+        else:
+          step_gc.step(step + 1)
+          clock.lap("gc")
         self.drain(state)
         clock.steps += step > start
         self.pending = (step, m)

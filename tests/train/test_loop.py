@@ -4,6 +4,7 @@ configs compared on resume, the workdir lock, plain progress lines and routing h
 metrics.jsonl, `sparse_lm.train.load`, a NaN loss stops the run."""
 
 import dataclasses
+import gc
 import json
 import os
 import re
@@ -62,6 +63,8 @@ def test_sigint_resume_and_truncated_fallback_are_bit_exact(workdir, tmp_path_fa
                                           for s in (2, 4, 5)]
 
   first = loop.run(stage, workdir, progress=False, on_step=_signal_at(1))  # Ctrl-C
+  # the step loop's garbage-collector settings (loop._StepGC) are undone on the way out
+  assert gc.isenabled() and gc.get_freeze_count() == 0
   assert first.preempted and 2 <= first.end_step < 5
   assert "SIGINT: saved step" in capsys.readouterr().out
   stop = first.end_step
@@ -130,3 +133,4 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(workdir):
   with pytest.raises(loop.NonFiniteLossError, match=r"at step 3 .*last good checkpoint is step 2"):
     loop.run(stage, workdir, progress=False)
   assert Checkpointer(workdir / stage.name / "checkpoints").all_steps() == [2]
+

@@ -223,3 +223,30 @@ def test_host_clock_reports_means_and_a_median_that_differs(monkeypatch):
   assert clock.text() == "data 2.0 ms, dispatch 18.0 ms (median 10.0)"
   clock.restart()
   assert clock.text() == ""
+
+
+def test_step_gc_freezes_disables_collects_periodically_and_restores(monkeypatch):
+  import gc
+  from sparse_lm.train import loop
+  collects = []
+  real_collect = gc.collect
+  assert gc.isenabled() and gc.get_freeze_count() == 0
+  with loop._StepGC(every=3) as step_gc:
+    assert not gc.isenabled()
+    assert gc.get_freeze_count() > 0  # what lived at entry is out of every later collection
+    monkeypatch.setattr(loop.gc, "collect", lambda *a: collects.append(a) or real_collect(*a))
+    for done in range(1, 8):
+      step_gc.step(done)
+    assert len(collects) == 2  # after steps 3 and 6
+    monkeypatch.undo()
+    garbage = [[]]
+    garbage[0].append(garbage)  # a reference cycle: only the collector frees it
+    del garbage
+  assert gc.isenabled() and gc.get_freeze_count() == 0  # as it was before
+  gc.disable()
+  try:
+    with loop._StepGC():
+      pass
+    assert not gc.isenabled()  # a disabled collector stays disabled
+  finally:
+    gc.enable()
