@@ -100,16 +100,20 @@ class _StepGC:
   (docs/benchmarks.md). Inside the loop (entered after the first step, when everything
   long-lived exists): what lives now is frozen (`gc.freeze`: never scanned again), automatic
   collection is off, and a full collection of what is not frozen runs every `every` steps
-  (milliseconds). Leaving restores the collector as it was. Reference counting frees almost all
-  of a step's garbage regardless; only reference cycles wait for the next periodic collection.
+  (milliseconds). Leaving turns the collector back on if it was on and unfreezes, unless
+  objects were frozen before entry (someone else manages the frozen generation: then it stays
+  frozen; Python cannot unfreeze a part of it). Reference counting frees almost all of a
+  step's garbage regardless; only reference cycles wait for the next periodic collection.
   """
 
   def __init__(self, every: int = 100):
     self.every = every
     self._enabled = None
+    self._frozen_before = 0
 
   def __enter__(self):
     self._enabled = gc.isenabled()
+    self._frozen_before = gc.get_freeze_count()
     gc.collect()
     gc.freeze()
     gc.disable()
@@ -121,7 +125,8 @@ class _StepGC:
       gc.collect()
 
   def __exit__(self, *exc):
-    gc.unfreeze()
+    if not self._frozen_before:
+      gc.unfreeze()
     if self._enabled:
       gc.enable()
 

@@ -69,8 +69,9 @@ def test_compiler_options_only_on_gpus_and_only_when_asked():
   import types
   from sparse_lm.train import builder
   stage = small_stage()
-  gpu = types.SimpleNamespace(devices=np.array([types.SimpleNamespace(platform="gpu")]))
-  cpu = shd.make_mesh(stage.mesh)
+  mesh_on = lambda platform: types.SimpleNamespace(
+      devices=np.array([types.SimpleNamespace(platform=platform)]))
+  gpu, cpu = mesh_on("gpu"), mesh_on("cpu")
   on, off = (dataclasses.replace(stage, gpu_autotune=x) for x in (True, False))
   assert builder.compiler_options(on, gpu) is None
   assert builder.compiler_options(off, gpu) == {"xla_gpu_autotune_level": 0}
