@@ -93,11 +93,11 @@ class _Preemption:
 class _StepGC:
   """Python's cyclic garbage collector kept out of the step loop (Megatron-LM's "manual GC").
 
-  Every step builds and drops tens of thousands of small objects (the train state's pytree is
-  flattened and rebuilt around each call), so the collector runs dozens of times per step, and
-  every few steps a full collection walks the whole heap: the traced programs, the tokenizer,
-  the data pipeline, about 600,000 objects in the tiny job, 200-575 ms each on 2 CPU cores
-  (docs/benchmarks.md). Inside the loop (entered after the first step, when everything
+  Every step builds and drops thousands of small objects (the train state's pytree is
+  flattened and rebuilt around each call), so the young generations are collected several
+  times per step, and every few dozen steps a full collection walks the whole heap: the traced
+  programs, the tokenizer, the data pipeline, about 590,000 objects in the tiny job, about
+  470 ms each on 2 CPU cores (docs/benchmarks.md). Inside the loop (entered after the first step, when everything
   long-lived exists): what lives now is frozen (`gc.freeze`: never scanned again), automatic
   collection is off, and a full collection of what is not frozen runs every `every` steps
   (milliseconds). Leaving turns the collector back on if it was on and unfreezes, unless
