@@ -24,7 +24,16 @@ def test_numpy_route_equals_the_router():
     ids, alpha = qb_probe.np_route(s, b, 4, cutoff)
     rt = router.route(jnp.asarray(s, jnp.float32), jnp.asarray(b, jnp.float32), 4,
                       cutoff=cutoff)
-    np.testing.assert_array_equal(ids, np.asarray(rt.expert_ids))
+    got = np.asarray(rt.expert_ids)
+    # The router ranks s + b in fp32, np_route in fp64: two experts whose biased scores round
+    # to the same fp32 value (about one row in 10^4 here) may come out in either order. So
+    # the biased scores of the chosen experts must agree rank by rank to fp32 resolution, and
+    # the ids themselves wherever no such near-tie exists.
+    sb = s + b
+    np.testing.assert_allclose(np.take_along_axis(sb, got, 1),
+                               np.take_along_axis(sb, ids, 1), rtol=0, atol=1e-6)
+    differ = np.any(got != ids, axis=1)
+    assert differ.mean() < 1e-2, (cutoff, np.flatnonzero(differ)[:10])
     np.testing.assert_allclose(alpha, np.asarray(rt.cutoff), atol=1e-6)
 
 
