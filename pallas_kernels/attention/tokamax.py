@@ -7,6 +7,8 @@ and the vision encoder (bidirectional images of packed rows).
 
 from __future__ import annotations
 
+import logging
+
 import jax
 import jax.numpy as jnp
 
@@ -33,13 +35,49 @@ def run_ranges(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
   return start, end
 
 
+class CacheMissFilter(logging.Filter):
+  """Lets through the first "Autotuning cache miss" warning of each tokamax op, drops the rest.
+
+  tokamax warns once per kernel call site whose shapes are not in its autotuning cache, then
+  uses its heuristic config: a GPU train step printed about a hundred such lines (each with
+  the op's whole repr) before its first step. The first one per op (ragged dot, attention,
+  attention backward) still says what happened; `dropped` counts the rest by op.
+  """
+
+  def __init__(self):
+    super().__init__("tokamax cache misses")
+    self.dropped: dict[str, int] = {}
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    if not str(record.msg).startswith("Autotuning cache miss for"):
+      return True
+    op = type(record.args[0]).__name__ if record.args else "?"
+    first = op not in self.dropped
+    self.dropped.setdefault(op, 0)
+    if first:
+      record.msg = (str(record.msg) + " (sparse_lm shows the first cache miss of each tokamax "
+                    "op; the op runs its heuristic config)")
+      return True
+    self.dropped[op] += 1
+    return False
+
+
+_CACHE_MISS_FILTER = CacheMissFilter()
+
+
 def tokamax_flags() -> None:
-  """Mark the absl flags parsed (at their defaults) if nobody has: tokamax reads its absl flags
+  """Prepare tokamax's first use; idempotent, cheap enough to call before every use.
+
+  Marks the absl flags parsed (at their defaults) if nobody has: tokamax reads its absl flags
   on first use and otherwise parses sys.argv, which fails under non-absl programs (pytest,
-  notebooks)."""
+  notebooks). Installs `CacheMissFilter` on the "absl" logger (tokamax logs through absl).
+  """
   from absl import flags
   if not flags.FLAGS.is_parsed():
     flags.FLAGS.mark_as_parsed()
+  absl_logger = logging.getLogger("absl")
+  if _CACHE_MISS_FILTER not in absl_logger.filters:
+    absl_logger.addFilter(_CACHE_MISS_FILTER)
 
 
 def tokamax_masked(q, k, v, *, scale: float, k_start=None, k_end=None, is_causal: bool = False,

@@ -34,7 +34,8 @@ import math
 
 import jax
 import jax.numpy as jnp
-from absl import flags
+
+from pallas_kernels.attention.tokamax import tokamax_flags
 
 GMM_IMPLS = ("ragged_dot", "tokamax", "megablox", "blocked")
 
@@ -72,10 +73,10 @@ def _keep_live(x: jax.Array, live: jax.Array) -> jax.Array:
 def _tokamax_kernel(lhs, rhs, group_sizes):
   import tokamax  # pylint: disable=g-import-not-at-top
   # tokamax reads its config from absl flags and, when the host program never parsed them
-  # (pytest, argparse scripts), parses sys.argv itself and fails on foreign options. Use the
-  # flag defaults in that case; programs run through absl.app keep their parsed flags.
-  if not flags.FLAGS.is_parsed():
-    flags.FLAGS.mark_as_parsed()
+  # (pytest, argparse scripts), parses sys.argv itself and fails on foreign options: the flag
+  # defaults are used then (programs run through absl.app keep their parsed flags). Also one
+  # autotuning-cache-miss warning per op instead of one per call site.
+  tokamax_flags()
   impl = "xla" if jax.default_backend() == "cpu" else None
   return tokamax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype,
                             implementation=impl)
