@@ -245,7 +245,7 @@ RESUMABLE_CHANGES = ("name", "eval_every", "eval_batches", "eval_batch_size",
                      "num_slices",
                      "micro_batches", "init_from", "keep_optimizer_state", "sample_tokens",
                      "sample_prompt", "reference_seq_len", "nan_at_step", "data.prefetch",
-                     "gpu_autotune")
+                     "gpu_autotune", "gc_every")
 
 
 # ModelConfig fields that choose an implementation, not the parameters or the function they

@@ -51,6 +51,11 @@ class StageConfig:
       configs: on one H200 the tiny train step's XLA compile spent 13.3 s of its 38 s
       autotuning, for a step that is bound by kernel launches (docs/benchmarks.md). Ignored
       off GPUs.
+    gc_every: steps between the step loop's full garbage collections. From the first step
+      on, the loop freezes what lives then (`gc.freeze`) and turns Python's automatic
+      collector off, so that no collection of the whole heap stalls a step; every `gc_every`
+      steps it collects what is not frozen (`loop._StepGC`). 0 leaves the collector as it
+      is (`benchmarks/loop_gc.py` compares the two).
   """
 
   name: str
@@ -79,6 +84,7 @@ class StageConfig:
   reference_seq_len: int | None = None
   nan_at_step: int | None = None
   gpu_autotune: bool = True
+  gc_every: int = 100
 
   @property
   def global_batch(self) -> int:
@@ -101,6 +107,9 @@ class StageConfig:
               "checkpoint_every", "keep_checkpoints"):
       if getattr(self, f) <= 0:
         raise ValueError(f"StageConfig({self.name}): {f}={getattr(self, f)} must be > 0")
+    if self.gc_every < 0:
+      raise ValueError(f"StageConfig({self.name}): gc_every={self.gc_every} must be >= 0 "
+                       "(0 leaves Python's garbage collector as it is)")
     self.optim.validate()
     if self.tokens_per_batch % self.seq_len:
       raise ValueError(f"StageConfig({self.name}): tokens_per_batch={self.tokens_per_batch} "

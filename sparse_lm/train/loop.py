@@ -104,14 +104,19 @@ class _StepGC:
   objects were frozen before entry (someone else manages the frozen generation: then it stays
   frozen; Python cannot unfreeze a part of it). Reference counting frees almost all of a
   step's garbage regardless; only reference cycles wait for the next periodic collection.
+  `every` = 0 (StageConfig.gc_every): does nothing, Python's collector runs as configured.
   """
 
   def __init__(self, every: int = 100):
+    if every < 0:
+      raise ValueError(f"every={every}: must be >= 0 (0 leaves the collector as it is)")
     self.every = every
     self._enabled = None
     self._frozen_before = 0
 
   def __enter__(self):
+    if not self.every:
+      return self
     self._enabled = gc.isenabled()
     self._frozen_before = gc.get_freeze_count()
     gc.collect()
@@ -121,10 +126,12 @@ class _StepGC:
 
   def step(self, done: int) -> None:
     """After `done` steps: a full collection (of the non-frozen objects) every `every` steps."""
-    if done % self.every == 0:
+    if self.every and done % self.every == 0:
       gc.collect()
 
   def __exit__(self, *exc):
+    if not self.every:
+      return
     if not self._frozen_before:
       gc.unfreeze()
     if self._enabled:
@@ -354,7 +361,7 @@ class _StageLoop:
     self.pre.wait("sample")  # reads `state`: done before the first step donates it
     self.pre.wait("train")
     clock = self.clock = _HostClock()
-    step_gc = _StepGC()
+    step_gc = _StepGC(stage.gc_every)
     with _Preemption() as preemption, contextlib.ExitStack() as stack:
       for step in range(start, stage.steps):
         clock.lap("other")

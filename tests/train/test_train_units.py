@@ -257,3 +257,22 @@ def test_step_gc_freezes_disables_collects_periodically_and_restores(monkeypatch
     assert gc.isenabled() and gc.get_freeze_count() >= before
   finally:
     gc.unfreeze()
+
+
+def test_step_gc_every_zero_leaves_the_collector_alone(monkeypatch):
+  import gc
+  from sparse_lm.train import loop
+  from sparse_lm.train.config import StageConfig
+  gc.unfreeze()
+  calls = []
+  monkeypatch.setattr(loop.gc, "collect", lambda *a: calls.append(a))
+  monkeypatch.setattr(loop.gc, "freeze", lambda: calls.append("freeze"))
+  with loop._StepGC(every=0) as step_gc:
+    assert gc.isenabled()
+    for done in range(1, 250):
+      step_gc.step(done)
+  assert gc.isenabled() and calls == []
+  with pytest.raises(ValueError, match="every=-1"):
+    loop._StepGC(every=-1)
+  with pytest.raises(ValueError, match="gc_every=-5 must be >= 0"):
+    StageConfig(name="s", seq_len=64, tokens_per_batch=128, gc_every=-5).validate()
