@@ -100,11 +100,12 @@ def _tile(dim: int, prefs=(512, 256, 128)) -> int:
   return next((t for t in prefs if dim % t == 0), dim)
 
 
-def _megablox_gmm(lhs, rhs, group_sizes, interpret: bool):
+def _megablox_gmm(lhs, rhs, group_sizes, interpret: bool, mask: bool = True):
   """Pallas megablox gmm (compiled for TPU; Pallas interpret mode elsewhere, tests only).
 
   megablox needs M divisible by the row tile, so rows are padded; rows past sum(group_sizes)
-  are not written by the kernel and are zeroed here.
+  are not written by the kernel and are zeroed here (`mask`; False when the groups cover all
+  M rows: then only the padding rows are unwritten, and they are sliced off).
   """
   # pylint: disable-next=g-import-not-at-top
   from jax.experimental.pallas.ops.tpu.megablox import gmm as megablox_gmm
@@ -115,11 +116,11 @@ def _megablox_gmm(lhs, rhs, group_sizes, interpret: bool):
   # Mask on both sides: the forward kernel leaves rows past sum(group_sizes) unwritten, and so
   # does its lhs-gradient kernel; a `where` (not a multiply) keeps that garbage out of both.
   live = _live_rows(m, group_sizes)
-  lhs_p = jnp.pad(_keep_live(lhs, live), ((0, m_pad - m), (0, 0)))
+  lhs_p = jnp.pad(_keep_live(lhs, live) if mask else lhs, ((0, m_pad - m), (0, 0)))
   out = megablox_gmm(lhs_p, rhs, group_sizes, preferred_element_type=lhs.dtype,
                      tiling=(tm, _tile(k), _tile(n)),
                      interpret=interpret)[:m]
-  return _keep_live(out, live)
+  return _keep_live(out, live) if mask else out
 
 
 def blocked_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
@@ -176,7 +177,8 @@ def blocked_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
 
 
 def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
-        backend: str = "auto", platform: str | None = None) -> jax.Array:
+        backend: str = "auto", platform: str | None = None,
+        rows_covered: bool = False) -> jax.Array:
   """Grouped matmul; see the module docstring.
 
   Args:
@@ -185,6 +187,10 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     backend: "auto", "ragged_dot", "tokamax", "megablox" or "blocked".
     platform: the platform the program is compiled for (e.g. a mesh's
       `devices.flat[0].platform`); default the host's `jax.default_backend()`.
+    rows_covered: the caller guarantees sum(group_sizes) == M (every row in a group): the
+      tokamax and megablox paths then skip the `where` masks that clear the rows past the
+      sum (two passes over lhs and out, forward and backward). With rows left over, those
+      rows would be whatever the kernel's buffers held.
 
   Returns:
     [M, N] in lhs's dtype (accumulated in fp32 by every backend).
@@ -199,9 +205,12 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
   if backend == "ragged_dot":
     return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype)
   if backend == "tokamax":
+    if rows_covered:
+      return _tokamax_kernel(lhs, rhs, group_sizes)
     return _tokamax_ragged_dot(lhs, rhs, group_sizes)
   if backend == "blocked":
     return blocked_gmm(lhs, rhs, group_sizes)
   if backend == "megablox":
-    return _megablox_gmm(lhs, rhs, group_sizes, interpret=platform != "tpu")
+    return _megablox_gmm(lhs, rhs, group_sizes, interpret=platform != "tpu",
+                         mask=not rows_covered)
   raise ValueError(f"unknown gmm backend {backend!r}; choose one of {('auto',) + GMM_IMPLS}")

@@ -19,6 +19,7 @@ tokens carry the sentinel expert id E and contribute nothing.
 
 from __future__ import annotations
 
+import functools
 import math
 from typing import Any
 
@@ -94,9 +95,12 @@ def sorted_dispatch(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
                     beta1: float = 4.0, beta2: float = 25.0) -> jax.Array:
   """Single-program dispatch: sort by expert, grouped matmuls, unsort, gate-weighted sum.
 
-  Same contract as `dispatch_and_compute`. The sentinel id E sorts after every real expert
-  and lies beyond sum(group_sizes), so the grouped matmuls give zeros there; it is also
-  masked explicitly.
+  Same contract as `dispatch_and_compute`. The sentinel id E sorts after every real expert.
+  With a Pallas grouped matmul (tokamax, megablox), whose kernels leave rows past
+  sum(group_sizes) unwritten, the sentinel rows are counted into the last expert's group
+  instead (computed, finite, then given combine weight 0: exactly nothing in value and
+  gradient), which spares the kernels' row masks; other backends give zeros past the sum. The
+  combine weight of a sentinel is 0 either way.
   """
   num_tokens, k = expert_ids.shape
   num_experts = params["w_gate"].shape[0]
@@ -104,11 +108,16 @@ def sorted_dispatch(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
   order = jnp.argsort(flat_ids, stable=True).astype(jnp.int32)  # [N k]
   inverse = permute.inverse_permutation(order)
   group_sizes = permute.one_hot_counts(flat_ids, num_experts)
+  covered = gmm_lib.resolve_backend(backend, jax.default_backend(), k=z.shape[-1],
+                                    n=params["w_gate"].shape[-1]) in ("tokamax", "megablox")
+  if covered:
+    group_sizes = group_sizes.at[-1].add(flat_ids.shape[0] - jnp.sum(group_sizes))
   zs = permute.permute_rows(z, order, inverse, k)  # [N k, L] sorted by expert
-  g = gmm_lib.gmm(zs, params["w_gate"], group_sizes, backend=backend)
-  u = gmm_lib.gmm(zs, params["w_up"], group_sizes, backend=backend)
+  mm = functools.partial(gmm_lib.gmm, backend=backend, rows_covered=covered)
+  g = mm(zs, params["w_gate"], group_sizes)
+  u = mm(zs, params["w_up"], group_sizes)
   h = situ_activation(g, u, beta1, beta2).astype(z.dtype)
-  out = gmm_lib.gmm(h, params["w_down"], group_sizes, backend=backend)  # [N k, L]
+  out = mm(h, params["w_down"], group_sizes)  # [N k, L]
   out = permute.permute_rows(out, inverse, order).reshape(num_tokens, k, -1).astype(jnp.float32)
   w = jnp.where(expert_ids < num_experts, gates.astype(jnp.float32), 0.0)
   return jnp.einsum("nk,nkl->nl", w, out)

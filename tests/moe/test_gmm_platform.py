@@ -115,3 +115,53 @@ def test_tokamax_rows_past_the_groups_are_zero_in_value_and_gradient(monkeypatch
   # without the masking the same kernel leaks NaN (the test sees the failure it guards)
   leaked = _garbage_tail_kernel(lhs, rhs, sizes)
   assert np.isnan(np.asarray(leaked)[~live]).all()
+
+
+@pytest.mark.parametrize("dead_last", [False, True])
+def test_sorted_dispatch_leaves_no_unwritten_rows_for_a_tail_writing_kernel(monkeypatch,
+                                                                            dead_last):
+  """`sorted_dispatch` counts the sentinel (padding / dropped) rows into the last expert's
+  group on the tokamax path and skips the row masks (`gmm(rows_covered=True)`): with a kernel
+  that leaves rows past sum(group_sizes) as NaN, value and gradients must still be finite and
+  equal an independent per-token loop, also when the last expert has no token of its own."""
+  from sparse_lm.moe import latent_moe as lm
+  from sparse_lm.moe.situ_glu import situ_activation
+  monkeypatch.setattr(gmm_lib, "_tokamax_kernel", _garbage_tail_kernel)
+  rng = np.random.default_rng(5)
+  n, e, k, lat, f = 29, 5, 2, 8, 12
+  z = jnp.asarray(rng.normal(size=(n, lat)), jnp.float32)
+  ids = np.stack([rng.choice(e - int(dead_last), size=k, replace=False) for _ in range(n)])
+  ids[rng.random((n, k)) < 0.2] = e  # sentinel pairs
+  ids[:3] = e  # three padding tokens: all sentinels
+  ids = jnp.asarray(ids, jnp.int32)
+  gates = jnp.asarray(rng.uniform(0.1, 1.0, size=(n, k)), jnp.float32)
+  params = {"w_gate": jnp.asarray(0.4 * rng.normal(size=(e, lat, f)), jnp.float32),
+            "w_up": jnp.asarray(0.4 * rng.normal(size=(e, lat, f)), jnp.float32),
+            "w_down": jnp.asarray(0.4 * rng.normal(size=(e, f, lat)), jnp.float32)}
+  wts = jnp.asarray(rng.normal(size=(n, lat)), jnp.float32)
+
+  def reference(z, gates, params):  # token by token, pair by pair; sentinels add nothing
+    rows = []
+    for t in range(n):
+      acc = jnp.zeros((lat,), jnp.float32)
+      for j in range(k):
+        x = int(ids[t, j])
+        if x < e:
+          h = situ_activation(z[t] @ params["w_gate"][x], z[t] @ params["w_up"][x], 4.0, 25.0)
+          acc = acc + gates[t, j] * (h @ params["w_down"][x])
+      rows.append(acc)
+    return jnp.stack(rows)
+
+  def loss(fn, *a):
+    return jnp.sum(wts * fn(*a))
+
+  fast = lambda z, g, p: lm.sorted_dispatch(z, ids, g, p, backend="tokamax")
+  val, grads = jax.value_and_grad(lambda *a: loss(fast, *a), argnums=(0, 1, 2))(z, gates, params)
+  ref_val, ref_grads = jax.value_and_grad(lambda *a: loss(reference, *a), argnums=(0, 1, 2))(
+      z, gates, params)
+  assert np.isfinite(float(val))
+  np.testing.assert_allclose(float(val), float(ref_val), rtol=1e-5)
+  for got, ref in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    assert np.all(np.isfinite(np.asarray(got)))
+    np.testing.assert_allclose(np.asarray(got), np.asarray(ref), rtol=1e-4, atol=1e-5)
+  np.testing.assert_array_equal(np.asarray(grads[0])[:3], 0.0)  # padding tokens: no gradient
