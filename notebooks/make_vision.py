@@ -16,7 +16,14 @@ cells = [
         "images with the captions the model generates. The same run as "
         "`python -m experiments.vision_demo --preset=tiny`."),
     new_code_cell(
-        "import os\n"
+        "import os, pathlib, sys\n"
+        "# In a checkout (Jupyter starts in notebooks/): the first folder at or above this one\n"
+        "# that holds sparse_lm/ is the repository; put it on the import path.\n"
+        "_here = pathlib.Path.cwd()\n"
+        "for _root in (_here, *_here.parents):\n"
+        "  if (_root / 'sparse_lm' / '__init__.py').is_file():\n"
+        "    sys.path.insert(0, str(_root))\n"
+        "    break\n"
         "os.environ.setdefault('JAX_PLATFORMS', 'cpu')\n"
         "import dataclasses, tempfile\n"
         "import numpy as np\n"

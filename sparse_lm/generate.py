@@ -1,7 +1,7 @@
 """Generate text from a trained checkpoint: `python -m sparse_lm.generate`.
 
     python -m sparse_lm.generate --workdir runs/tiny --prompt 'def '
-    python -m sparse_lm.generate --checkpoint runs/tiny/stage_8k/checkpoints/1000 --interactive
+    python -m sparse_lm.generate --checkpoint runs/tiny/stage_8k/checkpoints/500 --interactive
 
 Loads the newest checkpoint of the newest stage in the workdir (the stage whose latest
 checkpoint was written last; `--stage` picks another) through `sparse_lm.train.load`, or one
@@ -89,6 +89,12 @@ def load_checkpoint(path: str | pathlib.Path, *, preset: str | None = None):
   from sparse_lm.train.checkpoint import stage_from_json
 
   path = pathlib.Path(path).absolute()
+  if path.name.isdigit() and not path.is_dir():
+    steps = (sorted((int(p.name) for p in path.parent.iterdir() if p.name.isdigit()))
+             if path.parent.is_dir() else [])
+    have = (f"the steps saved there: {', '.join(map(str, steps))}" if steps
+            else f"{path.parent} holds no checkpoint step")
+    raise FileNotFoundError(f"--checkpoint {path}: no such checkpoint; {have}")
   if not (path.is_dir() and path.name.isdigit()):
     raise FileNotFoundError(f"--checkpoint {path}: expected a step directory "
                             "<workdir>/<stage>/checkpoints/<step>")

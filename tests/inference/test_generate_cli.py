@@ -77,6 +77,13 @@ def test_cli_refuses_another_preset_before_compiling(workdir):
     cli.main(["--workdir", str(root / "nothing"), "--prompt", "x"])
   with pytest.raises(FileNotFoundError, match="--checkpoint"):
     cli.main(["--checkpoint", str(root / "stage_8k"), "--prompt", "x"])
+  # a step that was never saved: the message lists the steps there are
+  saved = sorted(p.name for p in (root / "stage_8k" / "checkpoints").iterdir()
+                 if p.name.isdigit())
+  with pytest.raises(FileNotFoundError,
+                     match=r"checkpoints/1000: no such checkpoint; the steps saved there: "
+                           + ", ".join(sorted(saved, key=int))):
+    cli.main(["--checkpoint", str(root / "stage_8k" / "checkpoints" / "1000"), "--prompt", "x"])
 
 
 def test_cli_interactive_continues_the_state(workdir, monkeypatch):
