@@ -231,4 +231,52 @@ class HFCheckpointTokenizer(Tokenizer):
 
 
 JSON_FORMATS["hf_checkpoint_tokenizer"] = HFCheckpointTokenizer
+
+def write_checkpoint_files(tokenizer: Tokenizer, directory) -> dict[str, int | None]:
+  """Write ``tokenizer`` as an HF checkpoint directory's tokenizer files, the inverse of
+  ``read_checkpoint_spec``: ``tokenizer.json`` (or ``tiktoken.model`` for a tiktoken
+  checkpoint tokenizer) and ``tokenizer_config.json`` (``added_tokens_decoder`` and the
+  ``bos_token`` / ``eos_token`` / ``pad_token`` names), so that ``transformers`` and
+  ``sparse_lm.interop.hf import`` read the same ids back.
+
+  Args:
+    tokenizer: our BPE (an HF ``tokenizers`` model) or an ``HFCheckpointTokenizer``.
+    directory: the export directory (created if missing).
+
+  Returns:
+    {"bos_token_id", "eos_token_id", "pad_token_id"} for config.json (None where the
+    tokenizer has no such token).
+
+  Raises:
+    ValueError: a SentencePiece tokenizer (no HF ``tokenizers`` file to write: export the
+      model without it, or train with a ``tokenizers`` BPE).
+  """
+  d = pathlib.Path(directory)
+  d.mkdir(parents=True, exist_ok=True)
+  roles = {role: tokenizer.token_to_id(name) for name, role in _ROLE_KEYS.items()}
+  if isinstance(tokenizer, HFCheckpointTokenizer):
+    spec = tokenizer._spec  # pylint: disable=protected-access
+    special = dict(spec["special_tokens"])
+    if spec["kind"] == "tokenizers":
+      (d / "tokenizer.json").write_text(spec["tokenizer_json"], encoding="utf-8")
+    else:
+      (d / "tiktoken.model").write_text(spec["ranks"], encoding="ascii")
+  else:
+    text = tokenizer.to_json()
+    if "sentencepiece_model" in json.loads(text):
+      raise ValueError("a SentencePiece tokenizer has no HF tokenizer.json to export; export "
+                       "the weights without it or train with the default BPE tokenizer")
+    (d / "tokenizer.json").write_text(text, encoding="utf-8")
+    special = {t: tokenizer.token_to_id(t) for t in SPECIAL_TOKENS
+               if tokenizer.token_to_id(t) is not None}
+  by_id = {i: t for t, i in special.items()}
+  names = {role: by_id.get(i) for role, i in roles.items()}
+  conf = {"added_tokens_decoder": {str(i): {"content": t, "special": True}
+                                   for t, i in sorted(special.items(), key=lambda x: x[1])},
+          **{f"{role}_token": name for role, name in names.items() if name is not None}}
+  if (d / "tokenizer.json").is_file():
+    conf["tokenizer_class"] = "PreTrainedTokenizerFast"
+  (d / "tokenizer_config.json").write_text(json.dumps(conf, indent=2) + "\n", encoding="utf-8")
+  return {f"{role}_token_id": i for role, i in roles.items()}
+
 PATH_PREFIXES[PREFIX] = HFCheckpointTokenizer.from_directory

@@ -221,15 +221,39 @@ def import_to_workdir(hf_dir, workdir_path, *, dtype: str | None = None) -> path
 
 
 def _export_source(workdir_path: str, stage: str | None):
-  """(model, cfg, token ids) of the stage checkpoint to export, or of the HF import."""
+  """(model, cfg, token ids, tokenizer or None) of the stage checkpoint to export (with the
+  tokenizer saved beside it), or of the HF import (with the tokenizer it recorded, if any)."""
+  from sparse_lm.data import Tokenizer  # pylint: disable=g-import-not-at-top
   extra = workdir.token_ids(workdir_path)
   try:
     model, cfg = workdir.load_stage_checkpoint(workdir_path, stage)
+    tokenizer = workdir.stage_tokenizer(workdir_path, stage)
   except FileNotFoundError:
     if stage is not None or workdir.imported_config(workdir_path) is None:
       raise
     model, cfg, _ = workdir.load_from_workdir(workdir_path)
-  return model, cfg, extra
+    path = workdir.tokenizer_path(workdir_path)
+    tokenizer = Tokenizer.load(path) if path else None
+  return model, cfg, extra, tokenizer
+
+
+def export_from_workdir(workdir_path, out, *, stage: str | None = None,
+                        layout: str = "kimi_linear", quantize: bool = False) -> list[str]:
+  """A workdir's newest trained stage (or `stage`; its HF import if it has no stage) -> HF
+  checkpoint `out`: weights and config.json (`save_pretrained`) and the tokenizer files with
+  the bos / eos / pad ids (`tokenizer_hf.write_checkpoint_files`), so that `import` of `out`
+  gives the same model and tokenizer back. Returns the shard file names.
+
+  Raises:
+    FileNotFoundError: no checkpoint of `stage` (or of any stage, and no import).
+    ValueError: `save_pretrained`'s errors; a SentencePiece tokenizer (not exportable).
+  """
+  from sparse_lm.data import tokenizer_hf  # pylint: disable=g-import-not-at-top
+  model, cfg, extra, tokenizer = _export_source(str(workdir_path), stage)
+  if tokenizer is not None:
+    extra = {**extra, **tokenizer_hf.write_checkpoint_files(tokenizer, out)}
+  return save_pretrained(model, cfg, out, layout=layout, quantize_experts=quantize,
+                         extra_config=extra)
 
 
 def main(argv=None) -> None:
@@ -255,10 +279,11 @@ def main(argv=None) -> None:
     print(f"imported {args.hf_dir} -> {out}" + (f" (tokenizer {tok})" if tok else
                                                  " (the checkpoint ships no tokenizer)"))
   else:
-    model, cfg, extra = _export_source(args.workdir, args.stage)
-    files = save_pretrained(model, cfg, args.out, layout=args.layout,
-                            quantize_experts=args.quantize, extra_config=extra)
-    print(f"exported {len(files)} shard(s) to {args.out} ({args.layout})")
+    files = export_from_workdir(args.workdir, args.out, stage=args.stage, layout=args.layout,
+                                quantize=args.quantize)
+    tok = [f for f in ("tokenizer.json", "tiktoken.model") if (pathlib.Path(args.out) / f).is_file()]
+    print(f"exported {len(files)} shard(s) to {args.out} ({args.layout}); tokenizer: "
+          + (tok[0] if tok else "none (the source has none)"))
 
 
 if __name__ == "__main__":

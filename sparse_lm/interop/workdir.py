@@ -153,15 +153,9 @@ def _unwrap(tree):
   return tree
 
 
-def load_stage_checkpoint(workdir, stage: str | None = None) -> tuple[nnx.Module, ModelConfig]:
-  """(model on the first device, cfg) of the newest step of `stage` (default: the stage whose
-  newest checkpoint is the most recent) under `workdir/<stage>/checkpoints/`.
-
-  Raises:
-    FileNotFoundError: no such checkpoint (the message lists the stages found).
-  """
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  from sparse_lm.model.transformer import Transformer  # pylint: disable=g-import-not-at-top
+def _stage_step_dir(workdir, stage: str | None) -> pathlib.Path:
+  """The newest step directory of `stage` (default: the stage whose newest checkpoint is the
+  most recent) under `workdir/<stage>/checkpoints/`; FileNotFoundError listing the stages."""
   root = pathlib.Path(workdir).absolute()
   steps = [d for d in root.glob("*/checkpoints/*")
            if d.name.isdigit() and (d / "state").is_dir() and (d / "meta").is_dir()]
@@ -173,7 +167,29 @@ def load_stage_checkpoint(workdir, stage: str | None = None) -> tuple[nnx.Module
                             f"checkpoints: {names or 'none'})")
   if stage is None:
     stage = max(steps, key=lambda d: d.stat().st_mtime).parents[1].name
-  step_dir = max((d for d in steps if d.parents[1].name == stage), key=lambda d: int(d.name))
+  return max((d for d in steps if d.parents[1].name == stage), key=lambda d: int(d.name))
+
+
+def stage_tokenizer(workdir, stage: str | None = None):
+  """The tokenizer saved with the checkpoint `load_stage_checkpoint(workdir, stage)` reads (a
+  `sparse_lm.data.Tokenizer`; None if its meta holds none). Raises FileNotFoundError as that
+  function does."""
+  from sparse_lm.data import Tokenizer  # pylint: disable=g-import-not-at-top
+  meta = json.loads((_stage_step_dir(workdir, stage) / "meta" / "metadata").read_text())
+  saved = meta.get("tokenizer")
+  return Tokenizer.from_json(saved["json"]) if saved else None
+
+
+def load_stage_checkpoint(workdir, stage: str | None = None) -> tuple[nnx.Module, ModelConfig]:
+  """(model on the first device, cfg) of the newest step of `stage` (default: the stage whose
+  newest checkpoint is the most recent) under `workdir/<stage>/checkpoints/`.
+
+  Raises:
+    FileNotFoundError: no such checkpoint (the message lists the stages found).
+  """
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from sparse_lm.model.transformer import Transformer  # pylint: disable=g-import-not-at-top
+  step_dir = _stage_step_dir(workdir, stage)
   meta = json.loads((step_dir / "meta" / "metadata").read_text())
   fields = {f.name for f in dataclasses.fields(ModelConfig)}
   cfg = ModelConfig(**{k: v for k, v in meta["model"].items() if k in fields})

@@ -82,3 +82,50 @@ def test_export_reads_a_stage_checkpoint(tmp_path):
   for (p, x), (_, y) in zip(nnx.to_flat_state(nnx.state(model)),
                             nnx.to_flat_state(nnx.state(back))):
     assert np.array_equal(np.asarray(x[...]), np.asarray(y[...])), p
+
+
+def test_exported_stage_imports_back_with_its_tokenizer(tmp_path):
+  """export -> import -> generate: a trained stage's export carries its tokenizer
+  (tokenizer.json, tokenizer_config.json, the bos / eos / pad ids in config.json), so the
+  import has the same weights and a tokenizer with the same ids, and `generate --workdir`
+  loads it (a new user's export could not be imported back: no tokenizer, null ids)."""
+  import pathlib
+  from sparse_lm import generate
+  from sparse_lm.config import get_preset
+  from sparse_lm.data.tokenizer import train_bpe
+  from sparse_lm.interop import workdir
+  from sparse_lm.interop.hf import export_from_workdir
+  from sparse_lm.model import Transformer
+  from sparse_lm.train.checkpoint import Checkpointer
+  from sparse_lm.train.state import TrainState
+  cfg = get_preset("tiny")
+  texts = [p.read_text() for p in sorted(pathlib.Path(json.__file__).parent.glob("*.py"))]
+  tok = train_bpe(texts, cfg.vocab_size)
+  model = Transformer(cfg, rngs=nnx.Rngs(1))
+  _, params, rest = nnx.split(model, nnx.Param, ...)
+  state = TrainState(step=np.int32(2), params=params, model_vars=rest, opt_state={},
+                     rng=np.zeros(2, np.uint32))
+  ckpt = Checkpointer(tmp_path / "w" / "stage_8k" / "checkpoints", async_save=False)
+  ckpt.save(state, data_state={}, final=True,
+            meta={"model": dataclasses.asdict(cfg),
+                  "tokenizer": {"fingerprint": tok.fingerprint, "json": tok.to_json()}})
+  ckpt.close()
+
+  out = tmp_path / "hf"
+  export_from_workdir(tmp_path / "w", out)
+  conf = json.loads((out / "config.json").read_text())
+  assert (conf["bos_token_id"], conf["eos_token_id"], conf["pad_token_id"]) == (
+      tok.bos_id, tok.eos_id, tok.pad_id)
+  assert (out / "tokenizer.json").is_file()
+
+  import_to_workdir(out, tmp_path / "w2")
+  back, back_tok, _ = generate.load_workdir(tmp_path / "w2")
+  text = "def f(x):\n    return {'a': x}  # <bos> stays text\n"
+  assert back_tok.encode(text) == tok.encode(text)
+  assert back_tok.decode(tok.encode(text)) == text
+  assert (back_tok.bos_id, back_tok.eos_id, back_tok.pad_id) == (tok.bos_id, tok.eos_id,
+                                                                 tok.pad_id)
+  for (p, x), (_, y) in zip(nnx.to_flat_state(nnx.state(model, nnx.Param)),
+                            nnx.to_flat_state(nnx.state(back, nnx.Param))):
+    np.testing.assert_array_equal(np.asarray(x[...], np.float32), np.asarray(y[...], np.float32),
+                                  err_msg=str(p))
