@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import pathlib
+import re
 import sys
 from typing import Any, Sequence
 
@@ -150,13 +151,36 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
+# The engine's argument names -> this CLI's flags, for its error messages.
+_FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
+          "max_new_tokens": "--max-new-tokens", "max_length": "--max-length",
+          "prefill_chunk": "--prefill-chunk"}
+
+
+def _flag_error(parser: argparse.ArgumentParser, err: ValueError):
+  """Exit with `err`'s message (status 2, as argparse) in terms of the CLI's flags."""
+  msg = str(err)
+  for name, flag in _FLAGS.items():
+    msg = re.sub(rf"(?<![-\w]){name}\b", flag, msg)
+  parser.error(msg)
+
+
 def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
   """Run the CLI; returns the exit status. `out` (default stdout) receives the text."""
   out = out or sys.stdout
-  args = _parser().parse_args(argv)
+  parser = _parser()
+  args = parser.parse_args(argv)
   from sparse_lm.inference import Engine, SamplingParams
 
-  sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+  try:
+    sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
+    if args.max_new_tokens < 1:
+      raise ValueError(f"max_new_tokens={args.max_new_tokens} must be >= 1")
+    if args.max_length < 1 or args.prefill_chunk < 1:
+      raise ValueError(f"max_length={args.max_length} and prefill_chunk={args.prefill_chunk} "
+                       "must be >= 1")
+  except ValueError as e:
+    _flag_error(parser, e)
   if not args.interactive and not args.prompt:
     raise SystemExit("--prompt is empty: give text to continue, or use --interactive")
   if args.checkpoint:
@@ -167,8 +191,11 @@ def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
   print(f"[{where}]", file=sys.stderr)
   sampling = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k,
                             top_p=sampling.top_p, stop_tokens=[tokenizer.eos_id])
-  engine = Engine(model, max_length=args.max_length, max_batch=1,  # 16 tokens per burst
-                  prefill_chunk=args.prefill_chunk, decode_steps=16)
+  try:
+    engine = Engine(model, max_length=args.max_length, max_batch=1,  # 16 tokens per burst
+                    prefill_chunk=args.prefill_chunk, decode_steps=16)
+  except ValueError as e:
+    _flag_error(parser, e)
 
   def turn(text, state, seed):
     ids = tokenizer.encode(text)
@@ -183,9 +210,15 @@ def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
         out.write(text[len(shown):])
         out.flush()
         shown = text
-    res = engine.generate([ids], max_new_tokens=args.max_new_tokens, sampling=sampling,
-                          seed=seed, states=[state], stream=stream)[0]
+    try:
+      res = engine.generate([ids], max_new_tokens=args.max_new_tokens, sampling=sampling,
+                            seed=seed, states=[state], stream=stream)[0]
+    except ValueError as e:
+      _flag_error(parser, e)
     out.write("\n")
+    if res.finish_reason == "max_length":
+      print(f"[stopped: the history reached --max-length {args.max_length} tokens]",
+            file=sys.stderr)
     return res.state
 
   if not args.interactive:

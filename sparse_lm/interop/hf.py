@@ -25,6 +25,7 @@ import math
 import os
 import pathlib
 import re
+import warnings
 
 import jax
 import numpy as np
@@ -244,14 +245,20 @@ def export_from_workdir(workdir_path, out, *, stage: str | None = None,
   the bos / eos / pad ids (`tokenizer_hf.write_checkpoint_files`), so that `import` of `out`
   gives the same model and tokenizer back. Returns the shard file names.
 
+  A SentencePiece tokenizer has no HF file to write: the weights are exported without it
+  (with a warning).
+
   Raises:
     FileNotFoundError: no checkpoint of `stage` (or of any stage, and no import).
-    ValueError: `save_pretrained`'s errors; a SentencePiece tokenizer (not exportable).
+    ValueError: `save_pretrained`'s errors.
   """
   from sparse_lm.data import tokenizer_hf  # pylint: disable=g-import-not-at-top
   model, cfg, extra, tokenizer = _export_source(str(workdir_path), stage)
   if tokenizer is not None:
-    extra = {**extra, **tokenizer_hf.write_checkpoint_files(tokenizer, out)}
+    try:
+      extra = {**extra, **tokenizer_hf.write_checkpoint_files(tokenizer, out)}
+    except ValueError as e:
+      warnings.warn(f"{e}: exporting {out} without a tokenizer")
   return save_pretrained(model, cfg, out, layout=layout, quantize_experts=quantize,
                          extra_config=extra)
 

@@ -139,7 +139,10 @@ def _init_from_pretraining(model, cfg: RLConfig):
   stages = sorted(pathlib.Path(cfg.init_from).glob("*/checkpoints"),
                   key=lambda p: p.stat().st_mtime)
   if not stages:
-    raise FileNotFoundError(f"init_from={cfg.init_from!r} holds no <stage>/checkpoints")
+    raise FileNotFoundError(
+        f"init_from={cfg.init_from!r} holds no <stage>/checkpoints: give the workdir of a "
+        "pretraining run (e.g. runs/tiny after python -m experiments.stage_8k --preset=tiny), "
+        "or leave init_from unset to start from scratch")
   _, _, state = _fresh_state(model, OptimizerConfig(), 1, cfg.seed)
   restored = _restore(Checkpointer(stages[-1], async_save=False), state)
   if restored is None:

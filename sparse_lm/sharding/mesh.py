@@ -115,7 +115,10 @@ def _fill(sizes: dict[str, int], total: int, prefix: str, what: str) -> dict[str
   if rest:
     if total % known:
       raise ValueError(f"{total} {what} are not divisible by the product {known} of the fixed "
-                       f"sizes {({prefix + a: v for a, v in sizes.items() if v != -1})}")
+                       f"sizes {({prefix + a: v for a, v in sizes.items() if v != -1})}: use "
+                       f"sizes whose product divides {total} (e.g. mesh=fsdp=-1), or run on "
+                       "more devices (on a CPU host, XLA_FLAGS="
+                       "--xla_force_host_platform_device_count=8 before jax is imported)")
     out[rest[0]] = total // known
   elif known != total:
     raise ValueError(f"the sizes {({prefix + a: v for a, v in sizes.items()})} multiply to "

@@ -3,6 +3,7 @@ and the end-of-stage sample (train/sample.py) through the engine."""
 
 import io
 import os
+import re
 
 import jax
 import numpy as np
@@ -103,3 +104,17 @@ def test_cli_interactive_continues_the_state(workdir, monkeypatch):
     want += tokenizer.decode(res.tokens, skip_special=True) + "\n"
     state = res.state
   assert out.getvalue() == want
+
+
+@pytest.mark.parametrize("flags, want", [
+    (["--temperature", "-1"], r"--temperature=-1.0 must be >= 0"),
+    (["--top-p", "1.5"], r"--top-p"),
+    (["--max-new-tokens", "0"], r"--max-new-tokens=0 must be >= 1"),
+])
+def test_cli_errors_name_the_flag_before_loading(flags, want, capsys, tmp_path):
+  """Bad numbers stop with argparse's status 2 and the flag's name (not the engine's argument
+  name), before any checkpoint is read (the workdir here does not exist)."""
+  with pytest.raises(SystemExit) as e:
+    cli.main(["--workdir", str(tmp_path / "none"), "--prompt", "x"] + flags)
+  assert e.value.code == 2
+  assert re.search(want, capsys.readouterr().err)
