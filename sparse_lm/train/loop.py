@@ -546,7 +546,9 @@ def _init_from(stage, workdir, target, fingerprint, parts, say) -> TrainState:
 
 
 def _sample(graphdef, state, tokenizer, stage) -> str:
-  prompt = tokenizer.encode(stage.sample_prompt)
+  """Greedy continuation of `stage.sample_prompt` after <bos>, as training documents begin and
+  as `python -m sparse_lm.generate` prompts (so both print the same text for one checkpoint)."""
+  prompt = [tokenizer.bos_id] + tokenizer.encode(stage.sample_prompt)
   ids = generate(graphdef, state.params, state.model_vars, prompt,
                  max_new_tokens=stage.sample_tokens, temperature=0.0,
                  pad_id=tokenizer.pad_id, eos_id=tokenizer.eos_id)

@@ -175,14 +175,17 @@ def test_end_of_stage_sample_hides_special_tokens(monkeypatch):
   from experiments import stage_8k
 
   class Tok:
-    eos_id, pad_id = 2, 0
+    bos_id, eos_id, pad_id = 1, 2, 0
     encode = staticmethod(lambda text: [5])
     decode = staticmethod(lambda ids, skip_special=False: " ".join(
         str(i) for i in ids if not (skip_special and i < 8)))
 
-  monkeypatch.setattr(loop, "generate", lambda *a, **k: [1, 40, 3, 41])
+  prompts = []
+  monkeypatch.setattr(loop, "generate", lambda g, p, v, prompt, **k: prompts.append(prompt)
+                      or [1, 40, 3, 41])
   state = type("S", (), {"params": None, "model_vars": None})()
   assert loop._sample(None, state, Tok(), stage_8k.TINY) == "40 41"
+  assert prompts == [[1, 5]]  # <bos> first, as the generate CLI prompts
 
 
 def test_workdir_lock_names_the_holder(tmp_path):
