@@ -235,4 +235,7 @@ def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
 
 
 if __name__ == "__main__":
-  sys.exit(main())
+  try:
+    sys.exit(main())
+  except FileNotFoundError as e:  # a missing workdir / checkpoint: the message says what to do
+    sys.exit(f"python -m sparse_lm.generate: error: {e}")
