@@ -48,6 +48,11 @@ def resolve_backend(backend: str, device=None) -> str:
 
 def _check(q, k, v, g, beta, initial_state, segment_ids, chunk_size, backend,
            gate_lower_bound=None):
+  for name, x, rank, dims in (("q", q, 4, "[B, T, H, K]"), ("v", v, 4, "[B, T, H, V]"),
+                              ("beta", beta, 3, "[B, T, H]")):
+    if getattr(x, "ndim", None) != rank:
+      raise ValueError(f"{name} has shape {getattr(x, 'shape', None)}: expected {dims} (a "
+                       "single sequence is B = 1)")
   B, T, H, K = q.shape
   V = v.shape[-1]
   if backend != "auto" and backend not in BACKENDS:
@@ -116,7 +121,8 @@ def chunk_kda(q, k, v, g, beta, *, scale=None, initial_state=None, output_final_
     checked: verify the promise (one min-reduction over g) with `jax.experimental.checkify`:
       call under `checkify.checkify(f)` (jitted or not), then `err.throw()` raises
       JaxRuntimeError naming the smallest g. Without the checkify wrapper, tracing a checked
-      call fails ("Cannot abstractly evaluate a checkify.check which was not functionalized").
+      call fails ("Cannot abstractly evaluate a checkify.check which was not functionalized");
+      an eager call (no tracing) raises that JaxRuntimeError at once.
       For tests and debug runs; no effect when gate_lower_bound is None.
 
   Returns:

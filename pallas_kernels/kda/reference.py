@@ -49,13 +49,13 @@ def recurrent_kda(
       the gate); beta: [B, T, H] in (0, 1). Any float dtype.
     scale: query scale, default K ** -0.5.
     initial_state: [B, H, K, V] or None (zeros).
-    output_final_state: kept for signature parity; the final state is always returned here.
+    output_final_state: return the final state (else None in its place), as `chunk_kda`.
     segment_ids: [B, T] int32 packed-document ids, 0 = padding (see `segment_resets`).
     chunk_size, backend: ignored (signature parity with `chunk_kda`).
 
   Returns:
-    o [B, T, H, V] in q's dtype, and the final state [B, H, K, V] in the state dtype: fp64 when
-    x64 is enabled and the inputs are fp64, else fp32.
+    o [B, T, H, V] in q's dtype, and the final state [B, H, K, V] in the state dtype (fp64 when
+    x64 is enabled and the inputs are fp64, else fp32) or None without output_final_state.
   """
   del chunk_size, backend
   B, T, H, K = q.shape

@@ -277,7 +277,8 @@ class Engine:
     Raises:
       ValueError (before anything is compiled or run): an empty prompt, a token id outside the
         vocabulary, history longer than max_length, a bad sampling / seed / max_new_tokens, or
-        a state from another engine.
+        a state from an engine of another model config or cache length (a state is not
+        tied to the weights: one from an engine of the same config continues here).
     """
     sampling = SamplingParams() if sampling is None else sampling
     feeds = self._check(prompts, max_new_tokens, sampling, seed, states)

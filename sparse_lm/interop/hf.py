@@ -181,8 +181,9 @@ def save_pretrained(model: Transformer, cfg: ModelConfig, path: str | os.PathLik
     the shard file names. Tensors are gathered from the devices one at a time.
 
   Raises:
-    ValueError: a layout that cannot express cfg (hf_config.config_to_hf), or
-      quantize_experts with the kimi_linear layout.
+    ValueError: a layout that cannot express cfg (hf_config.config_to_hf), quantize_experts
+      with the kimi_linear layout, or (while the shards are written) an expert matrix whose
+      input dimension is not a multiple of 32, MXFP4's block (mxfp4.quantize).
   """
   if quantize_experts and layout != "kimi_k3":
     raise ValueError("quantize_experts=True needs layout='kimi_k3' (Kimi-Linear is bf16)")

@@ -233,7 +233,8 @@ class Transformer(nnx.Module):
         stream, out = body(stream, xs)
         outs.append(out)
       aux, rest_new = jax.tree.map(lambda *a: jnp.stack(a), *outs)
-    nnx.update(self.groups, rest_new)
+    if train:  # an eval forward changes no variable: it writes none back (then a plain
+      nnx.update(self.groups, rest_new)  # jax.jit may close over the model)
     aux = {k: v.reshape((-1,) + v.shape[2:]) for k, v in aux.items()}  # [n * moe/group, ...]
     return stream, aux
 

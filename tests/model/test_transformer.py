@@ -198,3 +198,21 @@ def test_images_need_the_vision_encoder(model):
   # The tiny preset has cfg.vision=False; tests/vision/test_vision_in_model.py runs images.
   with pytest.raises(ValueError, match="vision=True"):
     model(_tokens(0, 1, 4), images=jnp.zeros((1, 14, 14, 3)))
+
+
+def test_eval_forward_writes_nothing_back_so_plain_jit_closes_over_the_model():
+  """README: `model(tokens)` evaluates and changes nothing, so `jax.jit(lambda t: model(t))`
+  works on a model built outside the trace (it failed with a TraceContextError when the
+  scanned layer groups wrote their unchanged balancer variables back); a training forward
+  still writes the balancer statistics of the scanned groups."""
+  m = Transformer(CFG, rngs=nnx.Rngs(2))
+  tokens = _tokens(5, 2, 24)
+  before = jax.tree.map(np.asarray, nnx.state(m))
+  logits = jax.jit(lambda t: m(t))(tokens)
+  assert logits.shape == (2, 24, CFG.vocab_size) and bool(jnp.all(jnp.isfinite(logits)))
+  after = jax.tree.map(np.asarray, nnx.state(m))
+  assert all(jax.tree.leaves(jax.tree.map(np.array_equal, before, after)))
+  load0 = np.asarray(m.groups.layers[0].ffn.balancer_load[...]).copy()
+  nnx.jit(lambda mod, t: mod(t, train=True))(m, tokens)
+  load1 = np.asarray(m.groups.layers[0].ffn.balancer_load[...])
+  assert load1.shape[0] == 2 and np.any(load1 != load0)  # [groups, E]: accumulated in training

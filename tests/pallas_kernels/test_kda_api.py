@@ -92,3 +92,16 @@ def test_backends_declare_where_they_run():
   with pytest.raises(ValueError, match="backend='fast'"):
     inp = _inputs(SEED, -1.0, -0.1)
     chunk_kda(*[inp[n] for n in ("q", "k", "v", "g", "beta")], backend="fast")
+
+
+def test_wrong_rank_inputs_name_the_argument_and_its_layout():
+  rng = np.random.default_rng(0)
+  q = jnp.asarray(rng.normal(size=(1, 8, 2, 16)), jnp.float32)
+  g = -jnp.abs(q)
+  beta = jnp.full((1, 8, 2), 0.5)
+  for bad, name, dims in ((dict(q=q[0]), "q", r"\[B, T, H, K\]"),
+                          (dict(v=q[0]), "v", r"\[B, T, H, V\]"),
+                          (dict(beta=beta[0]), "beta", r"\[B, T, H\]")):
+    args = dict(q=q, k=q, v=q, g=g, beta=beta) | bad
+    with pytest.raises(ValueError, match=rf"^{name} has shape .*: expected {dims}"):
+      chunk_kda(**args, backend="xla")
