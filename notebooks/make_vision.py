@@ -5,7 +5,7 @@
 
 from nbformat.v4 import new_code_cell, new_markdown_cell
 
-from nbwrite import write_notebook
+from nbwrite import FIND_CHECKOUT, write_notebook
 
 cells = [
     new_markdown_cell(
@@ -17,13 +17,7 @@ cells = [
         "`python -m experiments.vision_demo --preset=tiny`."),
     new_code_cell(
         "import os, pathlib, sys\n"
-        "# In a checkout (Jupyter starts in notebooks/): the first folder at or above this one\n"
-        "# that holds sparse_lm/ is the repository; put it on the import path.\n"
-        "_here = pathlib.Path.cwd()\n"
-        "for _root in (_here, *_here.parents):\n"
-        "  if (_root / 'sparse_lm' / '__init__.py').is_file():\n"
-        "    sys.path.insert(0, str(_root))\n"
-        "    break\n"
+        + FIND_CHECKOUT +
         "os.environ.setdefault('JAX_PLATFORMS', 'cpu')\n"
         "import dataclasses, tempfile\n"
         "import numpy as np\n"
