@@ -25,7 +25,10 @@ backward): exact, but 3× slower on an H200 so far (docs/benchmarks.md), hence o
 
 Precision: `precision=None` runs the matmuls of steps 1-3 at DEFAULT (TF32 tensor cores on
 NVIDIA) for bf16 inputs and HIGHEST (true fp32) for fp32/fp64 inputs; the triangular inverse is
-always HIGHEST. Accumulation and the state are fp32.
+always HIGHEST. Accumulation and the running state are fp32. Storage (`store_dtype`): with
+bf16 inputs, q, k, v keep bf16 through the layout change (promoted to fp32 where read, so
+exactly), and the arrays passed between steps 1, 2 and 3 (W, U, Kd, Q ⊙ Γ, A_qk, H_n, V') are
+stored in bf16, as fla and jax-linear-attention store theirs; fp32 inputs store fp32.
 """
 
 from __future__ import annotations
@@ -92,8 +95,8 @@ def _fwd_call(w, u, kd, dec, h0, C, BV, precision, interpret):
   Vp = u.shape[-1]
   N = Tp // C
   f32 = jnp.float32
-  out_shape = [jax.ShapeDtypeStruct((BH, N, Kp, Vp), f32),
-               jax.ShapeDtypeStruct((BH, Tp, Vp), f32),
+  out_shape = [jax.ShapeDtypeStruct((BH, N, Kp, Vp), u.dtype),
+               jax.ShapeDtypeStruct((BH, Tp, Vp), u.dtype),
                jax.ShapeDtypeStruct((BH, Kp, Vp), f32)]
   kernel = functools.partial(state_fwd_kernel, num_chunks=N, C=C, BV=BV, precision=precision)
   return pl.pallas_call(kernel, grid=(BH, Vp // BV), out_shape=out_shape,
@@ -106,7 +109,7 @@ def _bwd_call(w, kd, dec, dvn, dhs, dht, C, BV, precision, interpret):
   Vp = dvn.shape[-1]
   N = Tp // C
   f32 = jnp.float32
-  out_shape = [jax.ShapeDtypeStruct((BH, N, Kp, Vp), f32),
+  out_shape = [jax.ShapeDtypeStruct((BH, N, Kp, Vp), dvn.dtype),
                jax.ShapeDtypeStruct((BH, Kp, Vp), f32)]
   kernel = functools.partial(state_bwd_kernel, num_chunks=N, C=C, BV=BV, precision=precision)
   return pl.pallas_call(kernel, grid=(BH, Vp // BV), out_shape=out_shape,
@@ -119,13 +122,14 @@ def state_pass(w, u, kd, dec, h0, C, BV, precision, interpret):
   """The inter-chunk state pass (module docstring, step 2) with a hand-written backward.
 
   Args:
-    w [BH, Tp, K], u [BH, Tp, V], kd [BH, N, K, C], dec [BH, N, K], h0 [BH, K, V]: fp32, K and
-      V powers of two ≥ 16, Tp = N·C. C: chunk size; BV: value columns per program (divides V);
+    w [BH, Tp, K], u [BH, Tp, V], kd [BH, N, K, C]: the storage dtype (fp32 or bf16, all three
+      the same); dec [BH, N, K], h0 [BH, K, V]: fp32. K and V powers of two ≥ 16, Tp = N·C. C: chunk size; BV: value columns per program (divides V);
       precision: of the in-kernel matmuls; interpret: Pallas interpret mode.
 
   Returns:
-    hs [BH, N, K, V] (the state entering each chunk), vn [BH, Tp, V] (V' = U − W H), and the
-    final state [BH, K, V], all fp32.
+    hs [BH, N, K, V] (the state entering each chunk) and vn [BH, Tp, V] (V' = U − W H) in u's
+    dtype, and the final state [BH, K, V] fp32. The state is carried in fp32 inside the
+    kernel; only what it writes out is rounded to the storage dtype.
   """
   return _fwd_call(w, u, kd, dec, h0, C, BV, precision, interpret)
 
@@ -139,20 +143,38 @@ def _state_pass_bwd(C, BV, precision, interpret, res, cts):
   """∂L/∂S after every chunk from the sequential kernel, then (batched over all chunks n):
   ∂U_n = ∂V'_n + Kd_nᵀ ∂S_n, ∂Kd_n = ∂S_n V'_nᵀ, ∂d_n = Σ_v ∂S_n ⊙ H_n, ∂W_n = −∂U_n H_nᵀ."""
   w, kd, dec, hs, vn = res
-  dhs, dvn, dht = (x.astype(jnp.float32) for x in cts)
+  f32 = jnp.float32
+  dhs, dvn = (x.astype(vn.dtype) for x in cts[:2])
+  dht = cts[2].astype(f32)
   ds, dh0 = _bwd_call(w, kd, dec, dvn, dhs, dht, C, BV, precision, interpret)
   BH, N, Kp, Vp = hs.shape
-  mm = functools.partial(jnp.einsum, precision=precision,
-                         preferred_element_type=jnp.float32)
+  mm = functools.partial(jnp.einsum, precision=precision, preferred_element_type=f32)
   vn4 = vn.reshape(BH, N, C, Vp)
-  du = dvn.reshape(BH, N, C, Vp) + mm("bnkc,bnkv->bncv", kd, ds)
+  du = dvn.reshape(BH, N, C, Vp).astype(f32) + mm("bnkc,bnkv->bncv", kd, ds)
   dkd = mm("bnkv,bncv->bnkc", ds, vn4)
-  ddec = jnp.sum(ds * hs, axis=-1)
-  dw = -mm("bncv,bnkv->bnck", du, hs)
-  return dw.reshape(BH, N * C, Kp), du.reshape(BH, N * C, Vp), dkd, ddec, dh0
+  ddec = jnp.sum(ds.astype(f32) * hs.astype(f32), axis=-1)
+  dw = -mm("bncv,bnkv->bnck", du.astype(vn.dtype), hs)
+  return (dw.reshape(BH, N * C, Kp).astype(w.dtype), du.reshape(BH, N * C, Vp).astype(vn.dtype),
+          dkd.astype(kd.dtype), ddec, dh0)
 
 
 state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
+
+
+def _store_dtype(store_dtype, in_dtype):
+  """The dtype `chunk_kda_pallas_gpu` stores its intermediates in (its `store_dtype` arg)."""
+  if isinstance(store_dtype, str) and store_dtype == "auto":
+    return jnp.bfloat16 if in_dtype == jnp.bfloat16 else jnp.float32
+  if store_dtype is None:
+    return jnp.float32
+  try:
+    dt = jnp.dtype(store_dtype)
+  except TypeError:
+    dt = None
+  if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
+    raise ValueError(f"store_dtype={store_dtype!r}: expected 'auto', None, jnp.float32 or "
+                     "jnp.bfloat16")
+  return jnp.float32 if dt == jnp.float32 else jnp.bfloat16
 
 
 def chunk_kda_pallas_gpu(
@@ -161,7 +183,7 @@ def chunk_kda_pallas_gpu(
     output_final_state: bool = False, segment_ids: jax.Array | None = None,
     chunk_size: int = 64, interpret: bool = False, diag: str = "auto",
     gate_lower_bound: float | None = None, precision=None, block_v: int = 32,
-    fused: bool = False,
+    fused: bool = False, store_dtype="auto",
 ) -> tuple[jax.Array, jax.Array | None]:
   """Chunked KDA with a Pallas GPU state pass (Kimi Linear, arXiv 2510.26692; ARCH §2.4).
 
@@ -185,12 +207,19 @@ def chunk_kda_pallas_gpu(
       default: measured 3× slower than the XLA intra-chunk path on an H200 (61 against
       20.6 ms fwd+bwd at T = 32K, H = 16; docs/benchmarks.md). False (and always for the safe
       path or fp64 inputs): XLA ops differentiated by autodiff.
+    store_dtype: dtype of the arrays between the intra-chunk step, the state pass and the
+      output (W, U, Kd, Q ⊙ Γ, A_qk, the chunk states H_n, V' and the state pass's ∂S); the
+      math that makes and reads them stays fp32. "auto" (default): bfloat16 for bfloat16
+      inputs (as fla's and jax-linear-attention's kernels store them: 15% faster fwd+bwd at
+      T = 32K, H = 16 on an H200, errors still within §2.5; docs/benchmarks.md), else float32.
+      None or jnp.float32: fp32 throughout (the earlier behaviour).
 
   Returns:
     (o [B, T, H, V] in q's dtype, 0 at padding tokens; final state [B, H, K, V] fp32 or None).
 
   Raises:
-    ValueError: chunk_size not in {16, 32, 64}; block_v not a power of two ≥ 16; unknown diag.
+    ValueError: chunk_size not in {16, 32, 64}; block_v not a power of two ≥ 16; unknown diag;
+      store_dtype not one of "auto", None, float32, bfloat16.
   """
   C = chunk_size
   if C not in (16, 32, 64):
@@ -198,6 +227,7 @@ def chunk_kda_pallas_gpu(
   if block_v < 16 or block_v & (block_v - 1):
     raise ValueError(f"block_v={block_v}: expected a power of two >= 16")
   diag = resolve_diag(diag, gate_lower_bound)
+  store_dtype = _store_dtype(store_dtype, q.dtype)
   if precision is None:
     hi = q.dtype != jnp.bfloat16
     precision = jax.lax.Precision.HIGHEST if hi else jax.lax.Precision.DEFAULT
@@ -216,8 +246,8 @@ def chunk_kda_pallas_gpu(
     g = jnp.where(valid[:, :T, None, None], g.astype(acc), 0)
     beta = jnp.where(valid[:, :T, None], beta.astype(acc), 0)
 
-  def to_chunks(x, dp=None):  # [B, T, H, d] -> [B·H·N, C, dp] in acc (zero padded)
-    x = x.astype(acc)
+  def to_chunks(x, dp=None, dtype=acc):  # [B, T, H, d] -> [B·H·N, C, dp] (zero padded)
+    x = x.astype(dtype)
     pad = [(0, 0), (0, Tp - T), (0, 0)] + ([(0, dp - x.shape[-1])] if dp else [])
     x = jnp.moveaxis(jnp.pad(x, pad), 2, 1)  # [B, H, Tp, ...]
     return x.reshape((M, C) + x.shape[3:])
@@ -226,8 +256,12 @@ def chunk_kda_pallas_gpu(
     m = jnp.broadcast_to(m[:, None], (B, H) + m.shape[1:])
     return m.reshape((M,) + m.shape[3:])
 
-  qc, kc, gc = (to_chunks(x, Kp) for x in (q, k, g))
-  vc = to_chunks(v, Vp)
+  # bf16 q, k, v stay bf16 through the layout change (half the bytes); the intra-chunk math
+  # promotes them to fp32 where it reads them (exact), so the values are unchanged.
+  keep = q.dtype if (q.dtype == jnp.bfloat16 and not (diag == "dense" and fused)) else acc
+  qc, kc = (to_chunks(x, Kp, keep) for x in (q, k))
+  gc = to_chunks(g, Kp)
+  vc = to_chunks(v, Vp, keep)
   bc = to_chunks(beta)
   if doc is not None:
     doc, m0, mlast = mask_chunks(doc), mask_chunks(m0), mask_chunks(mlast)
@@ -247,12 +281,18 @@ def chunk_kda_pallas_gpu(
   else:
     h0 = initial_state.astype(jnp.float32).reshape(BH, K, V)
     h0 = jnp.pad(h0, ((0, 0), (0, Kp - K), (0, Vp - V)))
+  st = store_dtype
   f32 = lambda x: x.astype(jnp.float32)
-  hs, vn, ht = state_pass(f32(W).reshape(BH, Tp, Kp), f32(U).reshape(BH, Tp, Vp),
-                          f32(Kd).reshape(BH, N, Kp, C), f32(dec).reshape(BH, N, Kp), h0,
+  hs, vn, ht = state_pass(W.astype(st).reshape(BH, Tp, Kp), U.astype(st).reshape(BH, Tp, Vp),
+                          Kd.astype(st).reshape(BH, N, Kp, C), f32(dec).reshape(BH, N, Kp), h0,
                           C, BV, precision, interpret)
-  hs, vn = hs.astype(acc).reshape(M, Kp, Vp), vn.astype(acc).reshape(M, C, Vp)
-  o = kda_xla._mm(Qg, hs, precision) + kda_xla._mm(A_qk, vn, precision)  # [M, C, Vp]
+  hs, vn = hs.reshape(M, Kp, Vp), vn.reshape(M, C, Vp)
+  if st == jnp.float32:
+    hs, vn = hs.astype(acc), vn.astype(acc)
+  else:
+    Qg, A_qk = Qg.astype(st), A_qk.astype(st)
+  o = (jnp.matmul(Qg, hs, precision=precision, preferred_element_type=acc)
+       + jnp.matmul(A_qk, vn, precision=precision, preferred_element_type=acc))  # [M, C, Vp]
   o = jnp.moveaxis(o.reshape(B, H, Tp, Vp), 1, 2)[:, :T, :, :V]
   o = jnp.where(valid[:, :T, None, None], o, 0).astype(q.dtype)
   if not output_final_state:

@@ -39,17 +39,20 @@ def _dot(a, b, precision, ta=False, tb=False):
 
 def state_fwd_kernel(w_ref, u_ref, kd_ref, dec_ref, h0_ref, hs_ref, vn_ref, ht_ref, *,
                      num_chunks, C, BV, precision):
-  """Refs (whole arrays): w [BH, Tp, K], u [BH, Tp, V], kd [BH, N, K, C], dec [BH, N, K],
-  h0 [BH, K, V] -> hs [BH, N, K, V], vn [BH, Tp, V], ht [BH, K, V] (all fp32)."""
+  """Refs (whole arrays): w [BH, Tp, K], u [BH, Tp, V], kd [BH, N, K, C] (fp32 or bf16),
+  dec [BH, N, K], h0 [BH, K, V] (fp32) -> hs [BH, N, K, V], vn [BH, Tp, V] (their refs' dtype:
+  fp32 or bf16), ht [BH, K, V] fp32. Loads are promoted to fp32; the state S stays fp32."""
   bh, j = pl.program_id(0), pl.program_id(1)
   vs = pl.ds(j * BV, BV)
+  f32 = jnp.float32
 
   def body(n, S):
     rows = pl.ds(n * C, C)
-    hs_ref[bh, n, :, vs] = S
-    vn = u_ref[bh, rows, vs] - _dot(w_ref[bh, rows, :], S, precision)
-    vn_ref[bh, rows, vs] = vn
-    return dec_ref[bh, n, :][:, None] * S + _dot(kd_ref[bh, n, :, :], vn, precision)
+    hs_ref[bh, n, :, vs] = S.astype(hs_ref.dtype)
+    vn = u_ref[bh, rows, vs].astype(f32) - _dot(w_ref[bh, rows, :].astype(f32), S, precision)
+    vn_ref[bh, rows, vs] = vn.astype(vn_ref.dtype)
+    return (dec_ref[bh, n, :][:, None] * S
+            + _dot(kd_ref[bh, n, :, :].astype(f32), vn, precision))
 
   S = jax.lax.fori_loop(0, num_chunks, body, h0_ref[bh, :, vs])
   ht_ref[bh, :, vs] = S
@@ -59,22 +62,24 @@ def state_bwd_kernel(w_ref, kd_ref, dec_ref, dvn_ref, dhs_ref, dht_ref, ds_ref, 
                      num_chunks, C, BV, precision):
   """The sequential part of the backward only: ∂L/∂S after every chunk.
 
-  Refs: w, kd, dec as in the forward; cotangents dvn [BH, Tp, V], dhs [BH, N, K, V],
-  dht [BH, K, V] -> ds [BH, N, K, V] (∂L/∂S after chunk n, before it is decayed into chunk
-  n − 1's) and dh0 [BH, K, V] (all fp32). The gradients of U, W, Kd and d follow from ds by
+  Refs: w, kd, dec as in the forward; cotangents dvn [BH, Tp, V], dhs [BH, N, K, V] (the
+  storage dtype), dht [BH, K, V] fp32 -> ds [BH, N, K, V] (∂L/∂S after chunk n, before it is
+  decayed into chunk n − 1's; in dvn's dtype) and dh0 [BH, K, V] fp32. The recursion is fp32. The gradients of U, W, Kd and d follow from ds by
   matmuls batched over all chunks (pallas_gpu._state_pass_bwd), outside the sequential loop.
   """
   bh, j = pl.program_id(0), pl.program_id(1)
   vs = pl.ds(j * BV, BV)
+  f32 = jnp.float32
 
   def body(i, dS):
     n = num_chunks - 1 - i
     rows = pl.ds(n * C, C)
-    ds_ref[bh, n, :, vs] = dS
-    dvt = dvn_ref[bh, rows, vs] + _dot(kd_ref[bh, n, :, :], dS, precision, ta=True)  # [C, BV]
+    ds_ref[bh, n, :, vs] = dS.astype(ds_ref.dtype)
+    dvt = (dvn_ref[bh, rows, vs].astype(f32)
+           + _dot(kd_ref[bh, n, :, :].astype(f32), dS, precision, ta=True))  # [C, BV]
     dec = dec_ref[bh, n, :][:, None]
-    return (dec * dS - _dot(w_ref[bh, rows, :], dvt, precision, ta=True)
-            + dhs_ref[bh, n, :, vs])
+    return (dec * dS - _dot(w_ref[bh, rows, :].astype(f32), dvt, precision, ta=True)
+            + dhs_ref[bh, n, :, vs].astype(f32))
 
   dS = jax.lax.fori_loop(0, num_chunks, body, dht_ref[bh, :, vs])
   dh0_ref[bh, :, vs] = dS

@@ -161,7 +161,7 @@ def _pairwise_scores(q, k, g, *, diag: str, precision, matmul_cumsum: bool = Fal
     parts_q.append(Dq[..., a, :, :])
     parts_k.append(Dk[..., a, :, :])
     if a < n - 1:
-      z = jnp.zeros(lead + (sub, C - (a + 1) * sub), q.dtype)
+      z = jnp.zeros(lead + (sub, C - (a + 1) * sub), g.dtype)
       parts_q.append(z)
       parts_k.append(z)
     rows_q.append(jnp.concatenate(parts_q, axis=-1))
