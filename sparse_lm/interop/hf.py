@@ -228,8 +228,7 @@ def _export_source(workdir_path: str, stage: str | None):
   from sparse_lm.data import Tokenizer  # pylint: disable=g-import-not-at-top
   extra = workdir.token_ids(workdir_path)
   try:
-    model, cfg = workdir.load_stage_checkpoint(workdir_path, stage)
-    tokenizer = workdir.stage_tokenizer(workdir_path, stage)
+    model, cfg, tokenizer = workdir.load_stage_with_tokenizer(workdir_path, stage)
   except FileNotFoundError:
     if stage is not None or workdir.imported_config(workdir_path) is None:
       raise

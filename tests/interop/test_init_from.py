@@ -111,6 +111,9 @@ def test_exported_stage_imports_back_with_its_tokenizer(tmp_path):
                   "tokenizer": {"fingerprint": tok.fingerprint, "json": tok.to_json()}})
   ckpt.close()
 
+  _, _, saved_tok = workdir.load_stage_with_tokenizer(tmp_path / "w")
+  assert saved_tok.fingerprint == tok.fingerprint
+  assert workdir.stage_tokenizer(tmp_path / "w").fingerprint == tok.fingerprint
   out = tmp_path / "hf"
   export_from_workdir(tmp_path / "w", out)
   conf = json.loads((out / "config.json").read_text())
