@@ -55,6 +55,9 @@ CASES = [
      dict(gate_lower_bound=-5.0, chunk_size=16), True, False),
     ("T70_unbounded_safe_fp32_segments", (1, 70, 2, 64, 64), F32, "unbounded", dict(), True,
      True),
+    # bf16 q, k, v stay bf16 into the safe path's element-wise tiles (promoted there)
+    ("T90_bf16_unbounded_safe_segments_C32", (1, 90, 2, 64, 32), BF16, "unbounded",
+     dict(chunk_size=32), True, True),
     # the fused intra-chunk kernels (pallas_gpu_intra.py), opt-in
     ("T77_bf16_fused_segments_h0", (1, 77, 2, 64, 32), BF16, "bounded",
      dict(gate_lower_bound=-5.0, fused=True), True, True),
