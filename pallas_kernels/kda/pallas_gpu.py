@@ -25,10 +25,11 @@ backward): exact, but 3× slower on an H200 so far (docs/benchmarks.md), hence o
 
 Precision: `precision=None` runs the matmuls of steps 1-3 at DEFAULT (TF32 tensor cores on
 NVIDIA) for bf16 inputs and HIGHEST (true fp32) for fp32/fp64 inputs; the triangular inverse is
-always HIGHEST. Accumulation and the running state are fp32. Storage (`store_dtype`): with
-bf16 inputs, q, k, v keep bf16 through the layout change (promoted to fp32 where read, so
-exactly), and the arrays passed between steps 1, 2 and 3 (W, U, Kd, Q ⊙ Γ, A_qk, H_n, V') are
-stored in bf16, as fla and jax-linear-attention store theirs; fp32 inputs store fp32.
+always HIGHEST. Accumulation and the running state are fp32. Storage (`store_dtype`): bf16
+q, k, v go through the layout change as bf16 and are promoted to fp32 once after it (the same
+values); with bf16 q, k and v the arrays passed between steps 1, 2 and 3 (W, U, Kd, Q ⊙ Γ,
+A_qk, H_n, V') and their cotangents are stored in bf16, as fla and jax-linear-attention store
+theirs; otherwise fp32.
 """
 
 from __future__ import annotations
@@ -123,8 +124,9 @@ def state_pass(w, u, kd, dec, h0, C, BV, precision, interpret):
 
   Args:
     w [BH, Tp, K], u [BH, Tp, V], kd [BH, N, K, C]: the storage dtype (fp32 or bf16, all three
-      the same); dec [BH, N, K], h0 [BH, K, V]: fp32. K and V powers of two ≥ 16, Tp = N·C. C: chunk size; BV: value columns per program (divides V);
-      precision: of the in-kernel matmuls; interpret: Pallas interpret mode.
+      the same); dec [BH, N, K], h0 [BH, K, V]: fp32. K and V powers of two ≥ 16, Tp = N·C.
+      C: chunk size; BV: value columns per program (divides V); precision: of the in-kernel
+      matmuls; interpret: Pallas interpret mode.
 
   Returns:
     hs [BH, N, K, V] (the state entering each chunk) and vn [BH, Tp, V] (V' = U − W H) in u's
@@ -153,18 +155,19 @@ def _state_pass_bwd(C, BV, precision, interpret, res, cts):
   du = dvn.reshape(BH, N, C, Vp).astype(f32) + mm("bnkc,bnkv->bncv", kd, ds)
   dkd = mm("bnkv,bncv->bnkc", ds, vn4)
   ddec = jnp.sum(ds.astype(f32) * hs.astype(f32), axis=-1)
-  dw = -mm("bncv,bnkv->bnck", du.astype(vn.dtype), hs)
-  return (dw.reshape(BH, N * C, Kp).astype(w.dtype), du.reshape(BH, N * C, Vp).astype(vn.dtype),
-          dkd.astype(kd.dtype), ddec, dh0)
+  dw = -mm("bncv,bnkv->bnck", du, hs)
+  return (dw.reshape(BH, N * C, Kp).astype(w.dtype),
+          du.reshape(BH, N * C, Vp).astype(vn.dtype), dkd.astype(kd.dtype), ddec, dh0)
 
 
 state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
 
 
-def _store_dtype(store_dtype, in_dtype):
-  """The dtype `chunk_kda_pallas_gpu` stores its intermediates in (its `store_dtype` arg)."""
+def _store_dtype(store_dtype, in_dtypes):
+  """The dtype `chunk_kda_pallas_gpu` stores its intermediates in (its `store_dtype` arg);
+  in_dtypes: the dtypes of q, k, v. "auto" is bf16 only when all three are bf16."""
   if isinstance(store_dtype, str) and store_dtype == "auto":
-    return jnp.bfloat16 if in_dtype == jnp.bfloat16 else jnp.float32
+    return jnp.bfloat16 if all(d == jnp.bfloat16 for d in in_dtypes) else jnp.float32
   if store_dtype is None:
     return jnp.float32
   try:
@@ -174,6 +177,9 @@ def _store_dtype(store_dtype, in_dtype):
   if dt not in (jnp.dtype(jnp.float32), jnp.dtype(jnp.bfloat16)):
     raise ValueError(f"store_dtype={store_dtype!r}: expected 'auto', None, jnp.float32 or "
                      "jnp.bfloat16")
+  if dt == jnp.bfloat16 and any(d == jnp.float64 for d in in_dtypes):
+    raise ValueError("store_dtype=bfloat16 with float64 inputs: use store_dtype='auto' or "
+                     "jnp.float32 (or the 'xla' backend for fp64 work)")
   return jnp.float32 if dt == jnp.float32 else jnp.bfloat16
 
 
@@ -205,21 +211,23 @@ def chunk_kda_pallas_gpu(
     fused: with dense diagonal tiles and fp32/bf16 inputs, run the intra-chunk work as one
       fused Triton kernel per chunk, forward and backward (pallas_gpu_intra.py). Off by
       default: measured 3× slower than the XLA intra-chunk path on an H200 (61 against
-      20.6 ms fwd+bwd at T = 32K, H = 16; docs/benchmarks.md). False (and always for the safe
+      20.6 ms fwd+bwd at T = 32K, H = 16, 2026-12-01, before the bf16 storage;
+      docs/benchmarks.md). False (and always for the safe
       path or fp64 inputs): XLA ops differentiated by autodiff.
     store_dtype: dtype of the arrays between the intra-chunk step, the state pass and the
-      output (W, U, Kd, Q ⊙ Γ, A_qk, the chunk states H_n, V' and the state pass's ∂S); the
-      math that makes and reads them stays fp32. "auto" (default): bfloat16 for bfloat16
-      inputs (as fla's and jax-linear-attention's kernels store them: 15% faster fwd+bwd at
-      T = 32K, H = 16 on an H200, errors still within §2.5; docs/benchmarks.md), else float32.
-      None or jnp.float32: fp32 throughout (the earlier behaviour).
+      output (W, U, Kd, Q ⊙ Γ, A_qk, the chunk states H_n, V', and in the backward pass their
+      cotangents and the state pass's ∂S); the math that makes and reads them stays fp32.
+      "auto" (default): bfloat16 when q, k and v are all bfloat16 (as fla's and
+      jax-linear-attention's kernels store them; on an H200 fwd+bwd at T = 32K, H = 16 went
+      19.96 -> 17.67 ms with it, errors still within §2.5; docs/benchmarks.md), else float32.
+      None or jnp.float32: fp32 storage.
 
   Returns:
     (o [B, T, H, V] in q's dtype, 0 at padding tokens; final state [B, H, K, V] fp32 or None).
 
   Raises:
     ValueError: chunk_size not in {16, 32, 64}; block_v not a power of two ≥ 16; unknown diag;
-      store_dtype not one of "auto", None, float32, bfloat16.
+      store_dtype not one of "auto", None, float32, bfloat16, or bfloat16 with float64 inputs.
   """
   C = chunk_size
   if C not in (16, 32, 64):
@@ -227,7 +235,7 @@ def chunk_kda_pallas_gpu(
   if block_v < 16 or block_v & (block_v - 1):
     raise ValueError(f"block_v={block_v}: expected a power of two >= 16")
   diag = resolve_diag(diag, gate_lower_bound)
-  store_dtype = _store_dtype(store_dtype, q.dtype)
+  store_dtype = _store_dtype(store_dtype, (q.dtype, k.dtype, v.dtype))
   if precision is None:
     hi = q.dtype != jnp.bfloat16
     precision = jax.lax.Precision.HIGHEST if hi else jax.lax.Precision.DEFAULT
@@ -256,12 +264,13 @@ def chunk_kda_pallas_gpu(
     m = jnp.broadcast_to(m[:, None], (B, H) + m.shape[1:])
     return m.reshape((M,) + m.shape[3:])
 
-  # bf16 q, k, v stay bf16 through the layout change (half the bytes); the intra-chunk math
-  # promotes them to fp32 where it reads them (exact), so the values are unchanged.
-  keep = q.dtype if (q.dtype == jnp.bfloat16 and not (diag == "dense" and fused)) else acc
-  qc, kc = (to_chunks(x, Kp, keep) for x in (q, k))
+  # bf16 q, k, v move through the layout change as bf16 (half the bytes) and are promoted to
+  # the accumulation dtype once after it: the same values as before, and in the backward pass
+  # their cotangents are summed in fp32 and rounded to bf16 once, at the layout change.
+  keep = lambda x: x.dtype if x.dtype == jnp.bfloat16 else acc
+  qc, kc = (to_chunks(x, Kp, keep(x)).astype(acc) for x in (q, k))
   gc = to_chunks(g, Kp)
-  vc = to_chunks(v, Vp, keep)
+  vc = to_chunks(v, Vp, keep(v)).astype(acc)
   bc = to_chunks(beta)
   if doc is not None:
     doc, m0, mlast = mask_chunks(doc), mask_chunks(m0), mask_chunks(mlast)

@@ -64,8 +64,9 @@ def state_bwd_kernel(w_ref, kd_ref, dec_ref, dvn_ref, dhs_ref, dht_ref, ds_ref, 
 
   Refs: w, kd, dec as in the forward; cotangents dvn [BH, Tp, V], dhs [BH, N, K, V] (the
   storage dtype), dht [BH, K, V] fp32 -> ds [BH, N, K, V] (∂L/∂S after chunk n, before it is
-  decayed into chunk n − 1's; in dvn's dtype) and dh0 [BH, K, V] fp32. The recursion is fp32. The gradients of U, W, Kd and d follow from ds by
-  matmuls batched over all chunks (pallas_gpu._state_pass_bwd), outside the sequential loop.
+  decayed into chunk n − 1's; in dvn's dtype) and dh0 [BH, K, V] fp32. The recursion is fp32.
+  The gradients of U, W, Kd and d follow from ds by matmuls batched over all chunks
+  (pallas_gpu._state_pass_bwd), outside the sequential loop.
   """
   bh, j = pl.program_id(0), pl.program_id(1)
   vs = pl.ds(j * BV, BV)

@@ -187,25 +187,32 @@ def load_stage_checkpoint(workdir, stage: str | None = None) -> tuple[nnx.Module
   Raises:
     FileNotFoundError: no such checkpoint (the message lists the stages found).
   """
-  model, cfg, _ = load_stage_with_tokenizer(workdir, stage)
-  return model, cfg
+  step_dir = _stage_step_dir(workdir, stage)
+  return _load_step(step_dir, json.loads((step_dir / "meta" / "metadata").read_text()))
 
 
-def load_stage_with_tokenizer(workdir, stage: str | None = None):
+def load_stage_with_tokenizer(
+    workdir, stage: str | None = None) -> tuple[nnx.Module, ModelConfig, "Tokenizer | None"]:
   """(model, cfg, tokenizer or None) of the checkpoint `load_stage_checkpoint` reads, the
-  tokenizer from that same step's meta (`stage_tokenizer`): the step directory is resolved
-  once, so a stage written meanwhile cannot pair one step's weights with another's tokenizer.
+  tokenizer (a `sparse_lm.data.Tokenizer`) from that same step's meta, as `stage_tokenizer`
+  reads it: the step directory is resolved once, so a stage written meanwhile cannot pair one
+  step's weights with another step's tokenizer.
 
   Raises:
     FileNotFoundError: no such checkpoint (the message lists the stages found).
   """
-  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   from sparse_lm.data import Tokenizer  # pylint: disable=g-import-not-at-top
-  from sparse_lm.model.transformer import Transformer  # pylint: disable=g-import-not-at-top
   step_dir = _stage_step_dir(workdir, stage)
   meta = json.loads((step_dir / "meta" / "metadata").read_text())
-  saved_tok = meta.get("tokenizer")
-  tokenizer = Tokenizer.from_json(saved_tok["json"]) if saved_tok else None
+  saved = meta.get("tokenizer")
+  tokenizer = Tokenizer.from_json(saved["json"]) if saved else None
+  return (*_load_step(step_dir, meta), tokenizer)
+
+
+def _load_step(step_dir: pathlib.Path, meta: dict) -> tuple[nnx.Module, ModelConfig]:
+  """(model on the first device, cfg) of one step directory, given its parsed meta."""
+  import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from sparse_lm.model.transformer import Transformer  # pylint: disable=g-import-not-at-top
   fields = {f.name for f in dataclasses.fields(ModelConfig)}
   cfg = ModelConfig(**{k: v for k, v in meta["model"].items() if k in fields})
   graphdef, params, rest = nnx.split(
@@ -214,4 +221,4 @@ def load_stage_with_tokenizer(workdir, stage: str | None = None):
     saved = ckpt.restore(step_dir / "state")
   nnx.replace_by_pure_dict(params, _unwrap(saved["params"]))
   nnx.replace_by_pure_dict(rest, _unwrap(saved["model_vars"]))
-  return nnx.merge(graphdef, params, rest), cfg, tokenizer
+  return nnx.merge(graphdef, params, rest), cfg
