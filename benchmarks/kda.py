@@ -14,6 +14,8 @@ cannot run here):
   pallas_tpu  chunk_kda(backend="pallas_tpu") on TPU
   pallas_gpu  chunk_kda(backend="pallas_gpu") on GPU (TF32 matmuls: its default for bf16 inputs)
   pallas_gpu_hi  the same with precision=HIGHEST (true fp32 matmuls)
+  pallas_gpu_f32store  pallas_gpu with store_dtype=float32: fp32 intermediates between its
+              steps (its default stores them in bf16 for bf16 inputs since 2026-12-02)
   jla         jax-linear-attention's Mosaic GPU KDA (linear_attention("kda", impl="mosaic_gpu"))
   reference   the token-serial scan (only when asked: very slow at long T)
   fla         fla-core's Triton chunk_kda (torch, CUDA), safe gate when its API has it
@@ -35,7 +37,7 @@ import time
 import traceback
 
 JAX_BACKENDS = ("xla", "xla_safe", "xla_tf32", "pallas_tpu", "pallas_gpu", "pallas_gpu_hi",
-                "jla", "reference", "attn")
+                "pallas_gpu_f32store", "jla", "reference", "attn")
 TORCH_BACKENDS = ("fla", "sdpa")
 DEFAULT_BACKENDS = ("pallas_gpu", "pallas_gpu_hi", "xla", "pallas_tpu", "fla", "jla", "attn")
 PEERS = ("fla", "jla")
@@ -116,7 +118,8 @@ def _jax_fns(backend: str):
         import pallas_kernels.kda.pallas_tpu  # noqa: F401  pylint: disable=g-import-not-at-top
       except ImportError:
         raise SkipBackend("pallas_kernels.kda.pallas_tpu not importable") from None
-    name = {"xla_safe": "xla", "pallas_gpu_hi": "pallas_gpu"}.get(backend, backend)
+    name = {"xla_safe": "xla", "pallas_gpu_hi": "pallas_gpu",
+            "pallas_gpu_f32store": "pallas_gpu"}.get(backend, backend)
     bound = None if backend in ("xla_safe", "reference") else -5.0
     kw = dict(backend=name, chunk_size=64)
     if bound is not None:
@@ -131,6 +134,10 @@ def _jax_fns(backend: str):
         from pallas_kernels.kda import pallas_gpu  # pylint: disable=g-import-not-at-top
         return pallas_gpu.chunk_kda_pallas_gpu(q, k, v, g, beta, gate_lower_bound=-5.0,
                                                precision=jax.lax.Precision.HIGHEST)[0]
+      if backend == "pallas_gpu_f32store":
+        from pallas_kernels.kda import pallas_gpu  # pylint: disable=g-import-not-at-top
+        return pallas_gpu.chunk_kda_pallas_gpu(q, k, v, g, beta, gate_lower_bound=-5.0,
+                                               store_dtype=jnp.float32)[0]
       return chunk_kda(q, k, v, g, beta, **kw)[0]
 
   fwd = jax.jit(f)
