@@ -212,14 +212,15 @@ def chunk_kda_pallas_gpu(
       fused Triton kernel per chunk, forward and backward (pallas_gpu_intra.py). Off by
       default: measured 3× slower than the XLA intra-chunk path on an H200 (61 against
       20.6 ms fwd+bwd at T = 32K, H = 16, 2026-12-01, before the bf16 storage;
-      docs/benchmarks.md). False (and always for the safe
-      path or fp64 inputs): XLA ops differentiated by autodiff.
+      docs/benchmarks.md). False (and always for the safe path or fp64 inputs): XLA ops
+      differentiated by autodiff.
     store_dtype: dtype of the arrays between the intra-chunk step, the state pass and the
       output (W, U, Kd, Q ⊙ Γ, A_qk, the chunk states H_n, V', and in the backward pass their
       cotangents and the state pass's ∂S); the math that makes and reads them stays fp32.
       "auto" (default): bfloat16 when q, k and v are all bfloat16 (as fla's and
       jax-linear-attention's kernels store them; on an H200 fwd+bwd at T = 32K, H = 16 went
-      19.96 -> 17.67 ms with it, errors still within §2.5; docs/benchmarks.md), else float32.
+      19.96 -> 17.67 ms with it, errors still within §2.5, measured before the bf16 q, k, v
+      were promoted once instead of at each read; docs/benchmarks.md), else float32.
       None or jnp.float32: fp32 storage.
 
   Returns:
