@@ -17,11 +17,10 @@ import argparse
 import dataclasses
 import functools
 import json
-import pathlib
 import sys
 
 from sparse_lm.rl.grpo import GRPOConfig
-from sparse_lm.rl.trainer import RLConfig
+from sparse_lm.rl.trainer import RLConfig, pretraining_stages
 from sparse_lm.train.optimizer import OptimizerConfig
 
 PRESETS = {
@@ -90,12 +89,9 @@ def main(argv=None) -> int:
       if getattr(args, name) is not None:
         cfg = dataclasses.replace(cfg, **{name: getattr(args, name)})
     cfg.validate()
-    if cfg.init_from and not any(pathlib.Path(cfg.init_from).glob("*/checkpoints")):
-      raise ValueError(f"--init_from {cfg.init_from}: no <stage>/checkpoints there; give the "
-                       "workdir of a pretraining run (e.g. runs/tiny after python -m "
-                       "experiments.stage_8k --preset=tiny), or leave it out to start from "
-                       "scratch")
-  except (ValueError, TypeError) as e:
+    if cfg.init_from:
+      pretraining_stages(cfg.init_from)  # before anything runs
+  except (ValueError, TypeError, FileNotFoundError) as e:
     parser.error(str(e))
   import os  # pylint: disable=import-outside-toplevel
   from experiments.base import enable_compilation_cache  # pylint: disable=import-outside-toplevel

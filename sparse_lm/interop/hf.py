@@ -288,7 +288,8 @@ def main(argv=None) -> None:
   else:
     files = export_from_workdir(args.workdir, args.out, stage=args.stage, layout=args.layout,
                                 quantize=args.quantize)
-    tok = [f for f in ("tokenizer.json", "tiktoken.model") if (pathlib.Path(args.out) / f).is_file()]
+    tok = [f for f in ("tokenizer.json", "tiktoken.model")
+           if (pathlib.Path(args.out) / f).is_file()]
     print(f"exported {len(files)} shard(s) to {args.out} ({args.layout}); tokenizer: "
           + (tok[0] if tok else "none (the source has none)"))
 

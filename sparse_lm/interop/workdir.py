@@ -174,8 +174,17 @@ def stage_tokenizer(workdir, stage: str | None = None):
   """The tokenizer saved with the checkpoint `load_stage_checkpoint(workdir, stage)` reads (a
   `sparse_lm.data.Tokenizer`; None if its meta holds none). Raises FileNotFoundError as that
   function does."""
+  return _meta_tokenizer(_step_meta(_stage_step_dir(workdir, stage)))
+
+
+def _step_meta(step_dir: pathlib.Path) -> dict:
+  """The parsed meta of one checkpoint step directory."""
+  return json.loads((step_dir / "meta" / "metadata").read_text())
+
+
+def _meta_tokenizer(meta: dict):
+  """The `sparse_lm.data.Tokenizer` a checkpoint's meta holds, or None."""
   from sparse_lm.data import Tokenizer  # pylint: disable=g-import-not-at-top
-  meta = json.loads((_stage_step_dir(workdir, stage) / "meta" / "metadata").read_text())
   saved = meta.get("tokenizer")
   return Tokenizer.from_json(saved["json"]) if saved else None
 
@@ -188,7 +197,7 @@ def load_stage_checkpoint(workdir, stage: str | None = None) -> tuple[nnx.Module
     FileNotFoundError: no such checkpoint (the message lists the stages found).
   """
   step_dir = _stage_step_dir(workdir, stage)
-  return _load_step(step_dir, json.loads((step_dir / "meta" / "metadata").read_text()))
+  return _load_step(step_dir, _step_meta(step_dir))
 
 
 def load_stage_with_tokenizer(
@@ -201,12 +210,9 @@ def load_stage_with_tokenizer(
   Raises:
     FileNotFoundError: no such checkpoint (the message lists the stages found).
   """
-  from sparse_lm.data import Tokenizer  # pylint: disable=g-import-not-at-top
   step_dir = _stage_step_dir(workdir, stage)
-  meta = json.loads((step_dir / "meta" / "metadata").read_text())
-  saved = meta.get("tokenizer")
-  tokenizer = Tokenizer.from_json(saved["json"]) if saved else None
-  return (*_load_step(step_dir, meta), tokenizer)
+  meta = _step_meta(step_dir)
+  return (*_load_step(step_dir, meta), _meta_tokenizer(meta))
 
 
 def _load_step(step_dir: pathlib.Path, meta: dict) -> tuple[nnx.Module, ModelConfig]:

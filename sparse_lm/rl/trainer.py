@@ -134,15 +134,26 @@ def _restore(ckpt: Checkpointer, state: TrainState):
   return ckpt.restore_latest(abstract)
 
 
-def _init_from_pretraining(model, cfg: RLConfig):
-  """Weights and balancer biases of the newest checkpoint in cfg.init_from (any stage)."""
-  stages = sorted(pathlib.Path(cfg.init_from).glob("*/checkpoints"),
+def pretraining_stages(init_from: str) -> list[pathlib.Path]:
+  """The `<stage>/checkpoints` directories of the pretraining workdir `init_from`, oldest
+  first (by modification time); the RL run starts from the newest.
+
+  Raises:
+    FileNotFoundError: there are none (the message says what to give instead).
+  """
+  stages = sorted(pathlib.Path(init_from).glob("*/checkpoints"),
                   key=lambda p: p.stat().st_mtime)
   if not stages:
     raise FileNotFoundError(
-        f"init_from={cfg.init_from!r} holds no <stage>/checkpoints: give the workdir of a "
+        f"init_from={init_from!r} holds no <stage>/checkpoints: give the workdir of a "
         "pretraining run (e.g. runs/tiny after python -m experiments.stage_8k --preset=tiny), "
         "or leave init_from unset to start from scratch")
+  return stages
+
+
+def _init_from_pretraining(model, cfg: RLConfig):
+  """Weights and balancer biases of the newest checkpoint in cfg.init_from (any stage)."""
+  stages = pretraining_stages(cfg.init_from)
   _, _, state = _fresh_state(model, OptimizerConfig(), 1, cfg.seed)
   restored = _restore(Checkpointer(stages[-1], async_save=False), state)
   if restored is None:

@@ -26,6 +26,17 @@ def test_config_errors_name_the_field():
   assert (out.grpo_steps, out.grpo.kl_coef, out.env) == (3, 0.05, "lookup")
 
 
+def test_init_from_without_checkpoints_is_refused_before_anything_runs(tmp_path, capsys):
+  from experiments import agentic_rl
+  with pytest.raises(SystemExit) as e:
+    agentic_rl.main(["--preset=tiny", f"--init_from={tmp_path}", f"--workdir={tmp_path}/rl"])
+  assert e.value.code == 2
+  assert "holds no <stage>/checkpoints" in capsys.readouterr().err
+  assert not (tmp_path / "rl").exists()
+  (tmp_path / "stage_8k" / "checkpoints").mkdir(parents=True)
+  assert trainer.pretraining_stages(str(tmp_path)) == [tmp_path / "stage_8k" / "checkpoints"]
+
+
 def test_sft_resumes_exactly(tmp_path):
   # 3 layers (KDA, MLA, MLA; two MoE): what is checked is the resume, not the depth.
   layers = (("num_layers", 3), ("mla_every", 2))
