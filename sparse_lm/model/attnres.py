@@ -27,11 +27,12 @@ The RMSNorm on the keys has no learned scale: a per-channel scale would be redun
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
 from sparse_lm.config import ModelConfig
-from sparse_lm.nn import rms_norm
 from sparse_lm.sharding import constrain
 
 _ACT = ("activation_batch", "activation_length", "activation_embed")
@@ -43,6 +44,16 @@ def attnres_mix(sources: jax.Array, valid: jax.Array, query: jax.Array,
                 eps: float = 1e-6) -> jax.Array:
   """One AttnRes read: softmax over sources of w · RMSNorm(s), applied to the raw sources.
 
+      r_j = 1 / sqrt(mean_d(s_j^2) + eps),   l_j = r_j (s_j · w),
+      alpha = softmax_j(l_j) over the valid sources,   h = sum_j alpha_j s_j
+                                                      (arXiv 2603.15031; ARCHITECTURE §4)
+
+  Written as elementwise products and reductions (no `dot_general`: with N ~ 5 sources a
+  contraction over them is a batched GEMM of inner size N, for which XLA:GPU transposed the
+  whole stack), with a hand-written backward (`_mix_bwd`) that keeps, besides its inputs, only
+  the [N, B, T] weights, norms and logits and recomputes the rest from the sources: two passes
+  over the stack. Being a `jax.custom_vjp`, it has no forward-mode derivative (`jax.jvp`).
+
   Args:
     sources: [N, B, T, D] stacked sources (any float dtype; math in fp32).
     valid: [N] bool, which slots hold a source (others get -inf logits).
@@ -53,26 +64,79 @@ def attnres_mix(sources: jax.Array, valid: jax.Array, query: jax.Array,
     eps: RMSNorm epsilon.
 
   Returns:
-    h [B, T, D] fp32. With a zero query: the uniform average of the valid sources.
+    h [B, T, D] fp32. With a zero query: the uniform average of the valid sources. Gradients
+    flow to sources, query and partial (in their dtypes); none to valid / partial_valid.
   """
-  w = query.astype(jnp.float32)
-  logits = jnp.einsum("nbtd,d->nbt", rms_norm(sources, eps=eps), w)
-  logits = jnp.where(valid[:, None, None], logits, _NEG_INF)
   if partial is None:
-    m = jnp.max(logits, axis=0)
-  else:
-    lp = jnp.einsum("btd,d->bt", rms_norm(partial, eps=eps), w)
-    lp = jnp.where(partial_valid, lp, _NEG_INF)
-    m = jnp.maximum(jnp.max(logits, axis=0), lp)
-  m = jax.lax.stop_gradient(m)  # cancels in the softmax
-  e = jnp.exp(logits - m)
-  den = jnp.sum(e, axis=0)
-  h = jnp.einsum("nbt,nbtd->btd", e, sources.astype(jnp.float32))
-  if partial is not None:
-    ep = jnp.exp(lp - m)
-    den = den + ep
-    h = h + ep[..., None] * partial.astype(jnp.float32)
-  return h / den[..., None]
+    partial = jnp.zeros(sources.shape[1:], jnp.float32)
+    partial_valid = False
+  return _mix(sources, query, partial, jnp.asarray(valid, bool),
+              jnp.asarray(partial_valid, bool), eps)
+
+
+def _logits(s: jax.Array, w: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
+  """r = rsqrt(mean(s^2) + eps) and l = r (s · w) over the last axis; s, w fp32."""
+  r = jax.lax.rsqrt(jnp.mean(s * s, axis=-1) + eps)
+  return r, r * jnp.sum(s * w, axis=-1)
+
+
+def _mix_weights(sources, query, partial, valid, partial_valid, eps):
+  """Softmax weights alpha [N, B, T], alpha_p [B, T], norms r, r_p and logits l, l_p."""
+  w = query.astype(jnp.float32)
+  r, l = _logits(sources.astype(jnp.float32), w, eps)
+  r_p, l_p = _logits(partial.astype(jnp.float32), w, eps)
+  l = jnp.where(valid[:, None, None], l, _NEG_INF)
+  l_p = jnp.where(partial_valid, l_p, _NEG_INF)
+  m = jnp.maximum(jnp.max(l, axis=0), l_p)  # cancels in the softmax
+  e, e_p = jnp.exp(l - m), jnp.exp(l_p - m)
+  den = jnp.sum(e, axis=0) + e_p
+  return e / den, e_p / den, r, r_p, l, l_p
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(5,))
+def _mix(sources, query, partial, valid, partial_valid, eps):
+  return _mix_fwd(sources, query, partial, valid, partial_valid, eps)[0]
+
+
+def _mix_fwd(sources, query, partial, valid, partial_valid, eps):
+  a, a_p, r, r_p, l, l_p = _mix_weights(sources, query, partial, valid, partial_valid, eps)
+  h = jnp.sum(a[..., None] * sources.astype(jnp.float32), axis=0)
+  h = h + a_p[..., None] * partial.astype(jnp.float32)
+  return h, (sources, query, partial, valid, partial_valid, a, a_p, r, r_p, l, l_p)
+
+
+def _mix_bwd(eps, res, dh):
+  """dalpha_j = s_j · dh;  dl_j = alpha_j (dalpha_j - sum_i alpha_i dalpha_i);
+  ds_j = alpha_j dh + dl_j (r_j w - l_j r_j^2 s_j / D)  (d l_j / d s_j, r_j = rsqrt(...));
+  dw = sum_{j,b,t} dl_j r_j s_j. Invalid slots have alpha = 0, so dl = 0 and ds = 0 there."""
+  sources, query, partial, valid, partial_valid, a, a_p, r, r_p, l, l_p = res
+  w = query.astype(jnp.float32)
+  dh = dh.astype(jnp.float32)
+  s = sources.astype(jnp.float32)
+  p = partial.astype(jnp.float32)
+  d = s.shape[-1]
+  da = jnp.sum(s * dh, axis=-1)  # [N, B, T]
+  da_p = jnp.sum(p * dh, axis=-1)
+  c = jnp.sum(a * da, axis=0) + a_p * da_p
+  dl = a * (da - c)  # 0 where alpha = 0 (also where l = -inf)
+  dl_p = a_p * (da_p - c)
+  # Masked logits are -inf where alpha = 0; zero them so 0 * inf cannot appear.
+  l = jnp.where(a > 0, l, 0.0)
+  l_p = jnp.where(a_p > 0, l_p, 0.0)
+
+  def ds_of(x, alpha, dlog, rr, ll):
+    return (alpha[..., None] * dh + (dlog * rr)[..., None] * w
+            - (dlog * ll * rr * rr / d)[..., None] * x)
+
+  ds = ds_of(s, a, dl, r, l)
+  dp = ds_of(p, a_p, dl_p, r_p, l_p)
+  dw = jnp.sum((dl * r)[..., None] * s, axis=(0, 1, 2)) + jnp.sum((dl_p * r_p)[..., None] * p,
+                                                                  axis=(0, 1))
+  return (ds.astype(sources.dtype), dw.astype(query.dtype), dp.astype(partial.dtype),
+          None, None)
+
+
+_mix.defvjp(_mix_fwd, _mix_bwd)
 
 
 def num_sources(cfg: ModelConfig) -> int:

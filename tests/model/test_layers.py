@@ -216,6 +216,52 @@ def test_attnres_uniform_at_init_and_masking():
   assert bool(jnp.all(jnp.isfinite(g))) and float(jnp.abs(g).sum()) > 0
 
 
+def _attnres_mix_fp64(s, valid, w, p, p_valid, eps=1e-6):
+  """h = sum_j alpha_j s_j, alpha = softmax_j over the valid sources (and p when p_valid) of
+  w . s_j / sqrt(mean(s_j^2) + eps): ARCHITECTURE §4, in fp64 jnp (autodiff gives the
+  reference gradients)."""
+  srcs = [s[j] for j in range(s.shape[0]) if valid[j]] + ([p] if p_valid else [])
+  logits = jnp.stack([jnp.sum(x * w, -1) / jnp.sqrt(jnp.mean(x * x, -1) + eps) for x in srcs])
+  a = jnp.exp(logits - jnp.max(logits, 0))
+  a = a / jnp.sum(a, 0)
+  return sum(a[j][..., None] * x for j, x in enumerate(srcs))
+
+
+@pytest.mark.parametrize("dtype,p_valid", [(jnp.float32, True), (jnp.float32, False),
+                                           (jnp.float32, None), (jnp.bfloat16, True)])
+def test_attnres_mix_gradients_match_fp64_reference(dtype, p_valid):
+  """The hand-written backward of attnres_mix (sources, query, partial) against autodiff of the
+  naive fp64 formula; masked slots (zeros, as in an unfilled stack) get zero gradient.
+  p_valid None: no partial source at all (attnres_full's reads)."""
+  rng = np.random.default_rng(9)
+  N, B, T, D = 5, 2, 7, 32
+  valid = np.array([True, True, True, False, False])
+  s = rng.standard_normal((N, B, T, D)) * rng.uniform(0.1, 10, (N, 1, 1, 1)) * valid[:, None,
+                                                                                       None, None]
+  p = rng.standard_normal((B, T, D)) * 3
+  w = rng.standard_normal(D)  # large enough that the softmax is far from uniform
+  dh = rng.standard_normal((B, T, D))
+  src = jnp.asarray(s, dtype)
+  s64 = np.asarray(src.astype(jnp.float32), np.float64)  # the rounded sources
+  with jax.enable_x64(True):
+    ref = jax.grad(lambda s_, w_, p_: jnp.sum(_attnres_mix_fp64(s_, valid, w_, p_, bool(p_valid))
+                                              * dh),
+                   argnums=(0, 1, 2))(jnp.asarray(s64), jnp.asarray(w), jnp.asarray(p))
+    ref = [np.asarray(r) for r in ref]
+  out = jax.grad(lambda s_, w_, p_: jnp.sum(attnres.attnres_mix(
+      s_, jnp.asarray(valid), w_, None if p_valid is None else p_, bool(p_valid))
+      * jnp.asarray(dh, jnp.float32)), argnums=(0, 1, 2))(
+      src, jnp.asarray(w, jnp.float32), jnp.asarray(p, jnp.float32))
+  assert out[0].dtype == dtype and out[1].dtype == out[2].dtype == jnp.float32
+  tol = 1e-5 if dtype == jnp.float32 else 8e-3  # bf16: ds is rounded to bf16
+  for name, r, o in zip(("d_sources", "d_query", "d_partial"), ref, out):
+    err = np.max(np.abs(np.asarray(o, np.float64) - r)) / max(np.max(np.abs(r)), 1e-30)
+    assert err < (tol if name == "d_sources" else 1e-5), (name, err)
+  assert not np.any(np.asarray(out[0][3:], np.float32))  # masked slots
+  if not p_valid:
+    assert not np.any(np.asarray(out[2]))
+
+
 def test_attnres_stream_blocks():
   """Block stream: sources are b_0, finished blocks and the current partial sum."""
   cfg = dataclasses.replace(CFG, attnres_block_layers=4)
