@@ -120,10 +120,7 @@ def sorted_dispatch(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
   out = mm(h, params["w_down"], group_sizes)  # [N k, L]
   out = permute.permute_rows(out, inverse, order).reshape(num_tokens, k, -1).astype(jnp.float32)
   w = jnp.where(expert_ids < num_experts, gates.astype(jnp.float32), 0.0)
-  # The gate-weighted sum over the k choices as a product and a reduction. As an einsum (batch
-  # n, contraction over k = 4..8) it is a dot_general, which XLA:GPU may run as a batched GEMM
-  # of inner size k at its default fp32 precision (TF32 on Hopper), as it did the AttnRes mix.
-  return jnp.sum(w[..., None] * out, axis=1)
+  return jnp.einsum("nk,nkl->nl", w, out)
 
 
 def dispatch_and_compute(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
