@@ -48,9 +48,8 @@ def attnres_mix(sources: jax.Array, valid: jax.Array, query: jax.Array,
       alpha = softmax_j(l_j) over the valid sources,   h = sum_j alpha_j s_j
                                                       (arXiv 2603.15031; ARCHITECTURE §4)
 
-  Written as elementwise products and reductions (no `dot_general`: with N ~ 5 sources a
-  contraction over them is a batched GEMM of inner size N, for which XLA:GPU transposed the
-  whole stack), with a hand-written backward (`_mix_bwd`) that keeps, besides its inputs, only
+  Written with exact fp32 contractions (products and sums, or dots on XLA:CPU: `_dots`) and
+  a hand-written backward (`_mix_bwd`) that keeps, besides its inputs, only
   the [N, B, T] weights, norms and logits and recomputes the rest from the sources: two passes
   over the stack. Being a `jax.custom_vjp`, it has no forward-mode derivative (`jax.jvp`).
 
@@ -74,10 +73,29 @@ def attnres_mix(sources: jax.Array, valid: jax.Array, query: jax.Array,
               jnp.asarray(partial_valid, bool), eps)
 
 
+def _dots() -> bool:
+  """Whether the contractions below run as fp32 dots (XLA:CPU) or as products and sums.
+
+  Both are exact fp32. XLA:GPU compiled the dots as GEMMs of inner size N (the stack
+  transposed around them; products and sums are 1.9-2.2x faster there, docs/benchmarks.md),
+  while XLA:CPU ran products and sums 2-6x slower than the dots at the `small` width (a
+  reduction over the leading axis; two reductions of one operand fused into one loop).
+  """
+  return jax.default_backend() == "cpu"
+
+
+def _dot(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
+  return jnp.einsum(spec, x, y, precision=jax.lax.Precision.HIGHEST)
+
+
 def _logits(s: jax.Array, w: jax.Array, eps: float) -> tuple[jax.Array, jax.Array]:
   """r = rsqrt(mean(s^2) + eps) and l = r (s · w) over the last axis; s, w fp32."""
-  r = jax.lax.rsqrt(jnp.mean(s * s, axis=-1) + eps)
-  return r, r * jnp.sum(s * w, axis=-1)
+  if _dots():
+    ss, sw = _dot("...d,...d->...", s, s), _dot("...d,d->...", s, w)
+  else:
+    ss, sw = jnp.sum(s * s, axis=-1), jnp.sum(s * w, axis=-1)
+  r = jax.lax.rsqrt(ss / s.shape[-1] + eps)
+  return r, r * sw
 
 
 def _mix_weights(sources, query, partial, valid, partial_valid, eps):
@@ -100,7 +118,8 @@ def _mix(sources, query, partial, valid, partial_valid, eps):
 
 def _mix_fwd(sources, query, partial, valid, partial_valid, eps):
   a, a_p, r, r_p, l, l_p = _mix_weights(sources, query, partial, valid, partial_valid, eps)
-  h = jnp.sum(a[..., None] * sources.astype(jnp.float32), axis=0)
+  s = sources.astype(jnp.float32)
+  h = _dot("n...,n...d->...d", a, s) if _dots() else jnp.sum(a[..., None] * s, axis=0)
   h = h + a_p[..., None] * partial.astype(jnp.float32)
   return h, (sources, query, partial, valid, partial_valid, a, a_p, r, r_p, l, l_p)
 
@@ -115,8 +134,12 @@ def _mix_bwd(eps, res, dh):
   s = sources.astype(jnp.float32)
   p = partial.astype(jnp.float32)
   d = s.shape[-1]
-  da = jnp.sum(s * dh, axis=-1)  # [N, B, T]
-  da_p = jnp.sum(p * dh, axis=-1)
+  if _dots():
+    da = _dot("n...d,...d->n...", s, dh)  # [N, B, T]
+    da_p = _dot("...d,...d->...", p, dh)
+  else:
+    da = jnp.sum(s * dh, axis=-1)
+    da_p = jnp.sum(p * dh, axis=-1)
   c = jnp.sum(a * da, axis=0) + a_p * da_p
   dl = a * (da - c)  # 0 where alpha = 0 (also where l = -inf)
   dl_p = a_p * (da_p - c)
@@ -130,8 +153,11 @@ def _mix_bwd(eps, res, dh):
 
   ds = ds_of(s, a, dl, r, l)
   dp = ds_of(p, a_p, dl_p, r_p, l_p)
-  dw = jnp.sum((dl * r)[..., None] * s, axis=(0, 1, 2)) + jnp.sum((dl_p * r_p)[..., None] * p,
-                                                                  axis=(0, 1))
+  if _dots():
+    dw = _dot("...,...d->d", dl * r, s) + _dot("...,...d->d", dl_p * r_p, p)
+  else:
+    dw = (jnp.sum((dl * r)[..., None] * s, axis=(0, 1, 2))
+          + jnp.sum((dl_p * r_p)[..., None] * p, axis=(0, 1)))
   return (ds.astype(sources.dtype), dw.astype(query.dtype), dp.astype(partial.dtype),
           None, None)
 

@@ -227,12 +227,15 @@ def _attnres_mix_fp64(s, valid, w, p, p_valid, eps=1e-6):
   return sum(a[j][..., None] * x for j, x in enumerate(srcs))
 
 
+@pytest.mark.parametrize("dots", [True, False], ids=["dots", "products"])
 @pytest.mark.parametrize("dtype,p_valid", [(jnp.float32, True), (jnp.float32, False),
                                            (jnp.float32, None), (jnp.bfloat16, True)])
-def test_attnres_mix_gradients_match_fp64_reference(dtype, p_valid):
+def test_attnres_mix_gradients_match_fp64_reference(dtype, p_valid, dots, monkeypatch):
   """The hand-written backward of attnres_mix (sources, query, partial) against autodiff of the
   naive fp64 formula; masked slots (zeros, as in an unfilled stack) get zero gradient.
-  p_valid None: no partial source at all (attnres_full's reads)."""
+  p_valid None: no partial source at all (attnres_full's reads). Both ways of contracting
+  (`attnres._dots`: dots on XLA:CPU, products and sums elsewhere) run here on any platform."""
+  monkeypatch.setattr(attnres, "_dots", lambda: dots)
   rng = np.random.default_rng(9)
   N, B, T, D = 5, 2, 7, 32
   valid = np.array([True, True, True, False, False])
@@ -248,6 +251,11 @@ def test_attnres_mix_gradients_match_fp64_reference(dtype, p_valid):
                                               * dh),
                    argnums=(0, 1, 2))(jnp.asarray(s64), jnp.asarray(w), jnp.asarray(p))
     ref = [np.asarray(r) for r in ref]
+    h_ref = np.asarray(_attnres_mix_fp64(jnp.asarray(s64), valid, jnp.asarray(w), jnp.asarray(p),
+                                         bool(p_valid)))
+  h = attnres.attnres_mix(src, jnp.asarray(valid), jnp.asarray(w, jnp.float32),
+                          None if p_valid is None else jnp.asarray(p, jnp.float32), bool(p_valid))
+  assert np.max(np.abs(np.asarray(h, np.float64) - h_ref)) / np.max(np.abs(h_ref)) < 1e-5
   out = jax.grad(lambda s_, w_, p_: jnp.sum(attnres.attnres_mix(
       s_, jnp.asarray(valid), w_, None if p_valid is None else p_, bool(p_valid))
       * jnp.asarray(dh, jnp.float32)), argnums=(0, 1, 2))(
