@@ -13,6 +13,7 @@ relative difference between the two forms.
 from __future__ import annotations
 
 import argparse
+import functools
 import time
 
 import jax
@@ -20,17 +21,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from sparse_lm.model import attnres
+from sparse_lm.nn import rms_norm
 
 
 def einsum_mix(sources, valid, query, partial, partial_valid, eps=1e-6):
   """The AttnRes read as it was written before 2026-12-02 (main 8e690fb): two einsums and
   autodiff. Same values as attnres_mix up to rounding."""
   w = query.astype(jnp.float32)
-
-  def norm(x):
-    x = x.astype(jnp.float32)
-    return x * jax.lax.rsqrt(jnp.mean(x * x, axis=-1, keepdims=True) + eps)
-
+  norm = functools.partial(rms_norm, eps=eps)
   logits = jnp.where(valid[:, None, None], jnp.einsum("nbtd,d->nbt", norm(sources), w), -jnp.inf)
   lp = jnp.where(partial_valid, jnp.einsum("btd,d->bt", norm(partial), w), -jnp.inf)
   m = jax.lax.stop_gradient(jnp.maximum(jnp.max(logits, axis=0), lp))
