@@ -84,6 +84,14 @@ def _dots() -> bool:
   return jax.default_backend() == "cpu"
 
 
+def _separate_passes() -> bool:
+  """Whether `_mix_bwd` fences its per-row scalars and its outputs with optimization barriers
+  (XLA:GPU). Without them XLA:GPU fused the eight reads' backward of a layer group, the stack
+  cotangent's accumulation and the dw reductions into one reduction fusion that took 15 ms per
+  group of the `small` step (docs/benchmarks.md); on XLA:CPU the barriers made it slower."""
+  return jax.default_backend() == "gpu"
+
+
 def _dot(spec: str, x: jax.Array, y: jax.Array) -> jax.Array:
   return jnp.einsum(spec, x, y, precision=jax.lax.Precision.HIGHEST)
 
@@ -146,6 +154,8 @@ def _mix_bwd(eps, res, dh):
   # Masked logits are -inf where alpha = 0; zero them so 0 * inf cannot appear.
   l = jnp.where(a > 0, l, 0.0)
   l_p = jnp.where(a_p > 0, l_p, 0.0)
+  if _separate_passes():
+    dl, dl_p, l, l_p = jax.lax.optimization_barrier((dl, dl_p, l, l_p))
 
   def ds_of(x, alpha, dlog, rr, ll):
     return (alpha[..., None] * dh + (dlog * rr)[..., None] * w
@@ -158,8 +168,10 @@ def _mix_bwd(eps, res, dh):
   else:
     dw = (jnp.sum((dl * r)[..., None] * s, axis=(0, 1, 2))
           + jnp.sum((dl_p * r_p)[..., None] * p, axis=(0, 1)))
-  return (ds.astype(sources.dtype), dw.astype(query.dtype), dp.astype(partial.dtype),
-          None, None)
+  ds = ds.astype(sources.dtype)
+  if _separate_passes():
+    ds, dw = jax.lax.optimization_barrier((ds, dw))
+  return ds, dw.astype(query.dtype), dp.astype(partial.dtype), None, None
 
 
 _mix.defvjp(_mix_fwd, _mix_bwd)
@@ -224,9 +236,11 @@ def add_output(cfg: ModelConfig, stream: dict, y: jax.Array) -> dict:
 def open_block(cfg: ModelConfig, stream: dict, opens: jax.Array | bool) -> dict:
   """At the first layer of a block: commit the previous block's sum b_{n-1} to the stack.
 
-  `opens` may be traced (inside the scan over layer groups). No-op for the other kinds.
+  `opens` may be traced (inside the scan over layer groups). No-op for the other kinds, and
+  for a Python `False` (the layers inside a block): no stack write is traced there, so the
+  backward pass accumulates no cotangent through a write that cannot happen.
   """
-  if cfg.residual != "attnres_block":
+  if cfg.residual != "attnres_block" or opens is False:
     return stream
   do = jnp.asarray(opens) & stream["has_partial"]
   stream = _push(stream, stream["partial"], do)

@@ -212,11 +212,15 @@ class Transformer(nnx.Module):
     cfg = self.cfg
     graphdef, params, rest = nnx.split(self.groups, nnx.Param, ...)
     n = self.num_groups - 1
-    first_layers = cfg.mla_every * (1 + jnp.arange(n))
-    opens = (first_layers % cfg.attnres_block_layers) == 0
+    opens = [cfg.mla_every * (1 + g) % cfg.attnres_block_layers == 0 for g in range(n)]
+    # Static when every group agrees (a block per group, as in the presets): then the layers
+    # that cannot open a block trace no stack write (`attnres.open_block`).
+    static_opens = opens[0] if len(set(opens)) == 1 else None
+    opens = jnp.asarray(opens)
 
     def body(stream, xs):
       p, r, o = xs
+      o = o if static_opens is None else static_opens
       (stream, auxes), r_new = _pure_call(graphdef, p, r, stream, opens_block=o,
                                           segment_ids=segment_ids, valid=valid, train=train)
       return stream, (_stack_aux(auxes), r_new)

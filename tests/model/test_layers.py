@@ -227,15 +227,18 @@ def _attnres_mix_fp64(s, valid, w, p, p_valid, eps=1e-6):
   return sum(a[j][..., None] * x for j, x in enumerate(srcs))
 
 
-@pytest.mark.parametrize("dots", [True, False], ids=["dots", "products"])
+@pytest.mark.parametrize("dots,fenced", [(True, False), (False, False), (False, True)],
+                         ids=["dots", "products", "products_fenced"])
 @pytest.mark.parametrize("dtype,p_valid", [(jnp.float32, True), (jnp.float32, False),
                                            (jnp.float32, None), (jnp.bfloat16, True)])
-def test_attnres_mix_gradients_match_fp64_reference(dtype, p_valid, dots, monkeypatch):
+def test_attnres_mix_gradients_match_fp64_reference(dtype, p_valid, dots, fenced, monkeypatch):
   """The hand-written backward of attnres_mix (sources, query, partial) against autodiff of the
   naive fp64 formula; masked slots (zeros, as in an unfilled stack) get zero gradient.
-  p_valid None: no partial source at all (attnres_full's reads). Both ways of contracting
-  (`attnres._dots`: dots on XLA:CPU, products and sums elsewhere) run here on any platform."""
+  p_valid None: no partial source at all (attnres_full's reads). The three ways the platforms
+  run it (`attnres._dots`: dots on XLA:CPU, products and sums elsewhere; XLA:GPU's
+  optimization barriers, `attnres._separate_passes`) run here on any platform."""
   monkeypatch.setattr(attnres, "_dots", lambda: dots)
+  monkeypatch.setattr(attnres, "_separate_passes", lambda: fenced)
   rng = np.random.default_rng(9)
   N, B, T, D = 5, 2, 7, 32
   valid = np.array([True, True, True, False, False])
@@ -289,8 +292,14 @@ def test_attnres_stream_blocks():
   st = attnres.add_output(cfg, st, ys[2])
   np.testing.assert_allclose(attnres.sublayer_input(cfg, st, zero),
                              (emb + (ys[0] + ys[1]) + ys[2]) / 3, rtol=1e-5)
-  st = attnres.open_block(cfg, st, jnp.asarray(False))  # not a block start: no commit
-  assert int(st["count"]) == 2
+  st_traced = attnres.open_block(cfg, st, jnp.asarray(False))  # not a block start: no commit
+  assert int(st_traced["count"]) == 2
+  for k in st:
+    np.testing.assert_array_equal(st_traced[k], st[k])
+  # a static False (the layers inside a block) traces no stack write at all
+  assert attnres.open_block(cfg, st, False) is st
+  jaxpr = jax.make_jaxpr(lambda s: attnres.open_block(cfg, s, False))(st)
+  assert not [e for e in jaxpr.jaxpr.eqns if e.primitive.name == "dynamic_update_slice"]
 
 
 def test_attnres_full_and_standard_streams():
