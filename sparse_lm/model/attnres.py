@@ -85,10 +85,13 @@ def _dots() -> bool:
 
 
 def _separate_passes() -> bool:
-  """Whether `_mix_bwd` fences its per-row scalars and its outputs with optimization barriers
-  (XLA:GPU). Without them XLA:GPU fused the eight reads' backward of a layer group, the stack
-  cotangent's accumulation and the dw reductions into one reduction fusion that took 15 ms per
-  group of the `small` step (docs/benchmarks.md); on XLA:CPU the barriers made it slower."""
+  """Whether `_mix_bwd` puts its outputs behind an optimization barrier (XLA:GPU).
+
+  Without it XLA:GPU fused the backward of a layer group's eight reads, the accumulation of
+  the stack's cotangent and the dw reductions into one reduction fusion: 15 ms per group of
+  the `small` step on an H200; with it each read's d_sources is written once and summed by a
+  plain fusion (`python -m benchmarks.attnres_group`, docs/benchmarks.md). On XLA:CPU the
+  barrier made the same program slower, so it is GPU-only."""
   return jax.default_backend() == "gpu"
 
 
@@ -154,8 +157,6 @@ def _mix_bwd(eps, res, dh):
   # Masked logits are -inf where alpha = 0; zero them so 0 * inf cannot appear.
   l = jnp.where(a > 0, l, 0.0)
   l_p = jnp.where(a_p > 0, l_p, 0.0)
-  if _separate_passes():
-    dl, dl_p, l, l_p = jax.lax.optimization_barrier((dl, dl_p, l, l_p))
 
   def ds_of(x, alpha, dlog, rr, ll):
     return (alpha[..., None] * dh + (dlog * rr)[..., None] * w
