@@ -4,7 +4,10 @@
 group_sizes[g]] are multiplied by rhs[g]; rows past sum(group_sizes) give zeros. Backends
 (cfg.gmm_backend, ARCHITECTURE §5):
   "ragged_dot": jax.lax.ragged_dot (plain XLA; runs everywhere; the CPU default).
-  "tokamax":    tokamax.ragged_dot (Mosaic GPU / TPU kernels; on CPU it falls back to XLA).
+  "tokamax":    tokamax's ragged-dot kernel (Mosaic GPU / TPU; on CPU its XLA fallback) for
+                the forward and the input gradient, with our tiles on Hopper (SM90_TILES), and
+                `grouped_weight_grad` (XLA batched matmuls) for the weight gradient: tokamax
+                0.0.17's own weight-gradient kernel was measured wrong on an H200 (see there).
                 Measured on an H200: 170-320 TFLOP/s versus 5-33 for jax.lax.ragged_dot.
   "megablox":   the Pallas TPU megablox gmm (TPU; interpret mode elsewhere, tests only).
   "blocked":    `blocked_gmm`: groups padded to row blocks, one batched matmul of the blocks
@@ -36,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.attention.tokamax import tokamax_flags
+from pallas_kernels.platform import compute_capability
 
 GMM_IMPLS = ("ragged_dot", "tokamax", "megablox", "blocked")
 
@@ -70,16 +74,71 @@ def _keep_live(x: jax.Array, live: jax.Array) -> jax.Array:
   return jnp.where(live, x, jnp.zeros((), x.dtype))
 
 
-def _tokamax_kernel(lhs, rhs, group_sizes):
-  import tokamax  # pylint: disable=g-import-not-at-top
+# Tiles for tokamax's Mosaic GPU grouped-matmul kernel on Hopper (sm90), in place of the
+# tokamax 0.0.17 sm90 heuristic (block_m 64, block_n 64, block_k 128, 2 stages), which it uses
+# on an H200 (its autotuning cache has H100 entries only). They serve the forward and the
+# backward's d_lhs (a forward of the transposed weight). Chosen at the `small` preset's expert
+# shapes on an H200 (`python -m benchmarks.gmm_configs`; docs/benchmarks.md, "tokamax's
+# grouped-matmul tiles"). None: tokamax chooses (its cache or heuristic).
+SM90_TILES: dict[str, int | bool] | None = dict(
+    block_m=128, block_n=64, block_k=64, num_stages=3, persistent=False, grid_tile_width=4)
+
+
+def _use_sm90_tiles(lhs: jax.Array, rhs: jax.Array) -> bool:
+  """SM90_TILES apply: a Hopper GPU, bf16 operands, K and N multiples of 128 and 64 (other
+  shapes and dtypes keep tokamax's own choice)."""
+  if SM90_TILES is None or jax.default_backend() != "gpu":
+    return False
+  cc = compute_capability(jax.devices()[0])
+  return (9.0 <= cc < 10.0 and lhs.dtype == jnp.bfloat16 and rhs.dtype == jnp.bfloat16
+          and lhs.shape[1] % 128 == 0 and rhs.shape[-1] % 64 == 0)
+
+
+def _tokamax_forward(lhs, rhs, group_sizes):
+  """tokamax's ragged-dot kernel, forward only: SM90_TILES where they fit, else tokamax's own
+  choice (on the CPU its XLA fallback)."""
   # tokamax reads its config from absl flags and, when the host program never parsed them
   # (pytest, argparse scripts), parses sys.argv itself and fails on foreign options: the flag
   # defaults are used then (programs run through absl.app keep their parsed flags). Also one
   # autotuning-cache-miss warning per op instead of one per call site.
   tokamax_flags()
+  if _use_sm90_tiles(lhs, rhs):
+    # tokamax.ops.gpu exports this class but imports jax_triton for its Triton ops, which the
+    # GPU image lacks: the Mosaic GPU module is imported directly
+    # pylint: disable-next=g-import-not-at-top
+    from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as pmg
+    op = pmg.PallasMosaicGpuRaggedDot(config=pmg.Config(split_k=1, **SM90_TILES))
+    return op(lhs, rhs, group_sizes=group_sizes, preferred_element_type=lhs.dtype)
+  import tokamax  # pylint: disable=g-import-not-at-top
   impl = "xla" if jax.default_backend() == "cpu" else None
   return tokamax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype,
                             implementation=impl)
+
+
+@jax.custom_vjp
+def _tokamax_kernel(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> jax.Array:
+  """ragged_dot(lhs [M, K], rhs [G, K, N], group_sizes [G]) -> [M, N] on tokamax's kernel,
+  with our VJP: d_lhs = ragged_dot(d_out, rhsᵀ) on the same kernel, d_rhs from
+  `grouped_weight_grad` (XLA batched matmuls), not tokamax's weight-gradient kernel (why:
+  see there). Rows past sum(group_sizes) of the output and of d_lhs are not written by the
+  kernel: callers clear them (`_tokamax_ragged_dot`) or cover them (`gmm(rows_covered=True)`).
+  """
+  return _tokamax_forward(lhs, rhs, group_sizes)
+
+
+def _tokamax_fwd(lhs, rhs, group_sizes):
+  return _tokamax_forward(lhs, rhs, group_sizes), (lhs, rhs, group_sizes)
+
+
+def _tokamax_bwd(res, dout):
+  lhs, rhs, group_sizes = res
+  dout = dout.astype(lhs.dtype)
+  dlhs = _tokamax_forward(dout, jnp.swapaxes(rhs, 1, 2), group_sizes)
+  drhs = grouped_weight_grad(lhs, dout, group_sizes, out_dtype=rhs.dtype)
+  return dlhs, drhs, None
+
+
+_tokamax_kernel.defvjp(_tokamax_fwd, _tokamax_bwd)
 
 
 def _tokamax_ragged_dot(lhs, rhs, group_sizes):
@@ -123,6 +182,97 @@ def _megablox_gmm(lhs, rhs, group_sizes, interpret: bool, mask: bool = True):
   return _keep_live(out, live) if mask else out
 
 
+def _group_blocks(group_sizes: jax.Array, m: int, block: int):
+  """Each group's rows padded to a multiple of `block`: (nb, slot_group [nb·block], valid,
+  src, pad_starts [G], starts [G]). Slot p holds row src[p] of group slot_group[p] when
+  valid[p]; nb = ceil(m / block) + G is a static bound on the blocks needed."""
+  g = group_sizes.shape[0]
+  nb = -(-m // block) + g  # static bound on sum_g ceil(size_g / block)
+  sizes = group_sizes.astype(jnp.int32)
+  starts = jnp.cumsum(sizes) - sizes
+  padded = -(-sizes // block) * block
+  pad_ends = jnp.cumsum(padded)
+  pad_starts = pad_ends - padded
+  # padded slot p -> its group, its source row and whether it holds a row
+  slot = jnp.arange(nb * block, dtype=jnp.int32)
+  slot_group = jnp.minimum(jnp.searchsorted(pad_ends, slot, side="right"), g - 1)
+  pos = slot - pad_starts[slot_group]
+  valid = (pos < sizes[slot_group]) & (slot < pad_ends[-1])
+  src = jnp.where(valid, starts[slot_group] + pos, 0)
+  return nb, slot_group, valid, src, pad_starts, starts
+
+
+def grouped_weight_grad(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array, *,
+                        block: int = 1024, out_dtype=None, max_bytes: int = 1 << 30
+                        ) -> jax.Array:
+  """The weight gradient of a grouped matmul: out[g] = lhs_gᵀ dout_g, [G, K, N].
+
+  lhs_g, dout_g are the rows start_g .. start_g + group_sizes[g] of lhs [M, K] and dout
+  [M, N] (rows sorted by group; rows past sum(group_sizes) are ignored even if they hold
+  NaN). Each group's rows are gathered into blocks of `block` rows (zero-padded, one group
+  per block), every block's product is one batched matmul with fp32 accumulation, and the
+  blocks of a group are summed (a sorted segment sum). Work (M + G·block)·K·N; memory: the
+  block products in fp32, nb·K·N for nb = ceil(M / block) + G blocks, taken in passes of at
+  most `max_bytes` (a scan when one pass does not hold them all), plus the [G, K, N] fp32 sum.
+
+  Why not tokamax's `ragged_contracting_dim_dot` kernel (what `tokamax.ragged_dot`'s VJP
+  runs): in tokamax 0.0.17 on an H200, at the `small` preset's shapes, its sm90 kernel gave
+  weight gradients up to 8% (of the largest entry) away from an exact fp32 reference, in
+  most groups, at its own heuristic tiles, and 1e17 away with block_k = 64, while XLA's
+  `ragged_dot_general` agreed with the reference to 1e-5 (docs/benchmarks.md, "tokamax's
+  grouped-matmul tiles").
+
+  Args:
+    lhs: [M, K]; dout: [M, N]; group_sizes: [G] integer, sum <= M.
+    block: rows per block (>= 1; capped at M rounded up to 8).
+    out_dtype: result dtype (default lhs's).
+    max_bytes: bound on the fp32 block products held at once (at least one block's).
+
+  Returns:
+    [G, K, N] in out_dtype; a group without rows gets zeros.
+
+  Raises:
+    ValueError: lhs or dout not 2-D, their M differ, group_sizes not 1-D, block < 1 or
+      max_bytes < 1.
+  """
+  if max_bytes < 1:
+    raise ValueError(f"grouped_weight_grad: max_bytes must be >= 1, got {max_bytes}")
+  if lhs.ndim != 2 or dout.ndim != 2 or lhs.shape[0] != dout.shape[0]:
+    raise ValueError(f"grouped_weight_grad: lhs [M, K] and dout [M, N] with the same M; got "
+                     f"lhs {lhs.shape}, dout {dout.shape}")
+  if group_sizes.ndim != 1:
+    raise ValueError(f"grouped_weight_grad: group_sizes must be [G], got {group_sizes.shape}")
+  if block < 1:
+    raise ValueError(f"grouped_weight_grad: block must be >= 1, got {block}")
+  m, k = lhs.shape
+  n = dout.shape[1]
+  g = group_sizes.shape[0]
+  block = min(block, -(-m // 8) * 8)
+  nb, slot_group, valid, src, _, _ = _group_blocks(group_sizes, m, block)
+  # blocks per pass: their fp32 products stay under max_bytes (one pass at the `small` preset)
+  per_pass = max(1, min(nb, max_bytes // (4 * k * n)))
+  passes = -(-nb // per_pass)
+  pad = passes * per_pass - nb  # empty blocks (all invalid) in the last group
+  valid = jnp.pad(valid, (0, pad * block)).reshape(passes, per_pass * block)
+  src = jnp.pad(src, (0, pad * block)).reshape(passes, per_pass * block)
+  block_group = jnp.pad(slot_group[::block], (0, pad), constant_values=g - 1).reshape(
+      passes, per_pass)
+
+  def one_pass(acc, xs):
+    ok, rows, groups = xs
+    x = jnp.where(ok[:, None], lhs[rows], 0).reshape(per_pass, block, k)
+    d = jnp.where(ok[:, None], dout[rows].astype(lhs.dtype), 0).reshape(per_pass, block, n)
+    p = jnp.einsum("bck,bcn->bkn", x, d, preferred_element_type=jnp.float32)
+    return acc + jax.ops.segment_sum(p, groups, num_segments=g, indices_are_sorted=True), None
+
+  acc = jnp.zeros((g, k, n), jnp.float32)
+  if passes == 1:
+    acc, _ = one_pass(acc, (valid[0], src[0], block_group[0]))
+  else:
+    acc, _ = jax.lax.scan(one_pass, acc, (valid, src, block_group))
+  return acc.astype(out_dtype or lhs.dtype)
+
+
 def blocked_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
                 block: int | None = None) -> jax.Array:
   """`gmm` as one batched matmul over row blocks that each belong to one group.
@@ -153,18 +303,8 @@ def blocked_gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array,
   g, _, n = rhs.shape
   if block is None:
     block = int(min(128, max(8, 2 ** round(math.log2(max(m / (2 * g), 1))))))
-  nb = -(-m // block) + g  # static bound on sum_g ceil(size_g / block)
+  nb, slot_group, valid, src, pad_starts, starts = _group_blocks(group_sizes, m, block)
   sizes = group_sizes.astype(jnp.int32)
-  starts = jnp.cumsum(sizes) - sizes
-  padded = -(-sizes // block) * block
-  pad_ends = jnp.cumsum(padded)
-  pad_starts = pad_ends - padded
-  # padded slot p -> its group, its source row and whether it holds a row
-  slot = jnp.arange(nb * block, dtype=jnp.int32)
-  slot_group = jnp.minimum(jnp.searchsorted(pad_ends, slot, side="right"), g - 1)
-  pos = slot - pad_starts[slot_group]
-  valid = (pos < sizes[slot_group]) & (slot < pad_ends[-1])
-  src = jnp.where(valid, starts[slot_group] + pos, 0)
   x = jnp.where(valid[:, None], lhs[src], 0).reshape(nb, block, k)
   w = rhs[slot_group[::block]]  # [nb, K, N]
   y = jnp.einsum("bck,bkn->bcn", x, w, preferred_element_type=jnp.float32).reshape(nb * block, n)
