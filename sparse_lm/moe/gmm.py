@@ -4,10 +4,11 @@
 group_sizes[g]] are multiplied by rhs[g]; rows past sum(group_sizes) give zeros. Backends
 (cfg.gmm_backend, ARCHITECTURE §5):
   "ragged_dot": jax.lax.ragged_dot (plain XLA; runs everywhere; the CPU default).
-  "tokamax":    tokamax's ragged-dot kernel (Mosaic GPU / TPU; on CPU its XLA fallback) for
-                the forward and the input gradient, with our tiles on Hopper (SM90_TILES), and
-                `grouped_weight_grad` (XLA batched matmuls) for the weight gradient: tokamax
-                0.0.17's own weight-gradient kernel was measured wrong on an H200 (see there).
+  "tokamax":    tokamax's ragged-dot kernel (Mosaic GPU / TPU; on CPU its XLA fallback). On
+                GPU and CPU it runs the forward and the input gradient, with our tiles on
+                Hopper (SM90_TILES), and `grouped_weight_grad` (XLA batched matmuls) the weight
+                gradient: tokamax 0.0.17's own weight-gradient kernel was measured wrong on an
+                H200 (see there). On a TPU host tokamax's own VJP.
                 Measured on an H200: 170-320 TFLOP/s versus 5-33 for jax.lax.ragged_dot.
   "megablox":   the Pallas TPU megablox gmm (TPU; interpret mode elsewhere, tests only).
   "blocked":    `blocked_gmm`: groups padded to row blocks, one batched matmul of the blocks
@@ -141,6 +142,16 @@ def _tokamax_bwd(res, dout):
 _tokamax_kernel.defvjp(_tokamax_fwd, _tokamax_bwd)
 
 
+def _tokamax_dot(lhs, rhs, group_sizes):
+  """`_tokamax_kernel` (our VJP) on GPU and CPU; on a TPU host tokamax's own ragged dot with
+  its own VJP: the wrong weight gradient was measured on an H200 (the TPU kernels were not
+  checked here), and `grouped_weight_grad`'s segment sum would be a scatter, which the TPU
+  compiler implements as a sort."""
+  if jax.default_backend() == "tpu":
+    return _tokamax_forward(lhs, rhs, group_sizes)
+  return _tokamax_kernel(lhs, rhs, group_sizes)
+
+
 def _tokamax_ragged_dot(lhs, rhs, group_sizes):
   """tokamax's ragged_dot with rows past sum(group_sizes) set to zero, in value and gradient.
 
@@ -152,7 +163,7 @@ def _tokamax_ragged_dot(lhs, rhs, group_sizes):
   (rows with padding) gave a NaN loss on the H200 while synthetic rows (no padding) did not.
   """
   live = _live_rows(lhs.shape[0], group_sizes)
-  return _keep_live(_tokamax_kernel(_keep_live(lhs, live), rhs, group_sizes), live)
+  return _keep_live(_tokamax_dot(_keep_live(lhs, live), rhs, group_sizes), live)
 
 
 def _tile(dim: int, prefs=(512, 256, 128)) -> int:
@@ -346,7 +357,7 @@ def gmm(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array, *,
     return jax.lax.ragged_dot(lhs, rhs, group_sizes, preferred_element_type=lhs.dtype)
   if backend == "tokamax":
     if rows_covered:
-      return _tokamax_kernel(lhs, rhs, group_sizes)
+      return _tokamax_dot(lhs, rhs, group_sizes)
     return _tokamax_ragged_dot(lhs, rhs, group_sizes)
   if backend == "blocked":
     return blocked_gmm(lhs, rhs, group_sizes)
