@@ -81,8 +81,9 @@ def _keep_live(x: jax.Array, live: jax.Array) -> jax.Array:
 # backward's d_lhs (a forward of the transposed weight). Chosen at the `small` preset's expert
 # shapes on an H200 (`python -m benchmarks.gmm_configs`; docs/benchmarks.md, "tokamax's
 # grouped-matmul tiles"). None: tokamax chooses (its cache or heuristic).
-SM90_TILES: dict[str, int | bool] | None = dict(
-    block_m=128, block_n=64, block_k=64, num_stages=3, persistent=False, grid_tile_width=4)
+SM90_TILES: dict[str, int | bool | str] | None = dict(
+    block_m=128, block_n=64, block_k=64, num_stages=3, persistent=False, grid_minor_dim="M",
+    grid_tile_width=4)
 
 
 def _use_sm90_tiles(lhs: jax.Array, rhs: jax.Array) -> bool:
@@ -108,7 +109,9 @@ def _tokamax_forward(lhs, rhs, group_sizes):
     # GPU image lacks: the Mosaic GPU module is imported directly
     # pylint: disable-next=g-import-not-at-top
     from tokamax._src.ops.ragged_dot import pallas_mosaic_gpu as pmg
-    op = pmg.PallasMosaicGpuRaggedDot(config=pmg.Config(split_k=1, **SM90_TILES))
+    tiles = dict(SM90_TILES, grid_minor_dim=pmg.common.MatmulDimension[
+        SM90_TILES["grid_minor_dim"]])
+    op = pmg.PallasMosaicGpuRaggedDot(config=pmg.Config(split_k=1, **tiles))
     return op(lhs, rhs, group_sizes=group_sizes, preferred_element_type=lhs.dtype)
   import tokamax  # pylint: disable=g-import-not-at-top
   impl = "xla" if jax.default_backend() == "cpu" else None
@@ -123,6 +126,10 @@ def _tokamax_kernel(lhs: jax.Array, rhs: jax.Array, group_sizes: jax.Array) -> j
   `grouped_weight_grad` (XLA batched matmuls), not tokamax's weight-gradient kernel (why:
   see there). Rows past sum(group_sizes) of the output and of d_lhs are not written by the
   kernel: callers clear them (`_tokamax_ragged_dot`) or cover them (`gmm(rows_covered=True)`).
+  Under `shard_map(check_vma=True)`, lhs and rhs must vary over the same mesh axes (the VJP
+  returns each cotangent with its input's type; `expert_parallel` runs with check_vma=False).
+  d_rhs is accumulated in fp32 and returned in rhs's dtype (bf16 under `gmm`, as XLA's
+  ragged_dot gradient is).
   """
   return _tokamax_forward(lhs, rhs, group_sizes)
 
@@ -222,9 +229,13 @@ def grouped_weight_grad(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array,
   [M, N] (rows sorted by group; rows past sum(group_sizes) are ignored even if they hold
   NaN). Each group's rows are gathered into blocks of `block` rows (zero-padded, one group
   per block), every block's product is one batched matmul with fp32 accumulation, and the
-  blocks of a group are summed (a sorted segment sum). Work (M + G·block)·K·N; memory: the
-  block products in fp32, nb·K·N for nb = ceil(M / block) + G blocks, taken in passes of at
-  most `max_bytes` (a scan when one pass does not hold them all), plus the [G, K, N] fp32 sum.
+  blocks of a group are summed (a sorted segment sum). Work about (M + G·block)·K·N (the
+  passes below add at most one block per pass); memory: the block products in fp32, nb·K·N
+  for nb = ceil(M / block) + G blocks, taken in equal passes of at most `max_bytes` (a scan
+  when one pass does not hold them all), each pass's gathered rows, per_pass·block·(K + N) in
+  lhs's dtype, and the [G, K, N] fp32 sum. dout is cast to lhs's dtype before the products.
+  On a GPU the segment sum is a scatter-add, which XLA may run with atomics: not bit for bit
+  reproducible between runs unless `--xla_gpu_deterministic_ops`.
 
   Why not tokamax's `ragged_contracting_dim_dot` kernel (what `tokamax.ragged_dot`'s VJP
   runs): in tokamax 0.0.17 on an H200, at the `small` preset's shapes, its sm90 kernel gave
@@ -258,11 +269,13 @@ def grouped_weight_grad(lhs: jax.Array, dout: jax.Array, group_sizes: jax.Array,
   m, k = lhs.shape
   n = dout.shape[1]
   g = group_sizes.shape[0]
+  if 0 in (m, k, n, g):
+    return jnp.zeros((g, k, n), out_dtype or lhs.dtype)
   block = min(block, -(-m // 8) * 8)
   nb, slot_group, valid, src, _, _ = _group_blocks(group_sizes, m, block)
   # blocks per pass: their fp32 products stay under max_bytes (one pass at the `small` preset)
-  per_pass = max(1, min(nb, max_bytes // (4 * k * n)))
-  passes = -(-nb // per_pass)
+  passes = -(-nb // max(1, min(nb, max_bytes // (4 * k * n))))
+  per_pass = -(-nb // passes)  # equal passes: the last one pads fewer than `passes` blocks
   pad = passes * per_pass - nb  # empty blocks (all invalid) in the last group
   valid = jnp.pad(valid, (0, pad * block)).reshape(passes, per_pass * block)
   src = jnp.pad(src, (0, pad * block)).reshape(passes, per_pass * block)

@@ -94,9 +94,19 @@ def test_grouped_weight_grad_rejects_bad_input():
     gmm_lib.grouped_weight_grad(a, d, s, max_bytes=0)
 
 
+def test_grouped_weight_grad_empty_groups_ignore_nan_rows():
+  """No rows in any group: zeros, even with NaN in every row (both operands are masked)."""
+  lhs = jnp.full((40, 8), jnp.nan).at[1:].set(1.0)
+  dout = jnp.full((40, 4), jnp.nan)
+  out = gmm_lib.grouped_weight_grad(lhs, dout, jnp.zeros((3,), jnp.int32), block=16)
+  np.testing.assert_array_equal(np.asarray(out), 0.0)
+  assert gmm_lib.grouped_weight_grad(lhs[:0], dout[:0], jnp.zeros((3,), jnp.int32)).shape == (
+      3, 8, 4)
+
+
 @pytest.mark.skipif(not _HAVE_TOKAMAX, reason="tokamax is not installed")
 @pytest.mark.parametrize("covered", [True, False])
-def test_tokamax_path_values_and_gradients(covered):
+def test_tokamax_path_values_and_gradients(covered, monkeypatch):
   """`gmm(backend="tokamax")` (the masked path when rows are left over) against per-group fp32
   matmuls and their autodiff: d_lhs through the kernel on the transposed weight, d_rhs from
   `grouped_weight_grad`. On the CPU tokamax's XLA fallback computes the forward."""
@@ -106,11 +116,16 @@ def test_tokamax_path_values_and_gradients(covered):
   lhs = jax.random.normal(jax.random.key(4), (m, k))
   rhs = jax.random.normal(jax.random.key(5), (g, k, n)) / k ** 0.5
   dout = jax.random.normal(jax.random.key(6), (m, n))
+  calls = []  # our VJP, not tokamax's own, computes the weight gradient
+  real = gmm_lib.grouped_weight_grad
+  monkeypatch.setattr(gmm_lib, "grouped_weight_grad",
+                      lambda *a, **kw: calls.append(1) or real(*a, **kw))
   fn = lambda a, b: gmm_lib.gmm(a, b, sizes, backend="tokamax", rows_covered=covered)
   loss = lambda f, a, b: jnp.vdot(f(a, b), dout)
   np.testing.assert_allclose(jax.jit(fn)(lhs, rhs), _loop_matmul(lhs, rhs, sizes),
                              rtol=1e-5, atol=1e-5)
   grads = jax.jit(jax.grad(lambda a, b: loss(fn, a, b), argnums=(0, 1)))(lhs, rhs)
+  assert calls, "the weight gradient did not go through grouped_weight_grad"
   refs = jax.grad(lambda a, b: loss(lambda x, w: _loop_matmul(x, w, sizes), a, b),
                   argnums=(0, 1))(lhs, rhs)
   for got, ref, name in zip(grads, refs, ("d_lhs", "d_rhs")):
