@@ -291,7 +291,7 @@ def gathered_experts(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
   x = jnp.moveaxis(pad_rows(jnp.moveaxis(x, 1, 0), min_rows), 0, 1)  # [A, R, L]
   w_gu = jnp.concatenate([params["w_gate"][ids], params["w_up"][ids]], axis=-1).astype(dt)
   gu = jnp.einsum("arl,alf->arf", x, w_gu, preferred_element_type=jnp.float32).astype(dt)
-  h = situ_activation(gu[..., :F], gu[..., F:], beta1, beta2).astype(dt)
+  h = situ_activation(gu[..., :F], gu[..., F:], beta1, beta2, out_dtype=dt)
   out = jnp.einsum("arf,afl->arl", h, params["w_down"][ids].astype(dt),
                    preferred_element_type=jnp.float32).astype(dt)[:, 0].astype(jnp.float32)
   w = jnp.where(expert_ids < E, gates.astype(jnp.float32), 0.0).reshape(N * k, 1)

@@ -85,7 +85,7 @@ def expert_ffn_local(x: jax.Array, local_ids: jax.Array, w_gate: jax.Array, w_up
   sizes = permute.one_hot_counts(local_ids, G)
   g = gmm(xs, w_gate, sizes, backend=gmm_backend, platform=platform)
   u = gmm(xs, w_up, sizes, backend=gmm_backend, platform=platform)
-  h = situ_activation(g, u, beta1, beta2).astype(x.dtype)
+  h = situ_activation(g, u, beta1, beta2, out_dtype=x.dtype)
   ys = gmm(h, w_down, sizes, backend=gmm_backend, platform=platform)
   valid = (jnp.arange(x.shape[0]) < jnp.sum(sizes))[:, None]
   ys = jnp.where(valid, ys, 0)  # rows past the groups: zero whatever the backend returns

@@ -116,7 +116,7 @@ def sorted_dispatch(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
   mm = functools.partial(gmm_lib.gmm, backend=backend, rows_covered=covered)
   g = mm(zs, params["w_gate"], group_sizes)
   u = mm(zs, params["w_up"], group_sizes)
-  h = situ_activation(g, u, beta1, beta2).astype(z.dtype)
+  h = situ_activation(g, u, beta1, beta2, out_dtype=z.dtype)
   out = mm(h, params["w_down"], group_sizes)  # [N k, L]
   out = permute.permute_rows(out, inverse, order).reshape(num_tokens, k, -1).astype(jnp.float32)
   w = jnp.where(expert_ids < num_experts, gates.astype(jnp.float32), 0.0)

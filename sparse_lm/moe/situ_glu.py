@@ -22,7 +22,7 @@ from sparse_lm.config import ModelConfig
 
 
 def situ_activation(g: jax.Array, u: jax.Array, beta1: float | None = 4.0,
-                    beta2: float | None = 25.0) -> jax.Array:
+                    beta2: float | None = 25.0, out_dtype=None) -> jax.Array:
   """Hidden activation h = [b1 tanh(g/b1) sigmoid(g)] * [b2 tanh(u/b2)], computed in fp32.
 
   Args:
@@ -30,25 +30,31 @@ def situ_activation(g: jax.Array, u: jax.Array, beta1: float | None = 4.0,
     beta1, beta2: soft-clip levels of the gate and the up branch (ARCHITECTURE §5). Both None
       gives the unclipped limit, SwiGLU h = silu(g) * u (Kimi-Linear's FFNs;
       cfg.ffn_activation="swiglu", cfg.glu_betas).
+    out_dtype: dtype of h (default float32). The math runs in fp32 either way; the cast is
+      inside the checkpointed function, so `situ_activation(g, u, out_dtype=bf16)` equals
+      `situ_activation(g, u).astype(bf16)` in value and gradient, but its backward receives
+      the cotangent in bf16: the checkpoint's barrier then never holds an fp32 copy of dh
+      (on an H200 that copy was a separate 1 GB kernel per MoE layer of the `small` preset).
 
   Returns:
-    h, same shape, float32; |h| < beta1 * beta2 elementwise (SiTU).
+    h, same shape, out_dtype (float32 by default); |h| < beta1 * beta2 elementwise (SiTU).
   """
-  return _situ(g, u, beta1, beta2)
+  out_dtype = jnp.dtype(jnp.float32 if out_dtype is None else out_dtype)
+  return _situ(g, u, beta1, beta2, out_dtype)
 
 
 # Checkpointed: the backward pass keeps only g and u (in their own, usually bf16, dtype) and
 # recomputes the fp32 tanh / sigmoid terms inside the fused gradient, instead of storing
 # about five fp32 copies of every [tokens·k, F] expert activation (measured: 4 GiB per
 # 8K-token row for the small preset).
-@functools.partial(jax.checkpoint, static_argnums=(2, 3))
-def _situ(g: jax.Array, u: jax.Array, beta1: float, beta2: float) -> jax.Array:
+@functools.partial(jax.checkpoint, static_argnums=(2, 3, 4))
+def _situ(g: jax.Array, u: jax.Array, beta1: float, beta2: float, out_dtype) -> jax.Array:
   g = g.astype(jnp.float32)
   u = u.astype(jnp.float32)
   if beta1 is None and beta2 is None:
-    return jax.nn.silu(g) * u
+    return (jax.nn.silu(g) * u).astype(out_dtype)
   gate = beta1 * jnp.tanh(g / beta1) * jax.nn.sigmoid(g)
-  return gate * (beta2 * jnp.tanh(u / beta2))
+  return (gate * (beta2 * jnp.tanh(u / beta2))).astype(out_dtype)
 
 
 def situ_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array,
@@ -66,7 +72,7 @@ def situ_glu(x: jax.Array, w_gate: jax.Array, w_up: jax.Array, w_down: jax.Array
   dt = x.dtype
   g = jnp.dot(x, w_gate.astype(dt))
   u = jnp.dot(x, w_up.astype(dt))
-  h = situ_activation(g, u, beta1, beta2).astype(dt)
+  h = situ_activation(g, u, beta1, beta2, out_dtype=dt)
   return jnp.dot(h, w_down.astype(dt))
 
 

@@ -79,3 +79,47 @@ def test_module_shapes_axes_and_dtype():
   ref = situ_glu(x.astype(jnp.float32), m.w_gate[...], m.w_up[...], m.w_down[...])
   np.testing.assert_allclose(np.asarray(y, np.float32), ref, atol=3e-2 * float(
       jnp.max(jnp.abs(ref))))
+
+
+def test_out_dtype_bf16_matches_the_cast_and_the_analytic_gradient():
+  """out_dtype=bf16 casts inside the checkpoint: the same values and gradients as casting the
+  fp32 result afterwards (bit for bit), and the gradients of the formula (fp64 NumPy)."""
+  kg, ku, kc = jax.random.split(jax.random.key(T.seed()), 3)
+  g = (6 * jax.random.normal(kg, (64, 96))).astype(jnp.bfloat16)
+  u = (30 * jax.random.normal(ku, (64, 96))).astype(jnp.bfloat16)
+  cot = jax.random.normal(kc, (64, 96)).astype(jnp.bfloat16)
+  inside = lambda g, u: situ_activation(g, u, out_dtype=jnp.bfloat16)
+  after = lambda g, u: situ_activation(g, u).astype(jnp.bfloat16)
+  h_in, vjp_in = jax.vjp(inside, g, u)
+  h_af, vjp_af = jax.vjp(after, g, u)
+  assert h_in.dtype == jnp.bfloat16
+  np.testing.assert_array_equal(np.asarray(h_in, np.float32), np.asarray(h_af, np.float32))
+  for a, b in zip(vjp_in(cot), vjp_af(cot)):
+    assert a.dtype == jnp.bfloat16
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  gn, un, cn = (np.asarray(x, np.float64) for x in (g, u, cot))
+  sig = 1 / (1 + np.exp(-gn))
+  tg, tu = np.tanh(gn / 4.0), np.tanh(un / 25.0)
+  dg = cn * 25.0 * tu * ((1 - tg**2) * sig + 4.0 * tg * sig * (1 - sig))
+  du = cn * 4.0 * tg * sig * (1 - tu**2)
+  for got, want in zip(vjp_in(cot), (dg, du)):
+    err = np.max(np.abs(np.asarray(got, np.float64) - want)) / np.max(np.abs(want))
+    assert err < 1e-2, err  # bf16 rounding of the result (2^-8); a wrong term is O(1) off
+
+
+def test_out_dtype_keeps_fp32_copies_out_of_the_checkpoint_barrier():
+  """With out_dtype=bf16 the backward's rematerialisation barrier holds g, u and the cotangent
+  in bf16; the cast after the call put an fp32 [rows, F] cotangent there (on the GPU a separate
+  kernel writing 4 bytes per element, then read back)."""
+  g = jnp.ones((256, 128), jnp.bfloat16)
+
+  def barrier_types(fn):
+    loss = lambda g, u: jnp.sum(fn(g, u).astype(jnp.float32))
+    text = jax.jit(jax.grad(loss, argnums=(0, 1))).lower(g, g).as_text()
+    lines = [l for l in text.splitlines() if "optimization_barrier" in l]
+    assert lines, "no optimization barrier: jax.checkpoint's lowering changed"
+    return " ".join(lines)
+
+  assert "256x128xf32" not in barrier_types(
+      lambda g, u: situ_activation(g, u, out_dtype=jnp.bfloat16))
+  assert "256x128xf32" in barrier_types(lambda g, u: situ_activation(g, u).astype(jnp.bfloat16))
