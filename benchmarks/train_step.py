@@ -171,7 +171,8 @@ def main(argv=None) -> None:
       ("preset", f"{args.preset} ({n['total'] / 1e6:,.1f}M total, "
                  f"{n['active'] / 1e6:,.1f}M active params)"),
       ("shape", f"{batch} x {seq_len} tokens, {args.micro_batches} micro-batch(es)"),
-      ("remat policy", cfg.remat_policy),
+      ("remat policy", cfg.remat_policy + (f", the last {cfg.remat_skip_last} units kept"
+                                            if cfg.remat_skip_last else "")),
       ("compile", f"{compile_s:.1f} s"),
       ("compiled temporaries", f"{mem.temp_size_in_bytes / GIB:.2f} GiB" if mem else "n/a"),
       ("step time", f"{1e3 * step_s:.1f} ms (mean of {steps})"),

@@ -136,6 +136,12 @@ class ModelConfig:
   dtype: str = "bfloat16"  # compute dtype
   param_dtype: str = "float32"  # master weights
   remat_policy: str = "full"
+  # Layer units nearest the output that run without rematerialisation (their activations kept
+  # for the backward pass): memory for one forward pass of those layers. Units, counted from
+  # the output end: the last layer, each tail layer, each scanned group of mla_every layers
+  # (the last first), the head group (`Transformer.remat_units`). 0 = every unit follows
+  # remat_policy; ignored when remat_policy is "none".
+  remat_skip_last: int = 0
   scan_layers: bool = True
   loss_chunk_size: int = 2048  # tokens per chunk of the chunked cross-entropy
   init_std: float = 0.02
@@ -173,6 +179,14 @@ class ModelConfig:
     if self.ffn_activation == "swiglu":
       return None, None
     return self.situ_beta1, self.situ_beta2
+
+  @property
+  def num_remat_units(self) -> int:
+    """Units the stack is rematerialised in: the head group, the scanned groups, the tail
+    layers and the last layer (`transformer.py`'s module docstring)."""
+    groups = (self.num_layers - 1) // self.mla_every  # including the head group
+    tail = self.num_layers - 1 - groups * self.mla_every
+    return 1 + max(groups - 1, 0) + tail + 1
 
   @property
   def num_attnres_blocks(self) -> int:
@@ -217,6 +231,9 @@ class ModelConfig:
       bad(f"balancer={self.balancer!r} must be one of {BALANCER_KINDS}")
     if self.remat_policy not in REMAT_POLICIES:
       bad(f"remat_policy={self.remat_policy!r} must be one of {REMAT_POLICIES}")
+    if not 0 <= self.remat_skip_last <= self.num_remat_units:
+      bad(f"remat_skip_last={self.remat_skip_last} must be in [0, {self.num_remat_units}] "
+          f"(the model's layer units: {self.num_remat_units})")
     if self.kda_backend not in KDA_BACKENDS:
       bad(f"kda_backend={self.kda_backend!r} cannot run; choose one of {KDA_BACKENDS}")
     if self.qb_cutoff not in QB_CUTOFFS:

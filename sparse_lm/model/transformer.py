@@ -146,14 +146,15 @@ def _pure_call(graphdef, params, rest, stream, **kw):
 
 
 def _remat_call(cfg: ModelConfig, module: nnx.Module, stream: dict, *, opens_block: bool,
-                segment_ids, valid, train: bool):
-  """`module(stream, ...)` under `jax.checkpoint` with cfg.remat_policy (plain call for "none").
+                segment_ids, valid, train: bool, remat: bool = True):
+  """`module(stream, ...)` under `jax.checkpoint` with cfg.remat_policy (plain call for "none",
+  or with remat=False: a unit that cfg.remat_skip_last keeps).
 
   Used for the layers outside the scanned groups (the head group and the last layer) so that
   they, too, keep only their input stream for the backward pass. Non-Param variables the call
   updates (the balancer histograms) are written back to `module`.
   """
-  policy = nn.remat_policy(cfg.remat_policy)
+  policy = nn.remat_policy(cfg.remat_policy) if remat else None
   if policy is None:
     return module(stream, opens_block=opens_block, segment_ids=segment_ids, valid=valid,
                   train=train)
@@ -207,36 +208,59 @@ class Transformer(nnx.Module):
     self.vision = VisionEncoder(cfg, rngs=rngs) if cfg.vision else None
 
   # ------------------------------------------------------------------ stack
+  def remat_units(self) -> list[str]:
+    """The stack's rematerialisation units in forward order: "head", "group1" .. the scanned
+    groups, "tail0" .. the tail layers, "last". cfg.remat_skip_last counts from the end."""
+    n = self.num_groups - 1 if self.groups is not None else 0
+    tail = len(self.tail) if self.tail is not None else 0
+    return (["head"] + [f"group{g + 1}" for g in range(n)] + [f"tail{j}" for j in range(tail)]
+            + ["last"])
+
+  def _kept_units(self) -> set[str]:
+    """The units cfg.remat_skip_last runs without jax.checkpoint (the last ones)."""
+    k = self.cfg.remat_skip_last
+    return set(self.remat_units()[len(self.remat_units()) - k:]) if k else set()
+
   def _run_groups(self, stream, *, segment_ids, valid, train):
-    """Groups 1..G-1 over the stacked params: lax.scan or a Python loop (cfg.scan_layers)."""
+    """Groups 1..G-1 over the stacked params: lax.scan or a Python loop (cfg.scan_layers).
+
+    The last groups that cfg.remat_skip_last keeps run after the scan, one static slice of
+    the stacked params each, without jax.checkpoint."""
     cfg = self.cfg
     graphdef, params, rest = nnx.split(self.groups, nnx.Param, ...)
     n = self.num_groups - 1
+    keep = len({f"group{g + 1}" for g in range(n)} & self._kept_units())
     opens = [cfg.mla_every * (1 + g) % cfg.attnres_block_layers == 0 for g in range(n)]
     # Static when every group agrees (a block per group, as in the presets): then the layers
     # that cannot open a block trace no stack write (`attnres.open_block`).
     static_opens = opens[0] if len(set(opens)) == 1 else None
     opens = jnp.asarray(opens)
 
-    def body(stream, xs):
+    def plain(stream, xs):
       p, r, o = xs
       o = o if static_opens is None else static_opens
       (stream, auxes), r_new = _pure_call(graphdef, p, r, stream, opens_block=o,
                                           segment_ids=segment_ids, valid=valid, train=train)
       return stream, (_stack_aux(auxes), r_new)
 
+    body = plain
     policy = nn.remat_policy(cfg.remat_policy)
     if policy is not None:
-      body = jax.checkpoint(body, policy=policy, prevent_cse=not cfg.scan_layers)
-    if cfg.scan_layers:
-      stream, (aux, rest_new) = jax.lax.scan(body, stream, (params, rest, opens))
+      body = jax.checkpoint(plain, policy=policy, prevent_cse=not cfg.scan_layers)
+    xs_all = (params, rest, opens)
+    outs = []
+    if cfg.scan_layers and n - keep > 0:
+      xs = xs_all if keep == 0 else jax.tree.map(lambda a: a[:n - keep], xs_all)
+      stream, out = jax.lax.scan(body, stream, xs)
+      outs.append(out)
     else:
-      outs = []
-      for g in range(n):
-        xs = jax.tree.map(lambda a: a[g], (params, rest, opens))
-        stream, out = body(stream, xs)
-        outs.append(out)
-      aux, rest_new = jax.tree.map(lambda *a: jnp.stack(a), *outs)
+      for g in range(n - keep):
+        stream, out = body(stream, jax.tree.map(lambda a: a[g], xs_all))
+        outs.append(jax.tree.map(lambda a: a[None], out))
+    for g in range(n - keep, n):
+      stream, out = plain(stream, jax.tree.map(lambda a: a[g], xs_all))
+      outs.append(jax.tree.map(lambda a: a[None], out))
+    aux, rest_new = jax.tree.map(lambda *a: jnp.concatenate(a), *outs)
     if train:  # an eval forward changes no variable: it writes none back (then a plain
       nnx.update(self.groups, rest_new)  # jax.jit may close over the model)
     aux = {k: v.reshape((-1,) + v.shape[2:]) for k, v in aux.items()}  # [n * moe/group, ...]
@@ -277,7 +301,9 @@ class Transformer(nnx.Module):
         x = self.vision.embed_into(x, tokens, images)
     stream = attnres.init_stream(cfg, x)
     kw = dict(segment_ids=segment_ids, valid=valid, train=train)
-    stream, auxes = _remat_call(cfg, self.head, stream, opens_block=True, **kw)
+    kept = self._kept_units()
+    stream, auxes = _remat_call(cfg, self.head, stream, opens_block=True,
+                                remat="head" not in kept, **kw)
     aux = [_stack_aux(auxes)] if auxes else []
     if self.groups is not None:
       stream, group_aux = self._run_groups(stream, **kw)
@@ -285,11 +311,13 @@ class Transformer(nnx.Module):
     for j, layer in enumerate(self.tail or ()):
       i = self.num_groups * cfg.mla_every + j
       stream, tail_aux = _remat_call(
-          cfg, layer, stream, opens_block=i % cfg.attnres_block_layers == 0, **kw)
+          cfg, layer, stream, opens_block=i % cfg.attnres_block_layers == 0,
+          remat=f"tail{j}" not in kept, **kw)
       aux.append(_stack_aux([tail_aux]))
     last_first = cfg.num_layers - 1
     stream, last_aux = _remat_call(
-        cfg, self.last, stream, opens_block=last_first % cfg.attnres_block_layers == 0, **kw)
+        cfg, self.last, stream, opens_block=last_first % cfg.attnres_block_layers == 0,
+        remat="last" not in kept, **kw)
     aux.append(_stack_aux([last_aux]))
     aux = {k: jnp.concatenate([a[k] for a in aux]) for k in aux[0]}
     with jax.named_scope("attnres"):

@@ -126,6 +126,53 @@ def test_scan_equals_unrolled(model, remat):
     assert np.linalg.norm(a - b) <= 1e-4 * np.linalg.norm(a) + floor, jax.tree_util.keystr(path)
 
 
+def _count_checkpoints(jaxpr) -> int:
+  """jax.checkpoint regions of the "full" policy (nothing saveable: the stack's units; the
+  layers' own inner checkpoints have no policy) in a jaxpr, inner jaxprs included."""
+  n = 0
+  for eqn in jaxpr.eqns:
+    n += (eqn.primitive.name in ("checkpoint", "remat", "remat2")
+          and eqn.params.get("policy") is jax.checkpoint_policies.nothing_saveable)
+    for v in eqn.params.values():
+      for sub in v if isinstance(v, (list, tuple)) else [v]:
+        sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
+        if hasattr(sub, "eqns"):
+          n += _count_checkpoints(sub)
+  return n
+
+
+def test_remat_skip_last_keeps_the_numbers_and_drops_those_checkpoints(model):
+  """cfg.remat_skip_last = k: the last k units (last layer, scanned groups from the last,
+  head group) run without jax.checkpoint; logits and gradients are those of full remat."""
+  m = _randomise_queries(model, 9)
+  _, state = nnx.split(m)
+  units = Transformer.remat_units(m)
+  assert units == ["head", "group1", "group2", "last"] and CFG.num_remat_units == 4
+  tok = _tokens(10, 2, 40)
+
+  def graph(skip):
+    cfg = dataclasses.replace(CFG, remat_policy="full", remat_skip_last=skip)
+    return nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))[0]
+
+  def regions(skip):
+    gd = graph(skip)
+    fwd = lambda st: nnx.merge(gd, st)(tok, train=True)
+    return _count_checkpoints(jax.make_jaxpr(fwd)(state).jaxpr)
+
+  # head, the scan body (once for both groups), last; skip 2 = last + group2 (after the
+  # scan, plain); skip 3 = every group too (no scan); skip 4 = nothing rematerialised.
+  assert [regions(k) for k in (0, 1, 2, 3, 4)] == [3, 2, 2, 1, 0]
+  w = jax.random.normal(jax.random.key(11), (2, P, CFG.vocab_size))
+  l1, g1 = _logits_and_grads(graph(0), state, tok, w)
+  l2, g2 = _logits_and_grads(graph(2), state, tok, w)
+  np.testing.assert_allclose(l1, l2, rtol=1e-5, atol=1e-5 * float(np.abs(np.asarray(l1)).max()))
+  for (path, a), b in zip(jax.tree.leaves_with_path(g1), jax.tree.leaves(g2)):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    assert np.linalg.norm(a - b) <= 1e-5 * np.linalg.norm(a) + 1e-9, jax.tree_util.keystr(path)
+  with pytest.raises(ValueError, match="remat_skip_last=5 must be in"):
+    dataclasses.replace(CFG, remat_skip_last=5)
+
+
 def test_chunked_loss_matches_reference(model):
   tok = _tokens(8, 2, 37)
   seg = jnp.concatenate([jnp.ones((2, 20), jnp.int32), 2 * jnp.ones((2, 14), jnp.int32),
