@@ -183,11 +183,14 @@ def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
     _flag_error(parser, e)
   if not args.interactive and not args.prompt:
     raise SystemExit("--prompt is empty: give text to continue, or use --interactive")
-  if args.checkpoint:
-    model, tokenizer, meta = load_checkpoint(args.checkpoint, preset=args.preset)
-    where = f"{meta['stage']['name']} step {meta.get('step')}: {args.checkpoint}"
-  else:
-    model, tokenizer, where = load_workdir(args.workdir, stage=args.stage, preset=args.preset)
+  try:  # a checkpoint of another preset, or one that does not fit its config: status 2
+    if args.checkpoint:
+      model, tokenizer, meta = load_checkpoint(args.checkpoint, preset=args.preset)
+      where = f"{meta['stage']['name']} step {meta.get('step')}: {args.checkpoint}"
+    else:
+      model, tokenizer, where = load_workdir(args.workdir, stage=args.stage, preset=args.preset)
+  except ValueError as e:
+    _flag_error(parser, e)
   print(f"[{where}]", file=sys.stderr)
   sampling = SamplingParams(temperature=sampling.temperature, top_k=sampling.top_k,
                             top_p=sampling.top_p, stop_tokens=[tokenizer.eos_id])

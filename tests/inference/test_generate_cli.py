@@ -68,12 +68,15 @@ def test_cli_streams_the_engines_greedy_completion(workdir):
   assert got == [t for t in want if t != tokenizer.eos_id]
 
 
-def test_cli_refuses_another_preset_before_compiling(workdir):
+def test_cli_refuses_another_preset_before_compiling(workdir, capsys):
   root, _, _ = workdir
   for source in (["--workdir", str(root)],
                  ["--checkpoint", str(root / "stage_8k" / "checkpoints" / "3")]):
-    with pytest.raises(ValueError, match=r"--preset='small'.*'tiny' model.*--preset=tiny"):
+    with pytest.raises(SystemExit) as stop:  # argparse's exit: status 2, no traceback
       cli.main(source + ["--preset", "small", "--prompt", "x"])
+    assert stop.value.code == 2
+    assert re.search(r"error: --preset='small'.*'tiny' model.*--preset=tiny",
+                     capsys.readouterr().err)
   with pytest.raises(FileNotFoundError, match="no checkpoint"):
     cli.main(["--workdir", str(root / "nothing"), "--prompt", "x"])
   with pytest.raises(FileNotFoundError, match="--checkpoint"):
