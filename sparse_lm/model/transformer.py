@@ -218,8 +218,8 @@ class Transformer(nnx.Module):
 
   def _kept_units(self) -> set[str]:
     """The units cfg.remat_skip_last runs without jax.checkpoint (the last ones)."""
-    k = self.cfg.remat_skip_last
-    return set(self.remat_units()[len(self.remat_units()) - k:]) if k else set()
+    k, units = self.cfg.remat_skip_last, self.remat_units()
+    return set(units[len(units) - k:]) if k else set()
 
   def _run_groups(self, stream, *, segment_ids, valid, train):
     """Groups 1..G-1 over the stacked params: lax.scan or a Python loop (cfg.scan_layers).
