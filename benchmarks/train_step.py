@@ -173,6 +173,7 @@ def main(argv=None) -> None:
       ("shape", f"{batch} x {seq_len} tokens, {args.micro_batches} micro-batch(es)"),
       ("remat policy", cfg.remat_policy + (f", the last {cfg.remat_skip_last} units kept"
                                             if cfg.remat_skip_last else "")),
+      ("LM-head cotangent", cfg.lm_head_grad_dtype or "float32"),
       ("compile", f"{compile_s:.1f} s"),
       ("compiled temporaries", f"{mem.temp_size_in_bytes / GIB:.2f} GiB" if mem else "n/a"),
       ("step time", f"{1e3 * step_s:.1f} ms (mean of {steps})"),

@@ -144,6 +144,10 @@ class ModelConfig:
   remat_skip_last: int = 0
   scan_layers: bool = True
   loss_chunk_size: int = 2048  # tokens per chunk of the chunked cross-entropy
+  # dtype of the logits' cotangent in the LM head's two backward GEMMs: None = fp32 (exact
+  # autodiff; XLA:GPU runs those GEMMs as TF32), "bfloat16" = rounded once, bf16 GEMMs with
+  # fp32 accumulation (`model.loss.chunked_cross_entropy`).
+  lm_head_grad_dtype: str | None = None
   init_std: float = 0.02
 
   def __post_init__(self):
@@ -245,6 +249,8 @@ class ModelConfig:
     if self.attnres_stack_dtype is not None and self.attnres_stack_dtype not in STACK_DTYPES:
       bad(f"attnres_stack_dtype={self.attnres_stack_dtype!r} must be one of {STACK_DTYPES} "
           "or None (the compute dtype)")
+    if self.lm_head_grad_dtype not in (None, "bfloat16"):
+      bad(f"lm_head_grad_dtype={self.lm_head_grad_dtype!r} must be None (fp32) or 'bfloat16'")
     if self.decode_backend not in DECODE_BACKENDS:
       bad(f"decode_backend={self.decode_backend!r} must be one of {DECODE_BACKENDS}")
     if self.gmm_backend not in GMM_BACKENDS:

@@ -9,6 +9,8 @@ The sequence is cut into chunks of cfg.loss_chunk_size positions; each chunk's l
 
 from __future__ import annotations
 
+import functools
+
 import jax
 import jax.numpy as jnp
 
@@ -49,9 +51,43 @@ def cross_entropy_reference(logits: jax.Array, targets: jax.Array, weights: jax.
   return jnp.sum((lse - tgt) * weights) / n, z_loss_coef * jnp.sum(lse ** 2 * weights) / n
 
 
+def _head_logits(hc: jax.Array, head: jax.Array, grad_dtype) -> jax.Array:
+  """fp32 logits [B, C, V] of hc [B, C, D] @ head [D, V] (both already in the compute dtype),
+  fp32 accumulation. grad_dtype None: plain autodiff (the logits' fp32 cotangent reaches both
+  backward GEMMs, which XLA:GPU runs as fp32 / TF32 GEMMs); a 16-bit dtype: the cotangent is
+  rounded to it once and both backward GEMMs take 16-bit operands (`_head_logits_lowp`)."""
+  if grad_dtype is None:
+    return jnp.einsum("bcd,dv->bcv", hc, head, preferred_element_type=jnp.float32)
+  return _head_logits_lowp(hc, head, jnp.dtype(grad_dtype))
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(2,))
+def _head_logits_lowp(hc, head, grad_dtype):
+  del grad_dtype
+  return jnp.einsum("bcd,dv->bcv", hc, head, preferred_element_type=jnp.float32)
+
+
+def _head_logits_lowp_fwd(hc, head, grad_dtype):
+  return _head_logits_lowp(hc, head, grad_dtype), (hc, head)
+
+
+def _head_logits_lowp_bwd(grad_dtype, res, ct):
+  """d hc = bf16(ct) @ headᵀ, d head = hcᵀ @ bf16(ct): 16-bit operands, fp32 accumulation;
+  only the cotangent is rounded (hc and head are already 16-bit when the model is)."""
+  hc, head = res
+  ct = ct.astype(grad_dtype)
+  f32 = jnp.float32
+  dh = jnp.einsum("bcv,dv->bcd", ct, head.astype(grad_dtype), preferred_element_type=f32)
+  dw = jnp.einsum("bcd,bcv->dv", hc.astype(grad_dtype), ct, preferred_element_type=f32)
+  return dh.astype(hc.dtype), dw.astype(head.dtype)
+
+
+_head_logits_lowp.defvjp(_head_logits_lowp_fwd, _head_logits_lowp_bwd)
+
+
 def chunked_cross_entropy(h: jax.Array, head: jax.Array, targets: jax.Array,
-                          weights: jax.Array, *, chunk_size: int, dtype=None
-                          ) -> dict[str, jax.Array]:
+                          weights: jax.Array, *, chunk_size: int, dtype=None,
+                          grad_dtype=None) -> dict[str, jax.Array]:
   """Sums over tokens of NLL, logsumexp², and correct top-1 predictions, chunk by chunk.
 
   Args:
@@ -59,10 +95,21 @@ def chunked_cross_entropy(h: jax.Array, head: jax.Array, targets: jax.Array,
       fp32 accumulation; log-softmax in fp32).
     targets: [B, T] int32; weights: [B, T] fp32.
     chunk_size: positions per chunk (T is padded to a multiple with weight 0).
+    grad_dtype: None (default): exact autodiff, the logits' cotangent stays fp32 in the two
+      backward GEMMs. "bfloat16": that cotangent (softmax − one-hot, times the weights) is
+      rounded to bf16 once and the backward GEMMs run on bf16 operands with fp32 accumulation,
+      as when a model's logits come out of the head in bf16 (MaxText's default). Forward
+      values are unchanged; gradients move by about one bf16 rounding of dlogits.
 
   Returns:
     dict of fp32 scalars: "nll_sum", "z_sum" (sum of weight * lse²), "correct_sum".
+
+  Raises:
+    ValueError: grad_dtype not None, "bfloat16" or "float16".
   """
+  if grad_dtype is not None and jnp.dtype(grad_dtype) not in (jnp.dtype(jnp.bfloat16),
+                                                               jnp.dtype(jnp.float16)):
+    raise ValueError(f"grad_dtype={grad_dtype!r}: expected None, 'bfloat16' or 'float16'")
   B, T, D = h.shape
   dtype = h.dtype if dtype is None else dtype
   C = min(chunk_size, T)
@@ -78,8 +125,7 @@ def chunked_cross_entropy(h: jax.Array, head: jax.Array, targets: jax.Array,
 
   @jax.checkpoint
   def chunk(head, hc, tc, wc):
-    logits = jnp.einsum("bcd,dv->bcv", hc.astype(dtype), head.astype(dtype),
-                        preferred_element_type=jnp.float32)
+    logits = _head_logits(hc.astype(dtype), head.astype(dtype), grad_dtype)
     lse = jax.nn.logsumexp(logits, axis=-1)
     tgt = jnp.take_along_axis(logits, tc[..., None], axis=-1)[..., 0]
     correct = (jnp.argmax(logits, axis=-1) == tc).astype(jnp.float32)
@@ -134,7 +180,8 @@ def loss_fn(model: Transformer, batch: dict, *, train: bool = False,
   with jax.named_scope("lm_head_loss"):  # labels profiles; changes no value
     sums = chunked_cross_entropy(h, model.lm_head[...], targets, weights,
                                  chunk_size=model.cfg.loss_chunk_size,
-                                 dtype=jnp.dtype(model.cfg.dtype))
+                                 dtype=jnp.dtype(model.cfg.dtype),
+                                 grad_dtype=model.cfg.lm_head_grad_dtype)
   num = jnp.sum(weights)
   denom = jnp.maximum(num, 1.0)
   nll = sums["nll_sum"] / denom

@@ -252,7 +252,7 @@ RESUMABLE_CHANGES = ("name", "eval_every", "eval_batches", "eval_batch_size",
 # compute: a checkpoint resumes under other values (e.g. another remat policy to fit memory).
 MODEL_RUNTIME_FIELDS = ("name", "ep_exchange", "kda_backend", "kda_chunk_size", "attention_backend",
                         "attention_chunk_size", "gmm_backend", "remat_policy",
-                        "remat_skip_last",
+                        "remat_skip_last", "lm_head_grad_dtype",
                         "loss_chunk_size", "init_std", "vision_prefix_buckets")
 
 
