@@ -13,6 +13,8 @@ cannot run here):
               of the backend's default HIGHEST (true fp32)
   pallas_tpu  chunk_kda(backend="pallas_tpu") on TPU
   pallas_gpu  chunk_kda(backend="pallas_gpu") on GPU (TF32 matmuls: its default for bf16 inputs)
+  pallas_gpu_xla  pallas_gpu with intra="xla": the intra-chunk step as batched XLA ops and
+              autodiff (its default before the whole-chunk kernels of pallas_gpu_wy.py)
   pallas_gpu_hi  the same with precision=HIGHEST (true fp32 matmuls)
   pallas_gpu_f32store  pallas_gpu with store_dtype=float32: fp32 intermediates between its
               steps (its default stores them in bf16 for bf16 inputs since 2026-12-02)
@@ -37,7 +39,7 @@ import time
 import traceback
 
 JAX_BACKENDS = ("xla", "xla_safe", "xla_tf32", "pallas_tpu", "pallas_gpu", "pallas_gpu_hi",
-                "pallas_gpu_f32store", "jla", "reference", "attn")
+                "pallas_gpu_f32store", "pallas_gpu_xla", "jla", "reference", "attn")
 TORCH_BACKENDS = ("fla", "sdpa")
 DEFAULT_BACKENDS = ("pallas_gpu", "pallas_gpu_hi", "xla", "pallas_tpu", "fla", "jla", "attn")
 PEERS = ("fla", "jla")
@@ -118,7 +120,7 @@ def _jax_fns(backend: str):
         import pallas_kernels.kda.pallas_tpu  # noqa: F401  pylint: disable=g-import-not-at-top
       except ImportError:
         raise SkipBackend("pallas_kernels.kda.pallas_tpu not importable") from None
-    name = {"xla_safe": "xla", "pallas_gpu_hi": "pallas_gpu",
+    name = {"xla_safe": "xla", "pallas_gpu_hi": "pallas_gpu", "pallas_gpu_xla": "pallas_gpu",
             "pallas_gpu_f32store": "pallas_gpu"}.get(backend, backend)
     bound = None if backend in ("xla_safe", "reference") else -5.0
     kw = dict(backend=name, chunk_size=64)
@@ -134,6 +136,10 @@ def _jax_fns(backend: str):
         from pallas_kernels.kda import pallas_gpu  # pylint: disable=g-import-not-at-top
         return pallas_gpu.chunk_kda_pallas_gpu(q, k, v, g, beta, gate_lower_bound=-5.0,
                                                precision=jax.lax.Precision.HIGHEST)[0]
+      if backend == "pallas_gpu_xla":
+        from pallas_kernels.kda import pallas_gpu  # pylint: disable=g-import-not-at-top
+        return pallas_gpu.chunk_kda_pallas_gpu(q, k, v, g, beta, gate_lower_bound=-5.0,
+                                               intra="xla")[0]
       if backend == "pallas_gpu_f32store":
         from pallas_kernels.kda import pallas_gpu  # pylint: disable=g-import-not-at-top
         return pallas_gpu.chunk_kda_pallas_gpu(q, k, v, g, beta, gate_lower_bound=-5.0,
@@ -175,6 +181,34 @@ def profile_jax(backend, shape, trace_dir, warmup, repeats) -> str:
       jax.block_until_ready(fwd_bwd(*args))
   return f"## {backend} fwd+bwd at B,H,T,D={shape}\n" + trace_summary.summarize(
       trace_dir, steps=repeats, top=30)
+
+
+def check_jax(backends, against, shape) -> str:
+  """Relative RMSE of each JAX backend's output and five input gradients against `against`'s
+  (same inputs and output cotangent as the timing), one line per backend."""
+  import jax
+  import jax.numpy as jnp
+  args = _jax_inputs(*shape)
+  f32 = lambda x: jnp.asarray(x, jnp.float32)
+
+  def outs(be):
+    fwd, fwd_bwd = _jax_fns(be)
+    return (fwd(*args[:5]),) + tuple(fwd_bwd(*args))
+
+  ref = outs(against)
+  lines = [f"## relative RMSE against {against} at B,H,T,D={shape}: o, dq, dk, dv, dg, dbeta"]
+  for be in backends:
+    if be == against or be in TORCH_BACKENDS:
+      continue
+    try:
+      got = outs(be)
+    except SkipBackend as e:
+      lines.append(f"- {be}: skipped: {e}")
+      continue
+    errs = [float(jnp.linalg.norm(f32(a) - f32(b)) / jnp.linalg.norm(f32(b)))
+            for a, b in zip(got, ref)]
+    lines.append(f"- {be}: " + ", ".join(f"{e:.2e}" for e in errs))
+  return "\n".join(lines)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -319,6 +353,11 @@ def main(argv=None):
                  help="instead of the table: trace --repeats fwd+bwd calls of each JAX backend "
                       "at --profile-shape into DIR/<backend> and print its top kernels")
   p.add_argument("--profile-shape", default="1,16,32768,128", metavar="B,H,T,D")
+  p.add_argument("--shapes", default=None, metavar="B,H,T,D;...",
+                 help="time these shapes instead of the issue's grid")
+  p.add_argument("--check-against", default=None, metavar="BACKEND",
+                 help="first print each JAX backend's relative RMSE (output and gradients) "
+                      "against this backend's at the first shape")
   a = p.parse_args(argv)
   backends = [b for b in a.backends.split(",") if b]
   unknown = set(backends) - set(JAX_BACKENDS + TORCH_BACKENDS)
@@ -326,21 +365,32 @@ def main(argv=None):
     p.error(f"unknown backends {sorted(unknown)}")
   warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
   repeats = a.repeats if a.repeats is not None else (3 if a.quick else 10)
-  if a.profile:
+
+  def parse_shape(text, flag):
     try:
-      shape = tuple(int(x) for x in a.profile_shape.split(","))
+      shape = tuple(int(x) for x in text.split(","))
     except ValueError:
       shape = ()
     if len(shape) != 4 or min(shape) < 1:
-      p.error(f"--profile-shape {a.profile_shape!r}: expected four positive integers B,H,T,D "
+      p.error(f"{flag} {text!r}: expected four positive integers B,H,T,D "
               "(e.g. 1,16,32768,128)")
+    return shape
+
+  shapes = ([parse_shape(t, "--shapes") for t in a.shapes.split(";") if t]
+            if a.shapes else _shapes(a.quick))
+  if a.check_against:
+    if a.check_against not in JAX_BACKENDS:
+      p.error(f"--check-against {a.check_against!r}: expected one of {JAX_BACKENDS}")
+    print(check_jax(backends, a.check_against, shapes[0]), flush=True)
+  if a.profile:
+    shape = parse_shape(a.profile_shape, "--profile-shape")
     for be in backends:
       if be in TORCH_BACKENDS:
         print(f"{be}: not profiled (torch)", file=sys.stderr)
         continue
       print(profile_jax(be, shape, f"{a.profile}/{be}", warmup, repeats))
     return
-  run(backends, _shapes(a.quick), warmup, repeats, a.out, a.skip_fwd)
+  run(backends, shapes, warmup, repeats, a.out, a.skip_fwd)
 
 
 if __name__ == "__main__":

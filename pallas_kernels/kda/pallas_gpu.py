@@ -44,6 +44,7 @@ from jax.experimental import pallas as pl
 from pallas_kernels.kda import xla as kda_xla
 from pallas_kernels.kda.pallas_gpu_intra import intra_chunk
 from pallas_kernels.kda.pallas_gpu_kernels import state_bwd_kernel, state_fwd_kernel
+from pallas_kernels.kda.pallas_gpu_wy import intra_chunk_wy
 from pallas_kernels.kda.tiles import SUB, resolve_diag
 from pallas_kernels.platform import compute_capability
 
@@ -163,6 +164,26 @@ def _state_pass_bwd(C, BV, precision, interpret, res, cts):
 state_pass.defvjp(_state_pass_fwd, _state_pass_bwd)
 
 
+def _intra_wy(q, k, v, g, beta, doc, m0, mlast, C, Tp, Kp, Vp, scale, precision, store,
+              interpret):
+  """The intra-chunk step through pallas_gpu_wy's kernels: q, k, v, g, β stay in their
+  [B, T, H, ·] layout (padded to Tp tokens and Kp / Vp channels only where they are not
+  already), q, k, v in their own dtype; g, β as fp32 (g, β already 0 at padding tokens)."""
+  B, T = q.shape[:2]
+
+  def pad(x, d=None):
+    widths = [(0, 0), (0, Tp - T), (0, 0)] + ([(0, d - x.shape[-1])] if d else [])
+    return jnp.pad(x, widths) if any(w != (0, 0) for w in widths) else x
+
+  masks = None
+  if doc is not None:
+    masks = (doc.reshape(B, Tp).astype(jnp.int32), m0.reshape(B, Tp).astype(jnp.float32),
+             mlast.reshape(B, Tp).astype(jnp.float32))
+  return intra_chunk_wy(pad(q, Kp), pad(k, Kp), pad(v, Vp), pad(g.astype(jnp.float32), Kp),
+                        pad(beta.astype(jnp.float32)), masks, C, scale, precision, store,
+                        interpret)
+
+
 def _store_dtype(store_dtype, in_dtypes):
   """The dtype `chunk_kda_pallas_gpu` stores its intermediates in (its `store_dtype` arg);
   in_dtypes: the dtypes of q, k, v. "auto" is bf16 only when all three are bf16."""
@@ -189,7 +210,7 @@ def chunk_kda_pallas_gpu(
     output_final_state: bool = False, segment_ids: jax.Array | None = None,
     chunk_size: int = 64, interpret: bool = False, diag: str = "auto",
     gate_lower_bound: float | None = None, precision=None, block_v: int = 32,
-    fused: bool = False, store_dtype="auto",
+    fused: bool = False, store_dtype="auto", intra: str = "auto",
 ) -> tuple[jax.Array, jax.Array | None]:
   """Chunked KDA with a Pallas GPU state pass (Kimi Linear, arXiv 2510.26692; ARCH §2.4).
 
@@ -222,13 +243,19 @@ def chunk_kda_pallas_gpu(
       19.96 -> 17.67 ms with it, errors still within §2.5, measured before the bf16 q, k, v
       were promoted once instead of at each read; docs/benchmarks.md), else float32.
       None or jnp.float32: fp32 storage.
+    intra: how the intra-chunk step runs. "wy": the whole-chunk Pallas kernels of
+      pallas_gpu_wy.py, forward and hand-written backward (dense diagonal tiles and fp32 / bf16
+      inputs only); "xla": batched XLA ops differentiated by autodiff; "auto" (default): "wy"
+      where it applies, else "xla". `fused=True` overrides it with the per-chunk kernels of
+      pallas_gpu_intra.py.
 
   Returns:
     (o [B, T, H, V] in q's dtype, 0 at padding tokens; final state [B, H, K, V] fp32 or None).
 
   Raises:
     ValueError: chunk_size not in {16, 32, 64}; block_v not a power of two ≥ 16; unknown diag;
-      store_dtype not one of "auto", None, float32, bfloat16, or bfloat16 with float64 inputs.
+      intra not "auto", "wy" or "xla", or "wy" where it does not apply; store_dtype not one
+      of "auto", None, float32, bfloat16, or bfloat16 with float64 inputs.
   """
   C = chunk_size
   if C not in (16, 32, 64):
@@ -237,6 +264,13 @@ def chunk_kda_pallas_gpu(
     raise ValueError(f"block_v={block_v}: expected a power of two >= 16")
   diag = resolve_diag(diag, gate_lower_bound)
   store_dtype = _store_dtype(store_dtype, (q.dtype, k.dtype, v.dtype))
+  wy_applies = diag == "dense" and all(x.dtype in (jnp.float32, jnp.bfloat16) for x in (q, k, v))
+  if intra not in ("auto", "wy", "xla"):
+    raise ValueError(f"intra={intra!r}: expected 'auto', 'wy' or 'xla'")
+  if intra == "wy" and not wy_applies:
+    raise ValueError("intra='wy' needs dense diagonal tiles (a gate_lower_bound, or "
+                     "diag='dense') and float32 / bfloat16 q, k, v; use intra='xla'")
+  use_wy = intra != "xla" and wy_applies and not fused
   if precision is None:
     hi = q.dtype != jnp.bfloat16
     precision = jax.lax.Precision.HIGHEST if hi else jax.lax.Precision.DEFAULT
@@ -268,24 +302,30 @@ def chunk_kda_pallas_gpu(
   # bf16 q, k, v move through the layout change as bf16 (half the bytes) and are promoted to
   # the accumulation dtype once after it: the same values as before, and in the backward pass
   # their cotangents are summed in fp32 and rounded to bf16 once, at the layout change.
-  keep = lambda x: x.dtype if x.dtype == jnp.bfloat16 else acc
-  qc, kc = (to_chunks(x, Kp, keep(x)).astype(acc) for x in (q, k))
-  gc = to_chunks(g, Kp)
-  vc = to_chunks(v, Vp, keep(v)).astype(acc)
-  bc = to_chunks(beta)
-  if doc is not None:
-    doc, m0, mlast = mask_chunks(doc), mask_chunks(m0), mask_chunks(mlast)
-  if diag == "dense" and fused and acc == jnp.float32:
-    masks = (None,) * 3 if doc is None else tuple(
-        x.astype(jnp.float32) for x in (doc, m0, mlast))
-    W, U, Qg, A_qk, Kd, dec = intra_chunk(qc, kc, vc, gc, bc, *masks, scale, precision,
-                                          interpret)
+  if use_wy:
+    W, U, Qg, A_qk, Kd, dec = _intra_wy(q, k, v, g, beta, doc, m0, mlast, C, Tp, Kp, Vp,
+                                        scale, precision, store_dtype, interpret)
+    Qg, A_qk = Qg.reshape(M, C, Kp), A_qk.reshape(M, C, C)
   else:
-    same = None if doc is None else doc[..., :, None] == doc[..., None, :]
-    W, U, Qg, A_qk, Kd, dec = kda_xla._intra_chunk(qc, kc, vc, gc, bc, same, m0, mlast,
-                                                   scale=scale, diag=diag, precision=precision,
-                                                   inverse=blocked_unit_lower_inverse,
-                                                   matmul_cumsum=True)
+    keep = lambda x: x.dtype if x.dtype == jnp.bfloat16 else acc
+    qc, kc = (to_chunks(x, Kp, keep(x)).astype(acc) for x in (q, k))
+    gc = to_chunks(g, Kp)
+    vc = to_chunks(v, Vp, keep(v)).astype(acc)
+    bc = to_chunks(beta)
+    if doc is not None:
+      doc, m0, mlast = mask_chunks(doc), mask_chunks(m0), mask_chunks(mlast)
+    if diag == "dense" and fused and acc == jnp.float32:
+      masks = (None,) * 3 if doc is None else tuple(
+          x.astype(jnp.float32) for x in (doc, m0, mlast))
+      W, U, Qg, A_qk, Kd, dec = intra_chunk(qc, kc, vc, gc, bc, *masks, scale, precision,
+                                            interpret)
+    else:
+      same = None if doc is None else doc[..., :, None] == doc[..., None, :]
+      W, U, Qg, A_qk, Kd, dec = kda_xla._intra_chunk(qc, kc, vc, gc, bc, same, m0, mlast,
+                                                     scale=scale, diag=diag,
+                                                     precision=precision,
+                                                     inverse=blocked_unit_lower_inverse,
+                                                     matmul_cumsum=True)
   if initial_state is None:
     h0 = jnp.zeros((BH, Kp, Vp), jnp.float32)
   else:

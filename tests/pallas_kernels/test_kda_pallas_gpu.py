@@ -19,7 +19,7 @@ import pytest
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.kda import api, chunk_kda, pallas_gpu, pallas_gpu_intra
+from pallas_kernels.kda import api, chunk_kda, pallas_gpu, pallas_gpu_intra, pallas_gpu_wy
 from pallas_kernels.kda import xla as kda_xla
 import kda_testing as kt  # tests/pallas_kernels/kda_testing.py
 
@@ -49,6 +49,11 @@ CASES = [
     # bf16 inputs store their intermediates in bf16 by default; fp32 storage stays available
     ("T100_bf16_dense_h0_fp32_store", (1, 100, 2, 64, 64), BF16, "bounded",
      dict(gate_lower_bound=-5.0, store_dtype=F32), True, False),
+    # the intra-chunk step as XLA ops + autodiff (the dense default runs pallas_gpu_wy.py)
+    ("T100_bf16_dense_h0_xla_intra", (1, 100, 2, 64, 64), BF16, "bounded",
+     dict(gate_lower_bound=-5.0, intra="xla"), True, True),
+    ("T130_fp32_saturated_segments_h0", (2, 130, 1, 32, 32), F32, "saturated",
+     dict(gate_lower_bound=-5.0), True, True),
     ("T77_K96_V48_segments_C32", (2, 77, 1, 96, 48), BF16, "bounded",
      dict(gate_lower_bound=-5.0, chunk_size=32), True, True),
     ("T64_saturated_K128_C16_fp32", (1, 64, 1, 128, 128), F32, "saturated",
@@ -211,6 +216,83 @@ def test_fused_intra_chunk_kernels_match_the_xla_intra_chunk(C, segments):
     assert kt.rel_rmse(a, b) <= 1e-5, name
 
 
+@pytest.mark.parametrize("C,segments", [(64, True), (32, False), (16, True)])
+def test_wy_kernels_match_the_xla_intra_chunk(C, segments):
+  """pallas_gpu_wy's forward and backward kernels against `xla._intra_chunk` (an op-by-op
+  formulation with direct sums, differentiated by autodiff; itself checked against the fp64
+  reference through the `xla` backend's tests): fp32, HIGHEST, gates down to the −5 bound,
+  two key / value blocks per chunk (block_k 16 of K = V = 32), random cotangents, inputs in
+  the [B, T, H, ·] layout the kernels read."""
+  seed = 60 + C + segments
+  print(f"seed={seed}")
+  rng = np.random.default_rng(seed)
+  B, H, K, V = 2, 2, 32, 32
+  T = 2 * C
+  r = lambda *s: jnp.asarray(rng.normal(size=s), F32)
+  k = rng.normal(size=(B, T, H, K))
+  k = jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), F32)
+  g = jnp.asarray(-5.0 * rng.uniform(size=(B, T, H, K)) ** 3, F32)
+  args = (r(B, T, H, K), k, r(B, T, H, V), g, jnp.asarray(rng.uniform(size=(B, T, H)), F32))
+  seg = kt.random_segment_ids(rng, B, T) if segments else None
+  _, doc, m0, mlast = kda_xla._chunk_docs(seg, B, T, T, C)
+  N, M, BH = T // C, B * H * (T // C), B * H
+  if segments:  # padding tokens: identity steps, as the wrapper makes them
+    valid = jnp.asarray(seg != 0)
+    args = args[:3] + (jnp.where(valid[..., None, None], args[3], 0),
+                       jnp.where(valid[..., None], args[4], 0))
+  hi = jax.lax.Precision.HIGHEST
+  scale = K ** -0.5
+
+  def chunks(x):  # [B, T, H, ...] -> [B·H·N, C, ...], the XLA path's layout
+    x = jnp.moveaxis(x, 2, 1)
+    return x.reshape((M, C) + x.shape[3:])
+
+  def per_chunk(m):  # [B, N, C] -> [B·H·N, C]
+    return jnp.broadcast_to(m[:, None], (B, H) + m.shape[1:]).reshape(M, C)
+
+  def ref(q, k, v, g, beta):
+    same = m0_ = ml_ = None
+    if segments:
+      d = per_chunk(doc)
+      same, m0_, ml_ = d[..., :, None] == d[..., None, :], per_chunk(m0), per_chunk(mlast)
+    W, U, Qg, A, Kd, dec = kda_xla._intra_chunk(
+        *(chunks(x) for x in (q, k, v, g, beta)), same, m0_, ml_, scale=scale, diag="dense",
+        precision=hi)
+    return (W.reshape(BH, T, K), U.reshape(BH, T, V), Qg.reshape(BH, T, K),
+            A.reshape(BH, N, C, C), Kd.reshape(BH, N, K, C), dec.reshape(BH, N, K))
+
+  masks = None if not segments else (doc.reshape(B, T).astype(jnp.int32),
+                                     m0.reshape(B, T).astype(F32), mlast.reshape(B, T).astype(F32))
+  new = lambda *a: pallas_gpu_wy.intra_chunk_wy(*a, masks, C, scale, hi, F32, INTERPRET, 4, 16)
+  out_r, vjp_r = jax.vjp(ref, *args)
+  out_n, vjp_n = jax.vjp(new, *args)
+  cts = tuple(r(*x.shape) for x in out_r)
+  names = ("W", "U", "Qg", "A_qk", "Kd", "d", "dq", "dk", "dv", "dg", "dbeta")
+  for name, a, b in zip(names, out_r + vjp_r(cts), out_n + vjp_n(cts)):
+    err = kt.rel_rmse(a, b)
+    print(name, f"{err:.1e}")
+    assert err <= 1e-5, name
+
+
+def test_wy_inverse_matches_a_solve_on_hard_matrices():
+  """`pallas_gpu_wy._inverse` (blocked forward substitution as whole-chunk products) against
+  numpy's fp64 inverse, also where a doubling product Σ L^m loses digits: near-identical keys
+  (A close to a strictly lower matrix of ones), and a random A whose inverse reaches 400."""
+  rng = np.random.default_rng(12)
+  hi = jax.lax.Precision.HIGHEST
+  for C in (16, 32, 64):
+    G = np.cumsum(np.full(C, -0.05))
+    cases = {"near_identical_keys": np.tril(np.exp(G[:, None] - G[None, :]), -1) * 0.99,
+             "ones_0.9": np.tril(np.full((C, C), 0.9), -1),
+             "random_0.5": np.tril(rng.normal(size=(C, C)) * 0.5, -1)}
+    for name, A in cases.items():
+      X = jax.jit(lambda a: pallas_gpu_wy._inverse(a, C // 16, hi))(jnp.asarray(A, F32))
+      err = kt.rel_rmse(np.linalg.inv(np.eye(C) + A), X)
+      print(C, name, f"{err:.1e}")
+      assert err <= 1e-6, (C, name)
+      assert np.all(np.triu(np.asarray(X), 1) == 0) and np.all(np.diagonal(X) == 1)
+
+
 def test_blocked_unit_lower_inverse():
   """(I + A)⁻¹ by 16-row blocks against numpy's inverse in fp64, and its jvp (−X dA X)."""
   seed = 9
@@ -226,8 +308,8 @@ def test_blocked_unit_lower_inverse():
   assert np.all(np.triu(np.asarray(X), 1) == 0) and np.all(np.diagonal(X, 0, 1, 2) == 1)
 
 
-@pytest.mark.parametrize("fused", [False, True])
-def test_causal_bit_for_bit(fused):
+@pytest.mark.parametrize("intra", ["wy", "xla", "fused"])
+def test_causal_bit_for_bit(intra):
   """Outputs and gradients at t < P are identical when only q, k, v, g, β at t ≥ P change."""
   B, T, H, K, V, P = 1, 100, 2, 64, 64, 45   # P inside a chunk and inside a 16-token tile
   print("seeds=21,22")
@@ -237,7 +319,8 @@ def test_causal_bit_for_bit(fused):
   for n in NAMES:
     changed[n] = base[n].at[:, P:].set(other[n][:, P:])
   do = jnp.asarray(np.random.default_rng(3).normal(size=(B, T, H, V)), F32).at[:, P:].set(0)
-  fn = _kernel_fn(gate_lower_bound=-5.0, fused=fused)
+  fn = _kernel_fn(gate_lower_bound=-5.0, fused=intra == "fused",
+                  intra="xla" if intra == "fused" else intra)
 
   @jax.jit
   def run(q, k, v, g, beta, h0, seg):
@@ -270,6 +353,10 @@ def test_dispatch_errors_and_where_it_runs():
     pallas_gpu.chunk_kda_pallas_gpu(*args, block_v=24, interpret=True)
   with pytest.raises(ValueError, match="store_dtype"):
     pallas_gpu.chunk_kda_pallas_gpu(*args, store_dtype=jnp.float16, interpret=True)
+  with pytest.raises(ValueError, match="intra"):
+    pallas_gpu.chunk_kda_pallas_gpu(*args, intra="triton", interpret=True)
+  with pytest.raises(ValueError, match="intra='wy' needs dense"):  # unbounded gate: safe tiles
+    pallas_gpu.chunk_kda_pallas_gpu(*args, intra="wy", interpret=True)
   fake = lambda platform, cc: type("Dev", (), dict(platform=platform, compute_capability=cc))()
   assert pallas_gpu.supported_on(fake("gpu", "9.0"))
   assert not pallas_gpu.supported_on(fake("gpu", "8.0"))
