@@ -65,18 +65,28 @@ def _iota(shape, dim):
   return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
+# How the in-tile sums Lx are taken: "scan" (a cumulative sum along the tile's rows) or "dot"
+# (a product with a 0/1 block-triangular matrix at 3×TF32 / fp32: exact products, fp32 sums).
+TILE_CUMSUM = "scan"
+
+
 class _Gate:
   """The gate's exponents for one [C, BK] block of g (fp32, 0 at padding tokens): module
   docstring. Every quantity is per key channel, so K can be processed in blocks."""
 
-  def __init__(self, g, n):
+  def __init__(self, g, n, hi=HI):
     C, BK = g.shape
     self.n = n
     row = _iota((C, BK), 0)
     lr = jax.lax.rem(row, SUB)
     self.tile = jax.lax.div(row, SUB)
-    g3 = jnp.where(lr == 0, 0.0, g).reshape(n, SUB, BK)
-    self.Lx = jnp.cumsum(g3, axis=1).reshape(C, BK)  # Σ_{s_a<m≤i} g_m
+    if TILE_CUMSUM == "scan":
+      g3 = jnp.where(lr == 0, 0.0, g).reshape(n, SUB, BK)
+      self.Lx = jnp.cumsum(g3, axis=1).reshape(C, BK)  # Σ_{s_a<m≤i} g_m
+    else:
+      i, m = _iota((C, C), 0), _iota((C, C), 1)
+      tri = (jax.lax.div(i, SUB) == jax.lax.div(m, SUB)) & (m <= i) & (jax.lax.rem(m, SUB) > 0)
+      self.Lx = _dot(jnp.where(tri, 1.0, 0.0).astype(f32), g, hi)
     g0 = [jnp.sum(jnp.where(row == c * SUB, g, 0.0), axis=0) for c in range(n)]
     tp = [jnp.sum(jnp.where(row == c * SUB + SUB - 1, self.Lx, 0.0), axis=0) for c in range(n)]
     tot = [g0[c] + tp[c] for c in range(n)]
@@ -170,14 +180,14 @@ def _last(x):
   return jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, (C,), 0) == C - 1, x, 0.0))
 
 
-def _scores_k(k_ref, g_ref, n, BK, prec, q_ref=None):
+def _scores_k(k_ref, g_ref, n, BK, prec, hi, q_ref=None):
   """S_k (and S_q when q_ref is given), [C, C] fp32, summed over the key-channel blocks."""
   C, Kp = k_ref.shape
   Sk = jnp.zeros((C, C), f32)
   Sq = None if q_ref is None else jnp.zeros((C, C), f32)
   for kb in range(Kp // BK):
     ks = slice(kb * BK, (kb + 1) * BK)
-    t = _Gate(g_ref[:, ks].astype(f32), n)
+    t = _Gate(g_ref[:, ks].astype(f32), n, hi)
     k = k_ref[:, ks].astype(f32)
     q = None if q_ref is None else q_ref[:, ks].astype(f32)
     for a in range(n):
@@ -199,7 +209,7 @@ def _fwd_kernel(*refs, n, BK, BV, scale, prec, hi, segs):
   C, Kp = q_ref.shape
   Vp = v_ref.shape[-1]
   beta = b_ref[...].astype(f32)
-  Sk, Sq = _scores_k(k_ref, g_ref, n, BK, prec, q_ref=q_ref)
+  Sk, Sq = _scores_k(k_ref, g_ref, n, BK, prec, hi, q_ref=q_ref)
   causal, strict = _masks(C, segs, doc_ref)
   aqk_ref[...] = jnp.where(causal, scale * Sq, 0.0).astype(aqk_ref.dtype)
   X = _inverse(jnp.where(strict, beta[:, None] * Sk, 0.0), n, hi)
@@ -209,7 +219,7 @@ def _fwd_kernel(*refs, n, BK, BV, scale, prec, hi, segs):
     m0_last = _last(m0)
   for kb in range(Kp // BK):
     ks = slice(kb * BK, (kb + 1) * BK)
-    t = _Gate(g_ref[:, ks].astype(f32), n)
+    t = _Gate(g_ref[:, ks].astype(f32), n, hi)
     k = k_ref[:, ks].astype(f32)
     gam = jnp.exp(t.G)
     kdv = k * jnp.exp(t.E)
@@ -244,7 +254,7 @@ def _bwd_kernel(*refs, n, BK, BV, scale, prec, hi, segs):
     m0 = m0_ref[...].astype(f32)
     ml = ml_ref[...].astype(f32)
     m0_last = _last(m0)
-  Sk, _ = _scores_k(k_ref, g_ref, n, BK, prec)
+  Sk, _ = _scores_k(k_ref, g_ref, n, BK, prec, hi)
   causal, strict = _masks(C, segs, doc_ref)
   Sk = jnp.where(strict, Sk, 0.0)
   X = _inverse(beta[:, None] * Sk, n, hi)
@@ -257,7 +267,7 @@ def _bwd_kernel(*refs, n, BK, BV, scale, prec, hi, segs):
   dX = jnp.zeros((C, C), f32)
   for kb in range(nk):
     ks = slice(kb * BK, (kb + 1) * BK)
-    t = _Gate(g_ref[:, ks].astype(f32), n)
+    t = _Gate(g_ref[:, ks].astype(f32), n, hi)
     bk = beta[:, None] * k_ref[:, ks].astype(f32) * gam_of(t)
     dX = dX + _dot(dw_ref[:, ks].astype(f32), bk, prec, tb=True)
   dbeta = jnp.zeros((C,), f32)
@@ -278,7 +288,7 @@ def _bwd_kernel(*refs, n, BK, BV, scale, prec, hi, segs):
 
   for kb in range(nk):
     ks = slice(kb * BK, (kb + 1) * BK)
-    t = _Gate(g_ref[:, ks].astype(f32), n)
+    t = _Gate(g_ref[:, ks].astype(f32), n, hi)
     q = q_ref[:, ks].astype(f32)
     k = k_ref[:, ks].astype(f32)
     gam = gam_of(t)
