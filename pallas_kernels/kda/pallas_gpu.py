@@ -1,5 +1,6 @@
-"""KDA on NVIDIA GPUs: the chunk-parallel parts as batched XLA matmuls, the sequential
-inter-chunk state pass as a Pallas kernel (Triton lowering) with its own backward kernel.
+"""KDA on NVIDIA GPUs: the intra-chunk step as two whole-chunk Pallas kernels (or batched XLA
+ops), the sequential inter-chunk state pass as a Pallas kernel (Triton lowering) with its own
+backward kernel, the output as batched matmuls.
 
 Where it runs: CUDA GPUs (measured on an H200, docs/benchmarks.md); "auto" picks it on Hopper
 (compute capability ≥ 9.0). On CPU only with `interpret=True` (slow emulation, for tests).
@@ -7,29 +8,32 @@ Source: Kimi Linear (arXiv 2510.26692) §3 (chunkwise WY form of the gated delta
 ARCHITECTURE.md §2.4 (algorithm, exponent safety) and §2.5 (contract).
 
 Structure (C-token chunks, N = T / C of them, every equation as in xla.py's docstring):
-  1. intra-chunk, parallel over all B·H·N chunks (xla._intra_chunk, differentiated by autodiff):
-     the pairwise scores A_kk, A_qk on 16-token sub-tiles (with the lower-bounded gate the
-     diagonal tiles are plain matmuls too, "dense"; otherwise the element-wise "safe" tiles),
-     X = (I + A_kk)⁻¹ (`blocked_unit_lower_inverse`), W, U, Q ⊙ Γ,
-     Kd = (K ⊙ e^(G_C − G) ⊙ m_C)ᵀ and the chunk decay.
+  1. intra-chunk, parallel over all B·H·N chunks: the pairwise scores A_kk, A_qk on 16-token
+     sub-tiles, X = (I + A_kk)⁻¹, W, U, Q ⊙ Γ, Kd = (K ⊙ e^(G_C − G) ⊙ m_C)ᵀ and the chunk
+     decay. `intra="wy"` (the default where it applies: the lower-bounded gate's dense
+     diagonal tiles, fp32 / bf16 inputs): pallas_gpu_wy.py, one forward and one backward
+     Pallas kernel per chunk on whole-chunk tile products, reading q, k, v, g, β in their
+     [B, T, H, ·] layout. `intra="xla"` (and always for the safe diagonal tiles or fp64):
+     xla._intra_chunk as batched XLA ops differentiated by autodiff, with the inverse by
+     `blocked_unit_lower_inverse` and the in-chunk cumulative sums as triangular matmuls
+     (xla.tri_cumsum, not XLA's O(C²) reduce-window cumsum).
   2. state pass, sequential over chunks only (pallas_gpu_kernels.py, custom VJP): the states H_n
      entering every chunk and V'_n = U_n − W_n H_n, one Pallas program per (head, value block);
      its backward kernel runs only the ∂S recursion, the other gradients are batched matmuls.
-  The cumulative sums of g inside a chunk are triangular matmuls (xla.tri_cumsum), not XLA's
-  O(C²) reduce-window cumsum.
   3. output, parallel: O_n = (Q ⊙ Γ)_n H_n + A_qk,n V'_n (batched matmul).
-What this is not (yet): one fused Mosaic GPU (wgmma/TMA) kernel per chunk as issue 16 asks;
-steps 1 and 3 are XLA fusions and matmuls, and their backward is XLA autodiff. `fused=True`
-runs step 1 as one fused Triton kernel per chunk instead (pallas_gpu_intra.py, forward and
-backward): exact, but 3× slower on an H200 so far (docs/benchmarks.md), hence opt-in.
+What this is not (yet): a Mosaic GPU (wgmma/TMA) kernel as issue 16 asks; the kernels use
+Pallas's Triton lowering, and steps 2-3's gradients other than ∂S are XLA matmuls.
+`fused=True` runs step 1 as the older per-chunk fused Triton kernels instead
+(pallas_gpu_intra.py, 16-row tiles and row-serial substitution: exact, 3× slower than the XLA
+step on an H200, docs/benchmarks.md).
 
 Precision: `precision=None` runs the matmuls of steps 1-3 at DEFAULT (TF32 tensor cores on
 NVIDIA) for bf16 inputs and HIGHEST (true fp32) for fp32/fp64 inputs; the triangular inverse is
-always HIGHEST. Accumulation and the running state are fp32. Storage (`store_dtype`): bf16
-q, k, v go through the layout change as bf16 and are promoted to fp32 once after it (the same
-values); with bf16 q, k and v the arrays passed between steps 1, 2 and 3 (W, U, Kd, Q ⊙ Γ,
-A_qk, H_n, V') and their cotangents are stored in bf16, as fla and jax-linear-attention store
-theirs; otherwise fp32.
+always HIGHEST (3×TF32 inside the wy kernels on a GPU). Accumulation and the running state are
+fp32. Storage (`store_dtype`): bf16 q, k, v are read as bf16 and promoted to fp32 once (the
+same values); with bf16 q, k and v the arrays passed between steps 1, 2 and 3 (W, U, Kd,
+Q ⊙ Γ, A_qk, H_n, V') and their cotangents are stored in bf16, as fla and
+jax-linear-attention store theirs; otherwise fp32.
 """
 
 from __future__ import annotations

@@ -45,19 +45,19 @@ def _kernel_fn(**static):
 CASES = [
     # label, (B, T, H, K, V), dtype, gate, static kwargs, initial_state, segments
     ("T100_bf16_dense_h0", (1, 100, 2, 64, 64), BF16, "bounded",
-     dict(gate_lower_bound=-5.0), True, False),
+     dict(gate_lower_bound=-5.0, intra="wy"), True, False),
     # bf16 inputs store their intermediates in bf16 by default; fp32 storage stays available
     ("T100_bf16_dense_h0_fp32_store", (1, 100, 2, 64, 64), BF16, "bounded",
-     dict(gate_lower_bound=-5.0, store_dtype=F32), True, False),
-    # the intra-chunk step as XLA ops + autodiff (the dense default runs pallas_gpu_wy.py)
+     dict(gate_lower_bound=-5.0, store_dtype=F32, intra="wy"), True, False),
+    # the intra-chunk step as XLA ops + autodiff (intra="wy": the kernels of pallas_gpu_wy.py)
     ("T100_bf16_dense_h0_xla_intra", (1, 100, 2, 64, 64), BF16, "bounded",
      dict(gate_lower_bound=-5.0, intra="xla"), True, True),
-    ("T130_fp32_saturated_segments_h0", (2, 130, 1, 32, 32), F32, "saturated",
+    ("T130_fp32_saturated_segments_h0_auto", (2, 130, 1, 32, 32), F32, "saturated",
      dict(gate_lower_bound=-5.0), True, True),
     ("T77_K96_V48_segments_C32", (2, 77, 1, 96, 48), BF16, "bounded",
-     dict(gate_lower_bound=-5.0, chunk_size=32), True, True),
+     dict(gate_lower_bound=-5.0, chunk_size=32, intra="wy"), True, True),
     ("T64_saturated_K128_C16_fp32", (1, 64, 1, 128, 128), F32, "saturated",
-     dict(gate_lower_bound=-5.0, chunk_size=16), True, False),
+     dict(gate_lower_bound=-5.0, chunk_size=16, intra="wy"), True, False),
     ("T70_unbounded_safe_fp32_segments", (1, 70, 2, 64, 64), F32, "unbounded", dict(), True,
      True),
     # bf16 q, k, v stay bf16 into the safe path's element-wise tiles (promoted there)
