@@ -89,23 +89,39 @@ class _Gate:
       self.Lx = _dot(jnp.where(tri, 1.0, 0.0).astype(f32), g, hi)
     g0 = [jnp.sum(jnp.where(row == c * SUB, g, 0.0), axis=0) for c in range(n)]
     tp = [jnp.sum(jnp.where(row == c * SUB + SUB - 1, self.Lx, 0.0), axis=0) for c in range(n)]
-    tot = [g0[c] + tp[c] for c in range(n)]
-    self.g0, self.tot = g0, tot
+    self.g0, self.tp = g0, tp
+    self.tot = [g0[c] + tp[c] for c in range(n)]
     self.TP = self.rows(tp)  # tp of each row's tile
-    pre = []
-    run = None
-    for a in range(n):
-      pre.append(g0[a] if run is None else run + g0[a])  # Σ_{c<a} tot_c + g_{s_a}
-      run = tot[a] if run is None else run + tot[a]
-    self.Gtot = run  # G_C = Σ_c tot_c [BK]
-    self.G = self.Lx + self.rows(pre)  # inclusive cumulative G from the chunk start (≤ 0)
+
+  # G, E and G_C are built where they are used (after the score loops), so that the compiled
+  # kernel does not keep them live through those loops.
+  @property
+  def Gtot(self):
+    """G_C = Σ_c tot_c [BK]."""
+    run = self.tot[0]
+    for c in range(1, self.n):
+      run = run + self.tot[c]
+    return run
+
+  @property
+  def G(self):
+    """The inclusive cumulative G from the chunk start (≤ 0), [C, BK]."""
+    pre, run = [], None
+    for a in range(self.n):
+      pre.append(self.g0[a] if run is None else run + self.g0[a])  # Σ_{c<a} tot_c + g_{s_a}
+      run = self.tot[a] if run is None else run + self.tot[a]
+    return self.Lx + self.rows(pre)
+
+  @property
+  def E(self):
+    """G_C − G_j = Σ_{j<m<C} g_m (≤ 0), [C, BK]."""
     after = []
-    for b in range(n):  # Σ_{c>b} tot_c
+    for b in range(self.n):  # Σ_{c>b} tot_c
       s = None
-      for c in range(b + 1, n):
-        s = tot[c] if s is None else s + tot[c]
+      for c in range(b + 1, self.n):
+        s = self.tot[c] if s is None else s + self.tot[c]
       after.append(s)
-    self.E = self.TP - self.Lx + self.rows(after)  # G_C − G_j = Σ_{j<m<C} g_m (≤ 0)
+    return self.TP - self.Lx + self.rows(after)
 
   def rows(self, vecs):
     """[C, BK]: vecs[c] ([BK] or None = 0) on the rows of tile c."""
@@ -164,14 +180,15 @@ def _inverse(A, n, hi):
   return X
 
 
-def _masks(C, segs, doc_ref):
+def _mask(C, segs, doc_ref, strict):
+  """[C, C] bool: j < i (strict) or j ≤ i, and the same document. Built where it is used (a
+  mask kept live across the kernel costs registers)."""
   ii, jj = _iota((C, C), 0), _iota((C, C), 1)
-  causal, strict = ii >= jj, ii > jj
+  m = ii > jj if strict else ii >= jj
   if segs:
     doc = doc_ref[...]
-    same = doc[:, None] == doc[None, :]
-    causal, strict = causal & same, strict & same
-  return causal, strict
+    m = m & (doc[:, None] == doc[None, :])
+  return m
 
 
 def _last(x):
@@ -210,9 +227,8 @@ def _fwd_kernel(*refs, n, BK, BV, scale, prec, hi, segs):
   Vp = v_ref.shape[-1]
   beta = b_ref[...].astype(f32)
   Sk, Sq = _scores_k(k_ref, g_ref, n, BK, prec, hi, q_ref=q_ref)
-  causal, strict = _masks(C, segs, doc_ref)
-  aqk_ref[...] = jnp.where(causal, scale * Sq, 0.0).astype(aqk_ref.dtype)
-  X = _inverse(jnp.where(strict, beta[:, None] * Sk, 0.0), n, hi)
+  aqk_ref[...] = jnp.where(_mask(C, segs, doc_ref, False), scale * Sq, 0.0).astype(aqk_ref.dtype)
+  X = _inverse(jnp.where(_mask(C, segs, doc_ref, True), beta[:, None] * Sk, 0.0), n, hi)
   if segs:
     m0 = m0_ref[...].astype(f32)
     ml = ml_ref[...].astype(f32)
@@ -255,8 +271,7 @@ def _bwd_kernel(*refs, n, BK, BV, scale, prec, hi, segs):
     ml = ml_ref[...].astype(f32)
     m0_last = _last(m0)
   Sk, _ = _scores_k(k_ref, g_ref, n, BK, prec, hi)
-  causal, strict = _masks(C, segs, doc_ref)
-  Sk = jnp.where(strict, Sk, 0.0)
+  Sk = jnp.where(_mask(C, segs, doc_ref, True), Sk, 0.0)
   X = _inverse(beta[:, None] * Sk, n, hi)
 
   def gam_of(t):
@@ -280,17 +295,30 @@ def _bwd_kernel(*refs, n, BK, BV, scale, prec, hi, segs):
     dv_ref[:, vs] = (beta[:, None] * dbv).astype(dv_ref.dtype)
     dbeta = dbeta + jnp.sum(dbv * v, axis=1)
   dA = -_dot(_dot(X, dX, hi, ta=True), X, hi, tb=True)  # −Xᵀ dX Xᵀ
-  dA = jnp.where(strict, dA, 0.0)
+  dA = jnp.where(_mask(C, segs, doc_ref, True), dA, 0.0)
   dbeta = dbeta + jnp.sum(dA * Sk, axis=1)
   dSk = beta[:, None] * dA
-  dSq = jnp.where(causal, scale * daqk_ref[...].astype(f32), 0.0)
-  rev = jnp.where(_iota((C, C), 0) <= _iota((C, C), 1), 1.0, 0.0).astype(f32)  # Σ_{i≥m}
-
-  for kb in range(nk):
-    ks = slice(kb * BK, (kb + 1) * BK)
+  dSq = jnp.where(_mask(C, segs, doc_ref, False), scale * daqk_ref[...].astype(f32), 0.0)
+  def pairwise_block(kb, dbeta):
+    ks = pl.ds(pl.multiple_of(kb * BK, BK), BK)
     t = _Gate(g_ref[:, ks].astype(f32), n, hi)
     q = q_ref[:, ks].astype(f32)
     k = k_ref[:, ks].astype(f32)
+    # The pairwise scores first (the fewest arrays live): for query tile a,
+    #   P = QF ⊙ (dS_q (k ⊙ KF)), R = QF ⊙ (dS_k (k ⊙ KF)), Z = KF ⊙ (dS_qᵀ (q ⊙ QF) + dS_kᵀ (k ⊙ QF))
+    #   ∂q += P,  ∂k += R + Z,  ∂G += q ⊙ P + k ⊙ (R − Z).
+    dq = dk = dG = None
+    for a in range(n):
+      qf, kf = t.qf(a), t.kf(a)
+      kk = k * kf
+      P = qf * _dot(dSq, kk, prec)
+      R = qf * _dot(dSk, kk, prec)
+      Z = kf * (_dot(dSq, q * qf, prec, ta=True) + _dot(dSk, k * qf, prec, ta=True))
+      if dq is None:
+        dq, dk, dG = P, R + Z, q * P + k * (R - Z)
+      else:
+        dq, dk, dG = dq + P, dk + R + Z, dG + q * P + k * (R - Z)
+    # Then Q ⊙ Γ, W's β K Γ (∂W through Xᵀ) and Kd, and the chunk decay d.
     gam = gam_of(t)
     ed = jnp.exp(t.E)
     dec = jnp.exp(t.Gtot)
@@ -298,27 +326,24 @@ def _bwd_kernel(*refs, n, BK, BV, scale, prec, hi, segs):
       ed = ed * ml[:, None]
       dec = dec * m0_last
     dqg = dqg_ref[:, ks].astype(f32)
-    dkd = jnp.transpose(dkd_ref[ks, :].astype(f32))  # [C, BK]
+    dq = dq + scale * gam * dqg
+    dG = dG + scale * q * gam * dqg
     dbk = _dot(X, dw_ref[:, ks].astype(f32), prec, ta=True)  # Xᵀ dW
-    kd = k * ed
-    dq = scale * gam * dqg
-    dk = beta[:, None] * gam * dbk + ed * dkd
-    dG = scale * q * gam * dqg + beta[:, None] * k * gam * dbk - dkd * kd
-    dGtot = jnp.sum(dkd * kd, axis=0) + ddec_ref[ks].astype(f32) * dec
+    dk = dk + beta[:, None] * gam * dbk
+    dG = dG + beta[:, None] * k * gam * dbk
     dbeta = dbeta + jnp.sum(dbk * k * gam, axis=1)
-    for a in range(n):
-      qf, kf = t.qf(a), t.kf(a)
-      kk = k * kf
-      dq_q = qf * _dot(dSq, kk, prec)  # S_q, query side
-      dk_q = kf * _dot(dSq, q * qf, prec, ta=True)  # S_q, key side
-      dq_k = qf * _dot(dSk, kk, prec)  # S_k, query side
-      dk_k = kf * _dot(dSk, k * qf, prec, ta=True)  # S_k, key side
-      dq = dq + dq_q
-      dk = dk + dk_q + dq_k + dk_k
-      dG = dG + q * dq_q + k * (dq_k - dk_q - dk_k)
+    dkd = jnp.transpose(dkd_ref[ks, :].astype(f32))  # [C, BK]
+    kd = k * ed
+    dk = dk + ed * dkd
+    dG = dG - dkd * kd
+    dGtot = jnp.sum(dkd * kd, axis=0) + ddec_ref[ks].astype(f32) * dec
     dq_ref[:, ks] = dq.astype(dq_ref.dtype)
     dk_ref[:, ks] = dk.astype(dk_ref.dtype)
+    rev = jnp.where(_iota((C, C), 0) <= _iota((C, C), 1), 1.0, 0.0).astype(f32)  # Σ_{i≥m}
     dg_ref[:, ks] = (_dot(rev, dG, hi) + dGtot[None, :]).astype(dg_ref.dtype)
+    return dbeta
+
+  dbeta = jax.lax.fori_loop(0, nk, pairwise_block, dbeta)
   db_ref[...] = dbeta.astype(db_ref.dtype)
 
 
@@ -398,7 +423,7 @@ def _bwd_call(q, k, v, g, beta, masks, cts, C, scale, precision, interpret, num_
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12))
 def intra_chunk_wy(q, k, v, g, beta, masks, C, scale, precision, store, interpret,
-                   num_warps=8, block_k=64):
+                   num_warps=8, block_k=32):
   """The intra-chunk step of `pallas_gpu` as two Pallas kernels (module docstring).
 
   Args:
