@@ -61,6 +61,13 @@ def _dot(a, b, precision, ta=False, tb=False):
   return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=f32)
 
 
+def _blocks(size, block):
+  """The `block`-wide slice number i of `size` channels (i a Python int or a loop index)."""
+  del size
+  return lambda i: (slice(i * block, (i + 1) * block) if isinstance(i, int)
+                    else pl.ds(pl.multiple_of(i * block, block), block))
+
+
 def _iota(shape, dim):
   return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
 
@@ -197,22 +204,33 @@ def _last(x):
   return jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, (C,), 0) == C - 1, x, 0.0))
 
 
-def _scores_k(k_ref, g_ref, n, BK, prec, hi, q_ref=None):
+def _scores_k(k_ref, g_ref, n, BK, prec, hi, q_ref=None, unroll=False):
   """S_k (and S_q when q_ref is given), [C, C] fp32, summed over the key-channel blocks."""
   C, Kp = k_ref.shape
-  Sk = jnp.zeros((C, C), f32)
-  Sq = None if q_ref is None else jnp.zeros((C, C), f32)
-  for kb in range(Kp // BK):
-    ks = slice(kb * BK, (kb + 1) * BK)
+  blk = _blocks(Kp, BK)
+
+  def body(kb, acc):
+    ks = blk(kb)
     t = _Gate(g_ref[:, ks].astype(f32), n, hi)
     k = k_ref[:, ks].astype(f32)
     q = None if q_ref is None else q_ref[:, ks].astype(f32)
+    Sk, Sq = acc
     for a in range(n):
       qf = t.qf(a)
       kk = k * t.kf(a)
       Sk = Sk + _dot(k * qf, kk, prec, tb=True)
       if q is not None:
         Sq = Sq + _dot(q * qf, kk, prec, tb=True)
+    return Sk, Sq
+
+  zero = jnp.zeros((C, C), f32)
+  acc = (zero, None if q_ref is None else zero)
+  if unroll:
+    for kb in range(Kp // BK):
+      acc = body(kb, acc)
+    Sk, Sq = acc
+  else:
+    Sk, Sq = jax.lax.fori_loop(0, Kp // BK, body, acc)
   return Sk, Sq
 
 
@@ -226,15 +244,17 @@ def _fwd_kernel(*refs, n, BK, BV, scale, prec, hi, segs):
   C, Kp = q_ref.shape
   Vp = v_ref.shape[-1]
   beta = b_ref[...].astype(f32)
-  Sk, Sq = _scores_k(k_ref, g_ref, n, BK, prec, hi, q_ref=q_ref)
+  Sk, Sq = _scores_k(k_ref, g_ref, n, BK, prec, hi, q_ref=q_ref, unroll=True)
   aqk_ref[...] = jnp.where(_mask(C, segs, doc_ref, False), scale * Sq, 0.0).astype(aqk_ref.dtype)
   X = _inverse(jnp.where(_mask(C, segs, doc_ref, True), beta[:, None] * Sk, 0.0), n, hi)
   if segs:
     m0 = m0_ref[...].astype(f32)
     ml = ml_ref[...].astype(f32)
     m0_last = _last(m0)
-  for kb in range(Kp // BK):
-    ks = slice(kb * BK, (kb + 1) * BK)
+  kblk, vblk = _blocks(Kp, BK), _blocks(Vp, BV)
+
+  def w_block(kb, carry):
+    ks = kblk(kb)
     t = _Gate(g_ref[:, ks].astype(f32), n, hi)
     k = k_ref[:, ks].astype(f32)
     gam = jnp.exp(t.G)
@@ -248,9 +268,19 @@ def _fwd_kernel(*refs, n, BK, BV, scale, prec, hi, segs):
     qg_ref[:, ks] = (scale * q_ref[:, ks].astype(f32) * gam).astype(qg_ref.dtype)
     kd_ref[ks, :] = jnp.transpose(kdv).astype(kd_ref.dtype)
     dec_ref[ks] = dec
-  for vb in range(Vp // BV):
-    vs = slice(vb * BV, (vb + 1) * BV)
+    return carry
+
+  def u_block(vb, carry):
+    vs = vblk(vb)
     u_ref[:, vs] = _dot(X, beta[:, None] * v_ref[:, vs].astype(f32), prec).astype(u_ref.dtype)
+    return carry
+
+  # Unrolled (Python loops): under pip Triton 3.9 for sm_90 this spills less here than a
+  # fori_loop does (704 against 456 B of stack at block 32; benchmarks/triton_resources.py).
+  for kb in range(Kp // BK):
+    w_block(kb, 0)
+  for vb in range(Vp // BV):
+    u_block(vb, 0)
 
 
 def _bwd_kernel(*refs, n, BK, BV, scale, prec, hi, segs):
@@ -279,28 +309,32 @@ def _bwd_kernel(*refs, n, BK, BV, scale, prec, hi, segs):
     return gam * m0[:, None] if segs else gam
 
   # dX = dW (β K Γ)ᵀ + dU (β V)ᵀ; U's part also gives dV and a part of dβ.
-  dX = jnp.zeros((C, C), f32)
-  for kb in range(nk):
-    ks = slice(kb * BK, (kb + 1) * BK)
+  kblk, vblk = _blocks(Kp, BK), _blocks(Vp, BV)
+
+  def dx_w(kb, dX):
+    ks = kblk(kb)
     t = _Gate(g_ref[:, ks].astype(f32), n, hi)
     bk = beta[:, None] * k_ref[:, ks].astype(f32) * gam_of(t)
-    dX = dX + _dot(dw_ref[:, ks].astype(f32), bk, prec, tb=True)
-  dbeta = jnp.zeros((C,), f32)
-  for vb in range(Vp // BV):
-    vs = slice(vb * BV, (vb + 1) * BV)
+    return dX + _dot(dw_ref[:, ks].astype(f32), bk, prec, tb=True)
+
+  def dx_u(vb, acc):
+    dX, dbeta = acc
+    vs = vblk(vb)
     du = du_ref[:, vs].astype(f32)
     v = v_ref[:, vs].astype(f32)
-    dX = dX + _dot(du, beta[:, None] * v, prec, tb=True)
     dbv = _dot(X, du, prec, ta=True)  # Xᵀ dU
     dv_ref[:, vs] = (beta[:, None] * dbv).astype(dv_ref.dtype)
-    dbeta = dbeta + jnp.sum(dbv * v, axis=1)
+    return dX + _dot(du, beta[:, None] * v, prec, tb=True), dbeta + jnp.sum(dbv * v, axis=1)
+
+  dX = jax.lax.fori_loop(0, nk, dx_w, jnp.zeros((C, C), f32))
+  dX, dbeta = jax.lax.fori_loop(0, Vp // BV, dx_u, (dX, jnp.zeros((C,), f32)))
   dA = -_dot(_dot(X, dX, hi, ta=True), X, hi, tb=True)  # −Xᵀ dX Xᵀ
   dA = jnp.where(_mask(C, segs, doc_ref, True), dA, 0.0)
   dbeta = dbeta + jnp.sum(dA * Sk, axis=1)
   dSk = beta[:, None] * dA
   dSq = jnp.where(_mask(C, segs, doc_ref, False), scale * daqk_ref[...].astype(f32), 0.0)
   def pairwise_block(kb, dbeta):
-    ks = pl.ds(pl.multiple_of(kb * BK, BK), BK)
+    ks = kblk(kb)
     t = _Gate(g_ref[:, ks].astype(f32), n, hi)
     q = q_ref[:, ks].astype(f32)
     k = k_ref[:, ks].astype(f32)
@@ -386,7 +420,7 @@ def _chunk_specs(C, Kp, Vp):
 def _fwd_call(q, k, v, g, beta, masks, C, scale, precision, store, interpret, num_warps,
               block_k):
   B, Tp, H, Kp, Vp, N, BK, BV, hi, params = _config(q, v, C, interpret, precision, num_warps,
-                                                   block_k)
+                                                   block_k[0])
   segs = masks is not None
   BH = B * H
   out_shape = [jax.ShapeDtypeStruct((BH, Tp, Kp), store), jax.ShapeDtypeStruct((BH, Tp, Vp), store),
@@ -405,7 +439,7 @@ def _fwd_call(q, k, v, g, beta, masks, C, scale, precision, store, interpret, nu
 
 def _bwd_call(q, k, v, g, beta, masks, cts, C, scale, precision, interpret, num_warps, block_k):
   B, Tp, H, Kp, Vp, N, BK, BV, hi, params = _config(q, v, C, interpret, precision, num_warps,
-                                                   block_k)
+                                                   block_k[1])
   segs = masks is not None
   tok = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
   out_shape = [tok(q), tok(k), tok(v), jax.ShapeDtypeStruct(g.shape, f32),
@@ -423,7 +457,7 @@ def _bwd_call(q, k, v, g, beta, masks, cts, C, scale, precision, interpret, num_
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12))
 def intra_chunk_wy(q, k, v, g, beta, masks, C, scale, precision, store, interpret,
-                   num_warps=8, block_k=32):
+                   num_warps=8, block_k=(32, 16)):
   """The intra-chunk step of `pallas_gpu` as two Pallas kernels (module docstring).
 
   Args:
@@ -434,8 +468,9 @@ def intra_chunk_wy(q, k, v, g, beta, masks, C, scale, precision, store, interpre
       as `xla._chunk_docs` defines them (not differentiated).
     C: chunk size (16, 32 or 64); scale: query scale; precision: of the score / W / U /
       gradient products (DEFAULT = TF32, HIGHEST = fp32); store: dtype of the outputs but d;
-      interpret: Pallas interpret mode (CPU tests); num_warps, block_k: kernel tiling (key
-      and value channels per block).
+      interpret: Pallas interpret mode (CPU tests); num_warps, block_k: kernel tiling (warps
+      per program; key and value channels per block, (forward, backward): the defaults spill
+      least under pip Triton 3.9 for sm_90, benchmarks/triton_resources.py).
 
   Returns:
     W [BH, Tp, Kp], U [BH, Tp, Vp], Qg = scale Q ⊙ Γ [BH, Tp, Kp], A_qk [BH, N, C, C],

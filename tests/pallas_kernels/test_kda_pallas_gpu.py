@@ -263,7 +263,7 @@ def test_wy_kernels_match_the_xla_intra_chunk(C, segments):
 
   masks = None if not segments else (doc.reshape(B, T).astype(jnp.int32),
                                      m0.reshape(B, T).astype(F32), mlast.reshape(B, T).astype(F32))
-  new = lambda *a: pallas_gpu_wy.intra_chunk_wy(*a, masks, C, scale, hi, F32, INTERPRET, 4, 16)
+  new = lambda *a: pallas_gpu_wy.intra_chunk_wy(*a, masks, C, scale, hi, F32, INTERPRET, 4, (16, 16))
   out_r, vjp_r = jax.vjp(ref, *args)
   out_n, vjp_n = jax.vjp(new, *args)
   cts = tuple(r(*x.shape) for x in out_r)
