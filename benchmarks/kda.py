@@ -314,7 +314,8 @@ def _fmt(x):
 def _table(backends, shapes, rows, notes):
   import jax
   tl = lambda t: f"{t // 1024}K" if t % 1024 == 0 else str(t)
-  head = "| backend | pass | " + " | ".join(f"H={h} T={tl(t)}" for _, h, t, _ in shapes) + " |"
+  col = lambda b, h, t: (f"B={b} " if b != shapes[0][0] else "") + f"H={h} T={tl(t)}"
+  head = "| backend | pass | " + " | ".join(col(b, h, t) for b, h, t, _ in shapes) + " |"
   lines = [f"KDA timings in ms (median), bf16, B={shapes[0][0]}, K=V={shapes[0][3]}; "
            f"jax {jax.__version__} on {jax.devices()[0].device_kind}", "", head,
            "|" + "---|" * (len(shapes) + 2)]
@@ -329,7 +330,7 @@ def _table(backends, shapes, rows, notes):
     ours = rows.get(("pallas_gpu", s), (None, None))[1]
     peer = [rows[(p, s)][1] for p in PEERS if isinstance(rows.get((p, s), (0, 0))[1], float)]
     if isinstance(ours, float) and peer:
-      ratios.append(f"H={s[1]} T={tl(s[2])}: {min(peer) / ours:.2f}")
+      ratios.append(f"{col(*s[:3])}: {min(peer) / ours:.2f}")
   if ratios:
     lines += ["", "fwd+bwd, faster peer (fla, jla) / pallas_gpu (> 1: pallas_gpu faster): "
               + "; ".join(ratios)]
