@@ -57,16 +57,11 @@ import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
+from pallas_kernels.kda.pallas_gpu_kernels import _dot
 from pallas_kernels.kda.tiles import SUB
 
 f32 = jnp.float32
 HI = jax.lax.Precision.HIGHEST
-
-
-def _dot(a, b, precision, ta=False, tb=False):
-  """a @ b (aᵀ / bᵀ with ta / tb), fp32 accumulation."""
-  dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
-  return jax.lax.dot_general(a, b, dims, precision=precision, preferred_element_type=f32)
 
 
 def _blocks(size, block):
