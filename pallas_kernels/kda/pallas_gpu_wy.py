@@ -75,28 +75,18 @@ def _iota(shape, dim):
   return jax.lax.broadcasted_iota(jnp.int32, shape, dim)
 
 
-# How the in-tile sums Lx are taken: "scan" (a cumulative sum along the tile's rows) or "dot"
-# (a product with a 0/1 block-triangular matrix at 3×TF32 / fp32: exact products, fp32 sums).
-TILE_CUMSUM = "scan"
-
-
 class _Gate:
   """The gate's exponents for one [C, BK] block of g (fp32, 0 at padding tokens): module
   docstring. Every quantity is per key channel, so K can be processed in blocks."""
 
-  def __init__(self, g, n, hi=HI):
+  def __init__(self, g, n):
     C, BK = g.shape
     self.n = n
     row = _iota((C, BK), 0)
     lr = jax.lax.rem(row, SUB)
     self.tile = jax.lax.div(row, SUB)
-    if TILE_CUMSUM == "scan":
-      g3 = jnp.where(lr == 0, 0.0, g).reshape(n, SUB, BK)
-      self.Lx = jnp.cumsum(g3, axis=1).reshape(C, BK)  # Σ_{s_a<m≤i} g_m
-    else:
-      i, m = _iota((C, C), 0), _iota((C, C), 1)
-      tri = (jax.lax.div(i, SUB) == jax.lax.div(m, SUB)) & (m <= i) & (jax.lax.rem(m, SUB) > 0)
-      self.Lx = _dot(jnp.where(tri, 1.0, 0.0).astype(f32), g, hi)
+    g3 = jnp.where(lr == 0, 0.0, g).reshape(n, SUB, BK)
+    self.Lx = jnp.cumsum(g3, axis=1).reshape(C, BK)  # Σ_{s_a<m≤i} g_m
     g0 = [jnp.sum(jnp.where(row == c * SUB, g, 0.0), axis=0) for c in range(n)]
     tp = [jnp.sum(jnp.where(row == c * SUB + SUB - 1, self.Lx, 0.0), axis=0) for c in range(n)]
     self.g0, self.tp = g0, tp
@@ -214,7 +204,7 @@ def _scores_k(k_ref, g_ref, n, BK, prec, hi, q_ref=None, unroll=False):
 
   def body(kb, acc):
     ks = blk(kb)
-    t = _Gate(g_ref[:, ks].astype(f32), n, hi)
+    t = _Gate(g_ref[:, ks].astype(f32), n)
     k = k_ref[:, ks].astype(f32)
     q = None if q_ref is None else q_ref[:, ks].astype(f32)
     Sk, Sq = acc
@@ -258,7 +248,7 @@ def _fwd_kernel(*refs, n, BK, BV, scale, prec, hi, segs):
 
   def w_block(kb, carry):
     ks = kblk(kb)
-    t = _Gate(g_ref[:, ks].astype(f32), n, hi)
+    t = _Gate(g_ref[:, ks].astype(f32), n)
     k = k_ref[:, ks].astype(f32)
     gam = jnp.exp(t.G)
     kdv = k * jnp.exp(t.E)
@@ -316,7 +306,7 @@ def _bwd_kernel(*refs, n, BK, BV, scale, prec, hi, segs):
 
   def dx_w(kb, dX):
     ks = kblk(kb)
-    t = _Gate(g_ref[:, ks].astype(f32), n, hi)
+    t = _Gate(g_ref[:, ks].astype(f32), n)
     bk = beta[:, None] * k_ref[:, ks].astype(f32) * gam_of(t)
     return dX + _dot(dw_ref[:, ks].astype(f32), bk, prec, tb=True)
 
@@ -338,7 +328,7 @@ def _bwd_kernel(*refs, n, BK, BV, scale, prec, hi, segs):
   dSq = jnp.where(_mask(C, segs, doc_ref, False), scale * daqk_ref[...].astype(f32), 0.0)
   def pairwise_block(kb, dbeta):
     ks = kblk(kb)
-    t = _Gate(g_ref[:, ks].astype(f32), n, hi)
+    t = _Gate(g_ref[:, ks].astype(f32), n)
     q = q_ref[:, ks].astype(f32)
     k = k_ref[:, ks].astype(f32)
     # The pairwise scores first (the fewest arrays live): for query tile a,
@@ -481,6 +471,9 @@ def intra_chunk_wy(q, k, v, g, beta, masks, C, scale, precision, store, interpre
     b-major order, N = Tp / C.
 
   The gradient: `_bwd_kernel` (q, k, v in their dtypes, g and β fp32).
+
+  Raises: nothing of its own (the caller, `chunk_kda_pallas_gpu`, checks shapes, dtypes and
+  the gate bound). Source: Kimi Linear (arXiv 2510.26692) §3; ARCHITECTURE.md §2.4.
   """
   return _fwd_call(q, k, v, g, beta, masks, C, scale, precision, store, interpret, num_warps,
                    block_k)
