@@ -14,7 +14,8 @@ cannot run here):
   pallas_tpu  chunk_kda(backend="pallas_tpu") on TPU
   pallas_gpu  chunk_kda(backend="pallas_gpu") on GPU (TF32 matmuls: its default for bf16 inputs)
   pallas_gpu_xla  pallas_gpu with intra="xla": the intra-chunk step as batched XLA ops and
-              autodiff (its default before the whole-chunk kernels of pallas_gpu_wy.py)
+              autodiff
+  pallas_gpu_wy  pallas_gpu with intra="wy": the intra-chunk kernels of pallas_gpu_wy.py
   pallas_gpu_hi  the same with precision=HIGHEST (true fp32 matmuls)
   pallas_gpu_f32store  pallas_gpu with store_dtype=float32: fp32 intermediates between its
               steps (its default stores them in bf16 for bf16 inputs since 2026-12-02)
@@ -39,7 +40,7 @@ import time
 import traceback
 
 JAX_BACKENDS = ("xla", "xla_safe", "xla_tf32", "pallas_tpu", "pallas_gpu", "pallas_gpu_hi",
-                "pallas_gpu_f32store", "pallas_gpu_xla", "jla", "reference", "attn")
+                "pallas_gpu_f32store", "pallas_gpu_xla", "pallas_gpu_wy", "jla", "reference", "attn")
 TORCH_BACKENDS = ("fla", "sdpa")
 DEFAULT_BACKENDS = ("pallas_gpu", "pallas_gpu_hi", "xla", "pallas_tpu", "fla", "jla", "attn")
 PEERS = ("fla", "jla")
@@ -121,7 +122,8 @@ def _jax_fns(backend: str):
       except ImportError:
         raise SkipBackend("pallas_kernels.kda.pallas_tpu not importable") from None
     name = {"xla_safe": "xla", "pallas_gpu_hi": "pallas_gpu", "pallas_gpu_xla": "pallas_gpu",
-            "pallas_gpu_f32store": "pallas_gpu"}.get(backend, backend)
+            "pallas_gpu_wy": "pallas_gpu", "pallas_gpu_f32store": "pallas_gpu"}.get(backend,
+                                                                                   backend)
     bound = None if backend in ("xla_safe", "reference") else -5.0
     kw = dict(backend=name, chunk_size=64)
     if bound is not None:
@@ -136,10 +138,10 @@ def _jax_fns(backend: str):
         from pallas_kernels.kda import pallas_gpu  # pylint: disable=g-import-not-at-top
         return pallas_gpu.chunk_kda_pallas_gpu(q, k, v, g, beta, gate_lower_bound=-5.0,
                                                precision=jax.lax.Precision.HIGHEST)[0]
-      if backend == "pallas_gpu_xla":
+      if backend in ("pallas_gpu_xla", "pallas_gpu_wy"):
         from pallas_kernels.kda import pallas_gpu  # pylint: disable=g-import-not-at-top
         return pallas_gpu.chunk_kda_pallas_gpu(q, k, v, g, beta, gate_lower_bound=-5.0,
-                                               intra="xla")[0]
+                                               intra=backend[len("pallas_gpu_"):])[0]
       if backend == "pallas_gpu_f32store":
         from pallas_kernels.kda import pallas_gpu  # pylint: disable=g-import-not-at-top
         return pallas_gpu.chunk_kda_pallas_gpu(q, k, v, g, beta, gate_lower_bound=-5.0,

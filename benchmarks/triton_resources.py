@@ -75,7 +75,7 @@ def dump_ttir(out: str, block_k: int, num_warps: int, segments: bool) -> list[st
     def wy(q, k, v, g, beta, masks):
       out, vjp = jax.vjp(lambda *a: pallas_gpu_wy.intra_chunk_wy(
           *a, masks, 64, K ** -0.5, jax.lax.Precision.DEFAULT, jnp.bfloat16, False,
-          num_warps, block_k), q, k, v, g, beta)  # block_k: (forward, backward)
+          num_warps, block_k), q, k, v, g, beta)
       return vjp(out)
 
     def state(w, u, kd, dec, h0):
@@ -98,19 +98,16 @@ def dump_ttir(out: str, block_k: int, num_warps: int, segments: bool) -> list[st
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--out", default="/tmp/kda_ttir", help="where the .ttir / .cubin files go")
-  p.add_argument("--block-k", default="32,16", metavar="FWD,BWD",
+  p.add_argument("--block-k", type=int, default=64,
                  help="intra_chunk_wy's block_k (key / value channels per block)")
-  p.add_argument("--num-warps", type=int, default=8, help="intra_chunk_wy's num_warps")
+  p.add_argument("--num-warps", type=int, default=4, help="intra_chunk_wy's num_warps")
   p.add_argument("--segments", action="store_true", help="with packed-document masks")
   p.add_argument("--triton-python", default=None, metavar="PYTHON",
                  help="a Python with `triton` installed: compile and print REG / STACK")
   a = p.parse_args(argv)
-  try:
-    block_k = tuple(int(x) for x in a.block_k.split(","))
-  except ValueError:
-    block_k = ()
-  if len(block_k) != 2 or any(b < 16 or b & (b - 1) for b in block_k):
-    p.error(f"--block-k {a.block_k!r}: expected FWD,BWD, powers of two >= 16 (e.g. 32,16)")
+  block_k = a.block_k
+  if block_k < 16 or block_k & (block_k - 1):
+    p.error(f"--block-k {block_k}: expected a power of two >= 16")
   if a.num_warps not in (1, 2, 4, 8, 16):
     p.error(f"--num-warps {a.num_warps}: expected 1, 2, 4, 8 or 16")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")

@@ -10,14 +10,15 @@ ARCHITECTURE.md §2.4 (algorithm, exponent safety) and §2.5 (contract).
 Structure (C-token chunks, N = T / C of them, every equation as in xla.py's docstring):
   1. intra-chunk, parallel over all B·H·N chunks: the pairwise scores A_kk, A_qk on 16-token
      sub-tiles, X = (I + A_kk)⁻¹, W, U, Q ⊙ Γ, Kd = (K ⊙ e^(G_C − G) ⊙ m_C)ᵀ and the chunk
-     decay. `intra="xla"` (the default): xla._intra_chunk as batched XLA ops differentiated by
-     autodiff, with the inverse by `blocked_unit_lower_inverse` and the in-chunk cumulative
-     sums as triangular matmuls (xla.tri_cumsum, not XLA's O(C²) reduce-window cumsum).
-     `intra="wy"` (opt-in; the lower-bounded gate's dense diagonal tiles, fp32 / bf16 inputs):
-     pallas_gpu_wy.py, one forward and one backward Pallas kernel per chunk on whole-chunk tile
-     products, reading q, k, v, g, β in their [B, T, H, ·] layout: exact, but measured 1.8-2.2×
-     slower than the XLA step on an H100 (its kernels 9.6 ms of an 11.0 ms fwd+bwd at
-     B=1, H=16, T=8K; docs/benchmarks.md), so not the default.
+     decay. `intra="wy"` (what "auto" picks for the lower-bounded gate's dense diagonal tiles
+     and fp32 / bf16 inputs): pallas_gpu_wy.py, Pallas kernels on whole-chunk tile products
+     reading q, k, v, g, β in their [B, T, H, ·] layout (forward: scores and inverse per
+     chunk, then W, U, Q ⊙ Γ, Kd per chunk and channel block; backward likewise in two
+     kernels); measured 4-13% faster fwd+bwd than the XLA step on an H100 (2026-12-05,
+     docs/benchmarks.md). `intra="xla"` (the safe path and fp64 always): xla._intra_chunk as
+     batched XLA ops differentiated by autodiff, with the inverse by
+     `blocked_unit_lower_inverse` and the in-chunk cumulative sums as triangular matmuls
+     (xla.tri_cumsum, not XLA's O(C²) reduce-window cumsum).
   2. state pass, sequential over chunks only (pallas_gpu_kernels.py, custom VJP): the states H_n
      entering every chunk and V'_n = U_n − W_n H_n, one Pallas program per (head, value block);
      its backward kernel runs only the ∂S recursion, the other gradients are batched matmuls.
@@ -249,11 +250,11 @@ def chunk_kda_pallas_gpu(
       were promoted once instead of at each read; docs/benchmarks.md), else float32.
       None or jnp.float32: fp32 storage.
     intra: how the intra-chunk step runs. "xla": batched XLA ops differentiated by autodiff;
-      "wy": the whole-chunk Pallas kernels of pallas_gpu_wy.py, forward and hand-written
-      backward (dense diagonal tiles and fp32 / bf16 inputs only; measured 1.8-2.2× slower
-      than "xla" on an H100, 2026-12-05, docs/benchmarks.md); "auto" (default): "xla" until a
-      kernel path is faster. `fused=True` overrides it with the per-chunk kernels of
-      pallas_gpu_intra.py.
+      "wy": the Pallas kernels of pallas_gpu_wy.py, forward and hand-written backward (dense
+      diagonal tiles and fp32 / bf16 inputs only; fwd+bwd of the operator 5.50 against 6.34
+      ms at B=1, H=16, T=8K, 18.11 against 18.91 ms at B=8, H=8, T=8K on an H100,
+      2026-12-05, docs/benchmarks.md); "auto" (default): "wy" where it applies, else "xla".
+      `fused=True` overrides it with the per-chunk kernels of pallas_gpu_intra.py.
 
   Returns:
     (o [B, T, H, V] in q's dtype, 0 at padding tokens; final state [B, H, K, V] fp32 or None).
@@ -276,7 +277,7 @@ def chunk_kda_pallas_gpu(
   if intra == "wy" and not wy_applies:
     raise ValueError("intra='wy' needs dense diagonal tiles (a gate_lower_bound, or "
                      "diag='dense') and float32 / bfloat16 q, k, v; use intra='xla'")
-  use_wy = intra == "wy" and not fused  # "auto" is "xla": the wy kernels are slower so far
+  use_wy = (intra == "wy" or (intra == "auto" and wy_applies)) and not fused
   if precision is None:
     hi = q.dtype != jnp.bfloat16
     precision = jax.lax.Precision.HIGHEST if hi else jax.lax.Precision.DEFAULT

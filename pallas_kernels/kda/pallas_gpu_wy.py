@@ -5,9 +5,22 @@ Source: Kimi Linear (arXiv 2510.26692) §3; ARCHITECTURE.md §2.4 (the equations
 safety). The same outputs as `xla._intra_chunk` (W, U, Q ⊙ Γ · scale, A_qk, Kdᵀ, the chunk
 decay), for the lower-bounded gate ("dense" diagonal tiles) only; `pallas_gpu.py` calls it.
 
-One program per chunk and batch·head (grid B·H × N). q, k, v, g, β are read in the caller's
+Four kernels, two per pass, 4 warps each. q, k, v, g, β are read in the caller's
 [B, T, H, ·] layout (no transposes); every matrix product is a [C, ·] × [·, C] or
-[C, C] × [C, ·] tile product (C = 64 rows, the tensor cores' shape), not 16-row sub-tiles:
+[C, C] × [C, ·] tile product (C = 64 rows, the tensor cores' shape), not 16-row sub-tiles.
+
+  forward  `kda_wy_fwd_scores`  grid B·H × N:       S_k, S_q, A_qk, X = (I + A_kk)⁻¹
+           `kda_wy_fwd_wu`      grid B·H × N × nb:  W, Q ⊙ Γ, Kd, d of key block j; U of
+                                                    value block j (reads X)
+  backward `kda_wy_bwd_dx`      grid B·H × N:       dX, ∂A, ∂V, U's part of ∂β (reads X, S_k)
+           `kda_wy_bwd_pair`    grid B·H × N × nk:  ∂q, ∂k, ∂g, the rest of ∂β of key block j
+
+X and S_k (2 · C² fp32 per chunk) are the forward's residuals, so the backward does not
+recompute the scores or the inverse. The split by channel block exists for occupancy: the
+whole-chunk kernels of the twentieth session (one forward, one backward, 8 warps) ran at one
+block per SM (255 registers, 12.5% occupancy under ncu) and took 2× the XLA step's time.
+
+The math:
 
   * Pairwise scores on 16-token sub-tiles (query tile a, reference r_a = G at its first row
     s_a), as n = C/16 masked whole-chunk products: with
@@ -26,8 +39,8 @@ One program per chunk and batch·head (grid B·H × N). q, k, v, g, β are read 
   * W = X (β ⊙ K ⊙ Γ), U = X (β ⊙ V), Q ⊙ Γ · scale, Kdᵀ = (K ⊙ e^(G_C − G) ⊙ m_C)ᵀ,
     d = e^(G_C) m0_C, Γ = e^G ⊙ m0.
 
-The backward kernel recomputes S_k and X from the inputs (nothing else is stored) and applies
-the chain rule with whole-chunk products:
+The backward reads X and S_k from the forward and applies the chain rule with whole-chunk
+products:
 
     dX = dW (β K Γ)ᵀ + dU (β V)ᵀ,   dA = −Xᵀ dX Xᵀ (strictly lower, same document)
     dS_k = β_i dA,  dS_q = scale · dA_qk (causal, same document)
@@ -36,12 +49,11 @@ the chain rule with whole-chunk products:
     ∂g = reverse cumulative sum of ∂G in the chunk (+ ∂G_C on every row)
 
 Status (docs/benchmarks.md, 2026-12-05, one H100): exact (the XLA intra-chunk step's outputs and
-gradients to 1e-5 in fp32 interpret mode; on the GPU within 1.1e-3 (o) to 4.5e-3 (dg) of the
-XLA path in bf16, where jax-linear-attention is within 3.7e-3 to 4.6e-3), but slower: at B=1,
-H=16, T=8K, K=V=128 fwd+bwd the backward kernel took 7.04 ms and the forward 2.53 ms of 11.0
-ms, against 6.4 ms for the whole operator with the XLA step. Each program runs at one block
-of 8 warps per SM (255 registers per thread, still spilling) through a chain of ~60 dependent
-small products; so `pallas_gpu` runs it only with `intra="wy"`.
+gradients to 1e-5 in fp32 interpret mode; the kernels against the XLA step on the GPU too);
+the operator's fwd+bwd at K = V = 128, bf16: 5.50 ms at B=1, H=16, T=8K and 18.11 ms at B=8,
+H=8, T=8K, against 6.34 and 18.91 ms with the XLA step, so `pallas_gpu`'s `intra="auto"` runs
+it. Still register-bound: the scores and pair kernels use 255 registers and spill
+(benchmarks/triton_resources.py).
 
 Precision: `precision` (DEFAULT = TF32 for bf16 inputs, HIGHEST for fp32) for the score, W, U
 and gradient products; `hi` (3×TF32 on the GPU, true fp32 in interpret mode and for fp32 inputs)
@@ -227,87 +239,100 @@ def _scores_k(k_ref, g_ref, n, BK, prec, hi, q_ref=None, unroll=False):
   return Sk, Sq
 
 
-def _fwd_kernel(*refs, n, BK, BV, scale, prec, hi, segs):
+# ---------------------------------------------------------------------------------------------
+# Forward: (A) scores and inverse per chunk; (B) W, Q ⊙ Γ, Kd, d and U per chunk and channel
+# block, reading X from (A).
+
+
+def _fwd_scores_kernel(*refs, n, BK, scale, prec, hi, segs):
+  """Grid (B·H, N). Refs: q, k, g [C, Kp], β [C] (, doc [C]) -> A_qk, X, S_k [C, C]."""
   if segs:
-    (q_ref, k_ref, v_ref, g_ref, b_ref, doc_ref, m0_ref, ml_ref,
-     w_ref, u_ref, qg_ref, aqk_ref, kd_ref, dec_ref) = refs
+    q_ref, k_ref, g_ref, b_ref, doc_ref, aqk_ref, x_ref, sk_ref = refs
   else:
-    (q_ref, k_ref, v_ref, g_ref, b_ref, w_ref, u_ref, qg_ref, aqk_ref, kd_ref, dec_ref) = refs
+    q_ref, k_ref, g_ref, b_ref, aqk_ref, x_ref, sk_ref = refs
     doc_ref = None
-  C, Kp = q_ref.shape
-  Vp = v_ref.shape[-1]
+  C = q_ref.shape[0]
   beta = b_ref[...].astype(f32)
   Sk, Sq = _scores_k(k_ref, g_ref, n, BK, prec, hi, q_ref=q_ref, unroll=True)
   aqk_ref[...] = jnp.where(_mask(C, segs, doc_ref, False), scale * Sq, 0.0).astype(aqk_ref.dtype)
-  X = _inverse(jnp.where(_mask(C, segs, doc_ref, True), beta[:, None] * Sk, 0.0), n, hi)
-  if segs:
-    m0 = m0_ref[...].astype(f32)
-    ml = ml_ref[...].astype(f32)
-    m0_last = _last(m0)
-  kblk, vblk = _blocks(Kp, BK), _blocks(Vp, BV)
+  Sk = jnp.where(_mask(C, segs, doc_ref, True), Sk, 0.0)
+  sk_ref[...] = Sk
+  x_ref[...] = _inverse(beta[:, None] * Sk, n, hi)
 
-  def w_block(kb, carry):
-    ks = kblk(kb)
-    t = _Gate(g_ref[:, ks].astype(f32), n)
-    k = k_ref[:, ks].astype(f32)
+
+def _fwd_wu_kernel(*refs, n, nk, nv, scale, prec, segs):
+  """Grid (B·H, N, max(nk, nv)); program j: key block j (if j < nk) and value block j (if
+  j < nv). Refs: q, k, g [C, BK], v [C, BV], β [C] (, m0, m_last [C]), X [C, C] ->
+  W, Q ⊙ Γ · scale [C, BK], U [C, BV], Kdᵀ [BK, C], d [BK]."""
+  if segs:
+    (q_ref, k_ref, v_ref, g_ref, b_ref, m0_ref, ml_ref, x_ref,
+     w_ref, u_ref, qg_ref, kd_ref, dec_ref) = refs
+  else:
+    q_ref, k_ref, v_ref, g_ref, b_ref, x_ref, w_ref, u_ref, qg_ref, kd_ref, dec_ref = refs
+  j = pl.program_id(2)
+  beta = b_ref[...].astype(f32)
+
+  def keys():
+    t = _Gate(g_ref[...].astype(f32), n)
+    k = k_ref[...].astype(f32)
     gam = jnp.exp(t.G)
     kdv = k * jnp.exp(t.E)
     dec = jnp.exp(t.Gtot)
     if segs:
+      m0 = m0_ref[...].astype(f32)
       gam = gam * m0[:, None]
-      kdv = kdv * ml[:, None]
-      dec = dec * m0_last
-    w_ref[:, ks] = _dot(X, beta[:, None] * k * gam, prec).astype(w_ref.dtype)
-    qg_ref[:, ks] = (scale * q_ref[:, ks].astype(f32) * gam).astype(qg_ref.dtype)
-    kd_ref[ks, :] = jnp.transpose(kdv).astype(kd_ref.dtype)
-    dec_ref[ks] = dec
-    return carry
+      kdv = kdv * ml_ref[...].astype(f32)[:, None]
+      dec = dec * _last(m0)
+    w_ref[...] = _dot(x_ref[...], beta[:, None] * k * gam, prec).astype(w_ref.dtype)
+    qg_ref[...] = (scale * q_ref[...].astype(f32) * gam).astype(qg_ref.dtype)
+    kd_ref[...] = jnp.transpose(kdv).astype(kd_ref.dtype)
+    dec_ref[...] = dec
 
-  def u_block(vb, carry):
-    vs = vblk(vb)
-    u_ref[:, vs] = _dot(X, beta[:, None] * v_ref[:, vs].astype(f32), prec).astype(u_ref.dtype)
-    return carry
+  def values():
+    v = v_ref[...].astype(f32)
+    u_ref[...] = _dot(x_ref[...], beta[:, None] * v, prec).astype(u_ref.dtype)
 
-  # Unrolled (Python loops): under pip Triton 3.9 for sm_90 this spills less here than a
-  # fori_loop does (704 against 456 B of stack at block 32; benchmarks/triton_resources.py).
-  for kb in range(Kp // BK):
-    w_block(kb, 0)
-  for vb in range(Vp // BV):
-    u_block(vb, 0)
+  _when(nk < max(nk, nv), j < nk, keys)
+  _when(nv < max(nk, nv), j < nv, values)
 
 
-def _bwd_kernel(*refs, n, BK, BV, scale, prec, hi, segs):
-  if segs:
-    (q_ref, k_ref, v_ref, g_ref, b_ref, doc_ref, m0_ref, ml_ref,
-     dw_ref, du_ref, dqg_ref, daqk_ref, dkd_ref, ddec_ref,
-     dq_ref, dk_ref, dv_ref, dg_ref, db_ref) = refs
+def _when(guard: bool, cond, fn):
+  """fn() under `pl.when(cond)` if guard (a Python bool: whether any program fails cond)."""
+  if guard:
+    pl.when(cond)(fn)
   else:
-    (q_ref, k_ref, v_ref, g_ref, b_ref, dw_ref, du_ref, dqg_ref, daqk_ref, dkd_ref, ddec_ref,
-     dq_ref, dk_ref, dv_ref, dg_ref, db_ref) = refs
-    doc_ref = None
-  C, Kp = q_ref.shape
-  Vp = v_ref.shape[-1]
-  nk = Kp // BK
-  beta = b_ref[...].astype(f32)
+    fn()
+
+
+# ---------------------------------------------------------------------------------------------
+# Backward: (A) dX -> dA per chunk, with dV and U's part of dβ; (B) the pairwise scores' chain
+# rule and the W, Q ⊙ Γ, Kd, d terms per chunk and key block.
+
+
+def _bwd_dx_kernel(*refs, n, BK, BV, prec, hi, segs):
+  """Grid (B·H, N). Refs: k, g [C, Kp], v [C, Vp], β [C] (, doc, m0 [C]), X, S_k [C, C],
+  ∂W [C, Kp], ∂U [C, Vp] -> ∂V [C, Vp], ∂S_k = β ⊙ ∂A [C, C] (fp32), ∂β's part [C]:
+  dX = ∂W (β K Γ)ᵀ + ∂U (β V)ᵀ,  ∂A = −Xᵀ dX Xᵀ (strictly lower, same document),
+  ∂V = β ⊙ Xᵀ ∂U,  ∂β ∋ Σ_v (Xᵀ ∂U) ⊙ V + Σ_j ∂A ⊙ S_k."""
   if segs:
-    m0 = m0_ref[...].astype(f32)
-    ml = ml_ref[...].astype(f32)
-    m0_last = _last(m0)
-  Sk, _ = _scores_k(k_ref, g_ref, n, BK, prec, hi)
-  Sk = jnp.where(_mask(C, segs, doc_ref, True), Sk, 0.0)
-  X = _inverse(beta[:, None] * Sk, n, hi)
-
-  def gam_of(t):
-    gam = jnp.exp(t.G)
-    return gam * m0[:, None] if segs else gam
-
-  # dX = dW (β K Γ)ᵀ + dU (β V)ᵀ; U's part also gives dV and a part of dβ.
+    (k_ref, v_ref, g_ref, b_ref, doc_ref, m0_ref, x_ref, sk_ref, dw_ref, du_ref,
+     dv_ref, dsk_ref, db_ref) = refs
+  else:
+    k_ref, v_ref, g_ref, b_ref, x_ref, sk_ref, dw_ref, du_ref, dv_ref, dsk_ref, db_ref = refs
+    doc_ref = None
+  C, Kp = k_ref.shape
+  Vp = v_ref.shape[-1]
+  beta = b_ref[...].astype(f32)
+  X = x_ref[...]
   kblk, vblk = _blocks(Kp, BK), _blocks(Vp, BV)
 
   def dx_w(kb, dX):
     ks = kblk(kb)
     t = _Gate(g_ref[:, ks].astype(f32), n)
-    bk = beta[:, None] * k_ref[:, ks].astype(f32) * gam_of(t)
+    gam = jnp.exp(t.G)
+    if segs:
+      gam = gam * m0_ref[...].astype(f32)[:, None]
+    bk = beta[:, None] * k_ref[:, ks].astype(f32) * gam
     return dX + _dot(dw_ref[:, ks].astype(f32), bk, prec, tb=True)
 
   def dx_u(vb, acc):
@@ -315,70 +340,88 @@ def _bwd_kernel(*refs, n, BK, BV, scale, prec, hi, segs):
     vs = vblk(vb)
     du = du_ref[:, vs].astype(f32)
     v = v_ref[:, vs].astype(f32)
-    dbv = _dot(X, du, prec, ta=True)  # Xᵀ dU
+    dbv = _dot(X, du, prec, ta=True)  # Xᵀ ∂U
     dv_ref[:, vs] = (beta[:, None] * dbv).astype(dv_ref.dtype)
     return dX + _dot(du, beta[:, None] * v, prec, tb=True), dbeta + jnp.sum(dbv * v, axis=1)
 
-  dX = jax.lax.fori_loop(0, nk, dx_w, jnp.zeros((C, C), f32))
+  dX = jax.lax.fori_loop(0, Kp // BK, dx_w, jnp.zeros((C, C), f32))
   dX, dbeta = jax.lax.fori_loop(0, Vp // BV, dx_u, (dX, jnp.zeros((C,), f32)))
   dA = -_dot(_dot(X, dX, hi, ta=True), X, hi, tb=True)  # −Xᵀ dX Xᵀ
   dA = jnp.where(_mask(C, segs, doc_ref, True), dA, 0.0)
-  dbeta = dbeta + jnp.sum(dA * Sk, axis=1)
-  dSk = beta[:, None] * dA
+  db_ref[...] = (dbeta + jnp.sum(dA * sk_ref[...], axis=1)).astype(db_ref.dtype)
+  dsk_ref[...] = beta[:, None] * dA
+
+
+def _bwd_pair_kernel(*refs, n, scale, prec, hi, segs):
+  """Grid (B·H, N, nk); program j: key block j. Refs: q, k, g [C, BK], β [C] (, doc, m0,
+  m_last [C]), X, ∂S_k [C, C], ∂A_qk [C, C], ∂W, ∂(Q ⊙ Γ) [C, BK], ∂Kdᵀ [BK, C], ∂d [BK] ->
+  ∂q, ∂k, ∂g [C, BK], ∂β's part of this block [C].
+
+  For S = Σ_d a_id b_jd e^(G_id − G_jd) with query tile a (module docstring):
+    P = QF ⊙ (∂S_q (k ⊙ KF)), R = QF ⊙ (∂S_k (k ⊙ KF)), Z = KF ⊙ (∂S_qᵀ (q ⊙ QF) + ∂S_kᵀ (k ⊙ QF))
+    ∂q += P,  ∂k += R + Z,  ∂G += q ⊙ P + k ⊙ (R − Z);
+  then Q ⊙ Γ, W's β K Γ (through Xᵀ ∂W), Kd and d; ∂g = reverse cumsum of ∂G + ∂G_C."""
+  if segs:
+    (q_ref, k_ref, g_ref, b_ref, doc_ref, m0_ref, ml_ref, x_ref, dsk_ref, daqk_ref, dw_ref,
+     dqg_ref, dkd_ref, ddec_ref, dq_ref, dk_ref, dg_ref, db_ref) = refs
+  else:
+    (q_ref, k_ref, g_ref, b_ref, x_ref, dsk_ref, daqk_ref, dw_ref, dqg_ref, dkd_ref, ddec_ref,
+     dq_ref, dk_ref, dg_ref, db_ref) = refs
+    doc_ref = None
+  C = q_ref.shape[0]
+  beta = b_ref[...].astype(f32)
+  t = _Gate(g_ref[...].astype(f32), n)
+  q = q_ref[...].astype(f32)
+  k = k_ref[...].astype(f32)
   dSq = jnp.where(_mask(C, segs, doc_ref, False), scale * daqk_ref[...].astype(f32), 0.0)
-  def pairwise_block(kb, dbeta):
-    ks = kblk(kb)
-    t = _Gate(g_ref[:, ks].astype(f32), n)
-    q = q_ref[:, ks].astype(f32)
-    k = k_ref[:, ks].astype(f32)
-    # The pairwise scores first (the fewest arrays live): for query tile a,
-    #   P = QF ⊙ (dS_q (k ⊙ KF)), R = QF ⊙ (dS_k (k ⊙ KF)), Z = KF ⊙ (dS_qᵀ (q ⊙ QF) + dS_kᵀ (k ⊙ QF))
-    #   ∂q += P,  ∂k += R + Z,  ∂G += q ⊙ P + k ⊙ (R − Z).
-    dq = dk = dG = None
-    for a in range(n):
-      qf, kf = t.qf(a), t.kf(a)
-      kk = k * kf
-      P = qf * _dot(dSq, kk, prec)
-      R = qf * _dot(dSk, kk, prec)
-      Z = kf * (_dot(dSq, q * qf, prec, ta=True) + _dot(dSk, k * qf, prec, ta=True))
-      if dq is None:
-        dq, dk, dG = P, R + Z, q * P + k * (R - Z)
-      else:
-        dq, dk, dG = dq + P, dk + R + Z, dG + q * P + k * (R - Z)
-    # Then Q ⊙ Γ, W's β K Γ (∂W through Xᵀ) and Kd, and the chunk decay d.
-    gam = gam_of(t)
-    ed = jnp.exp(t.E)
-    dec = jnp.exp(t.Gtot)
-    if segs:
-      ed = ed * ml[:, None]
-      dec = dec * m0_last
-    dqg = dqg_ref[:, ks].astype(f32)
-    dq = dq + scale * gam * dqg
-    dG = dG + scale * q * gam * dqg
-    dbk = _dot(X, dw_ref[:, ks].astype(f32), prec, ta=True)  # Xᵀ dW
-    dk = dk + beta[:, None] * gam * dbk
-    dG = dG + beta[:, None] * k * gam * dbk
-    dbeta = dbeta + jnp.sum(dbk * k * gam, axis=1)
-    dkd = jnp.transpose(dkd_ref[ks, :].astype(f32))  # [C, BK]
-    kd = k * ed
-    dk = dk + ed * dkd
-    dG = dG - dkd * kd
-    dGtot = jnp.sum(dkd * kd, axis=0) + ddec_ref[ks].astype(f32) * dec
-    dq_ref[:, ks] = dq.astype(dq_ref.dtype)
-    dk_ref[:, ks] = dk.astype(dk_ref.dtype)
-    rev = jnp.where(_iota((C, C), 0) <= _iota((C, C), 1), 1.0, 0.0).astype(f32)  # Σ_{i≥m}
-    dg_ref[:, ks] = (_dot(rev, dG, hi) + dGtot[None, :]).astype(dg_ref.dtype)
-    return dbeta
-
-  dbeta = jax.lax.fori_loop(0, nk, pairwise_block, dbeta)
-  db_ref[...] = dbeta.astype(db_ref.dtype)
+  dSk = dsk_ref[...]
+  dq = dk = dG = None
+  for a in range(n):
+    qf, kf = t.qf(a), t.kf(a)
+    kk = k * kf
+    P = qf * _dot(dSq, kk, prec)
+    R = qf * _dot(dSk, kk, prec)
+    Z = kf * (_dot(dSq, q * qf, prec, ta=True) + _dot(dSk, k * qf, prec, ta=True))
+    if dq is None:
+      dq, dk, dG = P, R + Z, q * P + k * (R - Z)
+    else:
+      dq, dk, dG = dq + P, dk + R + Z, dG + q * P + k * (R - Z)
+  gam = jnp.exp(t.G)
+  ed = jnp.exp(t.E)
+  dec = jnp.exp(t.Gtot)
+  if segs:
+    m0 = m0_ref[...].astype(f32)
+    gam = gam * m0[:, None]
+    ed = ed * ml_ref[...].astype(f32)[:, None]
+    dec = dec * _last(m0)
+  dqg = dqg_ref[...].astype(f32)
+  dq = dq + scale * gam * dqg
+  dG = dG + scale * q * gam * dqg
+  dbk = _dot(x_ref[...], dw_ref[...].astype(f32), prec, ta=True)  # Xᵀ ∂W
+  dk = dk + beta[:, None] * gam * dbk
+  dG = dG + beta[:, None] * k * gam * dbk
+  db_ref[...] = jnp.sum(dbk * k * gam, axis=1).astype(db_ref.dtype)
+  dkd = jnp.transpose(dkd_ref[...].astype(f32))  # [C, BK]
+  kd = k * ed
+  dk = dk + ed * dkd
+  dG = dG - dkd * kd
+  dGtot = jnp.sum(dkd * kd, axis=0) + ddec_ref[...].astype(f32) * dec
+  dq_ref[...] = dq.astype(dq_ref.dtype)
+  dk_ref[...] = dk.astype(dk_ref.dtype)
+  rev = jnp.where(_iota((C, C), 0) <= _iota((C, C), 1), 1.0, 0.0).astype(f32)  # Σ_{i≥m}
+  dg_ref[...] = (_dot(rev, dG, hi) + dGtot[None, :]).astype(dg_ref.dtype)
 
 
-def _config(q, v, C, interpret, precision, num_warps, block_k):
+# ---------------------------------------------------------------------------------------------
+# pallas_call wrappers
+
+
+def _config(q, v, interpret, precision, num_warps, block_k):
+  """Shapes, channel blocks (BK = BV = block_k, capped at Kp / Vp), the inverse's precision and
+  the Triton compiler params."""
   B, Tp, H, Kp = q.shape
   Vp = v.shape[-1]
-  BK = min(block_k, Kp)
-  BV = min(block_k, Vp)
+  BK, BV = min(block_k, Kp), min(block_k, Vp)
   if interpret or precision == HI:
     hi = HI
   else:
@@ -387,71 +430,138 @@ def _config(q, v, C, interpret, precision, num_warps, block_k):
   if not interpret:
     from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
     params = pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
-  return B, Tp, H, Kp, Vp, Tp // C, BK, BV, hi, params
+  return B, Tp, H, Kp, Vp, BK, BV, hi, params
 
 
-def _in_specs(C, H, Kp, Vp, segs):
-  def tok(d):  # [B, Tp, H, d] -> a chunk of one head
+def _tok(C, H, d, nb=None):
+  """Spec of a [B, Tp, H, d] input: one chunk of one head, all d channels (grid (B·H, N)) or,
+  with nb blocks of d channels, block min(j, nb − 1) (grid (B·H, N, ·))."""
+  if nb is None:
     return pl.BlockSpec((None, C, None, d), lambda i, n: (i // H, n, i % H, 0))
-  specs = [tok(Kp), tok(Kp), tok(Vp), tok(Kp),
-           pl.BlockSpec((None, C, None), lambda i, n: (i // H, n, i % H))]
-  if segs:
-    specs += [pl.BlockSpec((None, C), lambda i, n: (i // H, n))] * 3
-  return specs
+  return pl.BlockSpec((None, C, None, d),
+                      lambda i, n, j: (i // H, n, i % H, jnp.minimum(j, nb - 1)))
 
 
-def _chunk_specs(C, Kp, Vp):
-  """Specs of the outputs / their cotangents: W, U, Qg [BH, Tp, ·], A_qk [BH, N, C, C],
-  Kdᵀ [BH, N, K, C], d [BH, N, K]."""
-  rows = lambda d: pl.BlockSpec((None, C, d), lambda i, n: (i, n, 0))
-  return [rows(Kp), rows(Vp), rows(Kp),
-          pl.BlockSpec((None, None, C, C), lambda i, n: (i, n, 0, 0)),
-          pl.BlockSpec((None, None, Kp, C), lambda i, n: (i, n, 0, 0)),
-          pl.BlockSpec((None, None, Kp), lambda i, n: (i, n, 0))]
+def _tok_vec(C, H, grid3=False):
+  """Spec of β [B, Tp, H]: one chunk of one head."""
+  if grid3:
+    return pl.BlockSpec((None, C, None), lambda i, n, j: (i // H, n, i % H))
+  return pl.BlockSpec((None, C, None), lambda i, n: (i // H, n, i % H))
+
+
+def _seq(C, H, grid3=False):
+  """Spec of a [B, Tp] mask: one chunk."""
+  if grid3:
+    return pl.BlockSpec((None, C), lambda i, n, j: (i // H, n))
+  return pl.BlockSpec((None, C), lambda i, n: (i // H, n))
+
+
+def _square(C, grid3=False):
+  """Spec of a [BH, N, C, C] array: one chunk."""
+  if grid3:
+    return pl.BlockSpec((None, None, C, C), lambda i, n, j: (i, n, 0, 0))
+  return pl.BlockSpec((None, None, C, C), lambda i, n: (i, n, 0, 0))
+
+
+def _rows(C, d, nb):
+  """Spec of a [BH, Tp, ·] array: block min(j, nb − 1) of d channels of one chunk."""
+  return pl.BlockSpec((None, C, d), lambda i, n, j: (i, n, jnp.minimum(j, nb - 1)))
 
 
 def _fwd_call(q, k, v, g, beta, masks, C, scale, precision, store, interpret, num_warps,
               block_k):
-  B, Tp, H, Kp, Vp, N, BK, BV, hi, params = _config(q, v, C, interpret, precision, num_warps,
-                                                   block_k[0])
+  """Returns the six outputs of `intra_chunk_wy` and the residuals X, S_k [BH, N, C, C] f32."""
+  B, Tp, H, Kp, Vp, BK, BV, hi, params = _config(q, v, interpret, precision, num_warps,
+                                                 block_k)
   segs = masks is not None
-  BH = B * H
+  BH, N, n = B * H, Tp // C, C // SUB
+  nk, nv = Kp // BK, Vp // BV
+  sq = lambda d: jax.ShapeDtypeStruct((BH, N, C, C), d)
+  specs = [_tok(C, H, Kp), _tok(C, H, Kp), _tok(C, H, Kp), _tok_vec(C, H)]
+  args = (q, k, g, beta)
+  if segs:
+    specs.append(_seq(C, H))
+    args += (masks[0],)
+  aqk, X, Sk = pl.pallas_call(
+      functools.partial(_fwd_scores_kernel, n=n, BK=BK, scale=scale, prec=precision, hi=hi,
+                        segs=segs),
+      grid=(BH, N), in_specs=specs, out_specs=[_square(C)] * 3,
+      out_shape=[sq(store), sq(f32), sq(f32)], compiler_params=params, interpret=interpret,
+      name="kda_wy_fwd_scores")(*args)
+
+  nb = max(nk, nv)
+  specs = [_tok(C, H, BK, nk), _tok(C, H, BK, nk), _tok(C, H, BV, nv), _tok(C, H, BK, nk),
+           _tok_vec(C, H, True)]
+  args = (q, k, v, g, beta)
+  if segs:
+    specs += [_seq(C, H, True)] * 2
+    args += tuple(masks[1:])
+  specs.append(_square(C, True))
+  args += (X,)
+  out_specs = [_rows(C, BK, nk), _rows(C, BV, nv), _rows(C, BK, nk),
+               pl.BlockSpec((None, None, BK, C), lambda i, n, j: (i, n, jnp.minimum(j, nk - 1), 0)),
+               pl.BlockSpec((None, None, BK), lambda i, n, j: (i, n, jnp.minimum(j, nk - 1)))]
   out_shape = [jax.ShapeDtypeStruct((BH, Tp, Kp), store), jax.ShapeDtypeStruct((BH, Tp, Vp), store),
                jax.ShapeDtypeStruct((BH, Tp, Kp), store),
-               jax.ShapeDtypeStruct((BH, N, C, C), store),
-               jax.ShapeDtypeStruct((BH, N, Kp, C), store),
-               jax.ShapeDtypeStruct((BH, N, Kp), f32)]
-  kernel = functools.partial(_fwd_kernel, n=C // SUB, BK=BK, BV=BV, scale=scale,
-                             prec=precision, hi=hi, segs=segs)
-  args = (q, k, v, g, beta) + (tuple(masks) if segs else ())
-  return pl.pallas_call(kernel, grid=(BH, N), in_specs=_in_specs(C, H, Kp, Vp, segs),
-                        out_specs=_chunk_specs(C, Kp, Vp), out_shape=out_shape,
-                        compiler_params=params, interpret=interpret,
-                        name="kda_wy_fwd")(*args)
+               jax.ShapeDtypeStruct((BH, N, Kp, C), store), jax.ShapeDtypeStruct((BH, N, Kp), f32)]
+  W, U, Qg, Kd, dec = pl.pallas_call(
+      functools.partial(_fwd_wu_kernel, n=n, nk=nk, nv=nv, scale=scale, prec=precision,
+                        segs=segs),
+      grid=(BH, N, nb), in_specs=specs, out_specs=out_specs, out_shape=out_shape,
+      compiler_params=params, interpret=interpret, name="kda_wy_fwd_wu")(*args)
+  return (W, U, Qg, aqk, Kd, dec), (X, Sk)
 
 
-def _bwd_call(q, k, v, g, beta, masks, cts, C, scale, precision, interpret, num_warps, block_k):
-  B, Tp, H, Kp, Vp, N, BK, BV, hi, params = _config(q, v, C, interpret, precision, num_warps,
-                                                   block_k[1])
+def _bwd_call(q, k, v, g, beta, masks, X, Sk, cts, C, scale, precision, interpret, num_warps,
+              block_k):
+  B, Tp, H, Kp, Vp, BK, BV, hi, params = _config(q, v, interpret, precision, num_warps,
+                                                 block_k)
   segs = masks is not None
-  tok = lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype)
-  out_shape = [tok(q), tok(k), tok(v), jax.ShapeDtypeStruct(g.shape, f32),
-               jax.ShapeDtypeStruct(beta.shape, f32)]
-  in_specs = _in_specs(C, H, Kp, Vp, segs)
-  kernel = functools.partial(_bwd_kernel, n=C // SUB, BK=BK, BV=BV, scale=scale,
-                             prec=precision, hi=hi, segs=segs)
-  args = (q, k, v, g, beta) + (tuple(masks) if segs else ()) + tuple(cts)
-  return pl.pallas_call(kernel, grid=(B * H, N),
-                        in_specs=in_specs + _chunk_specs(C, Kp, Vp),
-                        out_specs=in_specs[:5], out_shape=out_shape,
-                        compiler_params=params, interpret=interpret,
-                        name="kda_wy_bwd")(*args)
+  BH, N, n = B * H, Tp // C, C // SUB
+  nk = Kp // BK
+  dw, du, dqg, daqk, dkd, ddec = cts
+
+  specs = [_tok(C, H, Kp), _tok(C, H, Vp), _tok(C, H, Kp), _tok_vec(C, H)]
+  args = (k, v, g, beta)
+  if segs:
+    specs += [_seq(C, H)] * 2
+    args += tuple(masks[:2])
+  rows = lambda d: pl.BlockSpec((None, C, d), lambda i, n: (i, n, 0))
+  specs += [_square(C), _square(C), rows(Kp), rows(Vp)]
+  args += (X, Sk, dw, du)
+  dv, dSk, db_a = pl.pallas_call(
+      functools.partial(_bwd_dx_kernel, n=n, BK=BK, BV=BV, prec=precision, hi=hi, segs=segs),
+      grid=(BH, N), in_specs=specs,
+      out_specs=[_tok(C, H, Vp), _square(C), _tok_vec(C, H)],
+      out_shape=[jax.ShapeDtypeStruct(v.shape, v.dtype), jax.ShapeDtypeStruct((BH, N, C, C), f32),
+                 jax.ShapeDtypeStruct(beta.shape, f32)],
+      compiler_params=params, interpret=interpret, name="kda_wy_bwd_dx")(*args)
+
+  specs = [_tok(C, H, BK, nk), _tok(C, H, BK, nk), _tok(C, H, BK, nk), _tok_vec(C, H, True)]
+  args = (q, k, g, beta)
+  if segs:
+    specs += [_seq(C, H, True)] * 3
+    args += tuple(masks)
+  specs += [_square(C, True), _square(C, True), _square(C, True), _rows(C, BK, nk),
+            _rows(C, BK, nk),
+            pl.BlockSpec((None, None, BK, C), lambda i, n, j: (i, n, j, 0)),
+            pl.BlockSpec((None, None, BK), lambda i, n, j: (i, n, j))]
+  args += (X, dSk, daqk, dw, dqg, dkd, ddec)
+  dq, dk, dg, db_parts = pl.pallas_call(
+      functools.partial(_bwd_pair_kernel, n=n, scale=scale, prec=precision, hi=hi, segs=segs),
+      grid=(BH, N, nk), in_specs=specs,
+      out_specs=[_tok(C, H, BK, nk)] * 3 + [
+          pl.BlockSpec((None, None, C, None), lambda i, n, j: (j, i // H, n, i % H))],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                 jax.ShapeDtypeStruct(g.shape, f32), jax.ShapeDtypeStruct((nk,) + beta.shape, f32)],
+      compiler_params=params, interpret=interpret, name="kda_wy_bwd_pair")(*args)
+  return dq, dk, dv, dg, db_a + jnp.sum(db_parts, axis=0)
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(6, 7, 8, 9, 10, 11, 12))
 def intra_chunk_wy(q, k, v, g, beta, masks, C, scale, precision, store, interpret,
-                   num_warps=8, block_k=(32, 16)):
-  """The intra-chunk step of `pallas_gpu` as two Pallas kernels (module docstring).
+                   num_warps=4, block_k=32):
+  """The intra-chunk step of `pallas_gpu` as Pallas kernels (module docstring).
 
   Args:
     q, k: [B, Tp, H, Kp]; v: [B, Tp, H, Vp] (bf16 or fp32; read in this dtype, promoted to
@@ -461,36 +571,38 @@ def intra_chunk_wy(q, k, v, g, beta, masks, C, scale, precision, store, interpre
       as `xla._chunk_docs` defines them (not differentiated).
     C: chunk size (16, 32 or 64); scale: query scale; precision: of the score / W / U /
       gradient products (DEFAULT = TF32, HIGHEST = fp32); store: dtype of the outputs but d;
-      interpret: Pallas interpret mode (CPU tests); num_warps, block_k: kernel tiling (warps
-      per program; key and value channels per block, (forward, backward): the defaults spill
-      least under pip Triton 3.9 for sm_90, benchmarks/triton_resources.py).
+      interpret: Pallas interpret mode (CPU tests); num_warps: warps per program; block_k: key
+      and value channels per block (a power of two ≥ 16, capped at Kp / Vp): the width of
+      the per-block programs of the W / U forward and the pairwise backward, and of the
+      channel loops of the per-chunk kernels.
 
   Returns:
     W [BH, Tp, Kp], U [BH, Tp, Vp], Qg = scale Q ⊙ Γ [BH, Tp, Kp], A_qk [BH, N, C, C],
     Kdᵀ [BH, N, Kp, C] (all in `store`), d = e^(G_C) m0_C [BH, N, Kp] fp32; BH = B·H in
     b-major order, N = Tp / C.
 
-  The gradient: `_bwd_kernel` (q, k, v in their dtypes, g and β fp32).
+  The gradient: `_bwd_dx_kernel` then `_bwd_pair_kernel` (q, k, v in their dtypes, g and β
+  fp32), from the residuals X = (I + A_kk)⁻¹ and S_k of the forward (2 · C² fp32 per chunk).
 
   Raises: nothing of its own (the caller, `chunk_kda_pallas_gpu`, checks shapes, dtypes and
   the gate bound). Source: Kimi Linear (arXiv 2510.26692) §3; ARCHITECTURE.md §2.4.
   """
   return _fwd_call(q, k, v, g, beta, masks, C, scale, precision, store, interpret, num_warps,
-                   block_k)
+                   block_k)[0]
 
 
 def _wy_fwd(q, k, v, g, beta, masks, C, scale, precision, store, interpret, num_warps,
             block_k):
-  out = _fwd_call(q, k, v, g, beta, masks, C, scale, precision, store, interpret, num_warps,
-                  block_k)
-  return out, (q, k, v, g, beta, masks)
+  out, (X, Sk) = _fwd_call(q, k, v, g, beta, masks, C, scale, precision, store, interpret,
+                           num_warps, block_k)
+  return out, (q, k, v, g, beta, masks, X, Sk)
 
 
 def _wy_bwd(C, scale, precision, store, interpret, num_warps, block_k, res, cts):
   del store
-  q, k, v, g, beta, masks = res
-  dq, dk, dv, dg, db = _bwd_call(q, k, v, g, beta, masks, cts, C, scale, precision, interpret,
-                                 num_warps, block_k)
+  q, k, v, g, beta, masks, X, Sk = res
+  dq, dk, dv, dg, db = _bwd_call(q, k, v, g, beta, masks, X, Sk, cts, C, scale, precision,
+                                 interpret, num_warps, block_k)
   dmasks = None if masks is None else tuple(
       jnp.zeros(m.shape, jax.dtypes.float0) if jnp.issubdtype(m.dtype, jnp.integer)
       else jnp.zeros_like(m) for m in masks)

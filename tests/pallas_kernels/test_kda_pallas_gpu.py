@@ -216,17 +216,18 @@ def test_fused_intra_chunk_kernels_match_the_xla_intra_chunk(C, segments):
     assert kt.rel_rmse(a, b) <= 1e-5, name
 
 
-@pytest.mark.parametrize("C,segments", [(64, True), (32, False), (16, True)])
-def test_wy_kernels_match_the_xla_intra_chunk(C, segments):
+@pytest.mark.parametrize("C,segments,V", [(64, True, 32), (32, False, 16), (16, True, 64)])
+def test_wy_kernels_match_the_xla_intra_chunk(C, segments, V):
   """pallas_gpu_wy's forward and backward kernels against `xla._intra_chunk` (an op-by-op
   formulation with direct sums, differentiated by autodiff; itself checked against the fp64
   reference through the `xla` backend's tests): fp32, HIGHEST, gates down to the −5 bound,
-  two key / value blocks per chunk (block_k 16 of K = V = 32), random cotangents, inputs in
+  block_k 16 of K = 32 (two key blocks) and V = 16, 32, 64 (fewer, as many and more value
+  blocks than key blocks: the channel-block programs' guards), random cotangents, inputs in
   the [B, T, H, ·] layout the kernels read."""
   seed = 60 + C + segments
   print(f"seed={seed}")
   rng = np.random.default_rng(seed)
-  B, H, K, V = 2, 2, 32, 32
+  B, H, K = 2, 2, 32
   T = 2 * C
   r = lambda *s: jnp.asarray(rng.normal(size=s), F32)
   k = rng.normal(size=(B, T, H, K))
@@ -263,7 +264,7 @@ def test_wy_kernels_match_the_xla_intra_chunk(C, segments):
 
   masks = None if not segments else (doc.reshape(B, T).astype(jnp.int32),
                                      m0.reshape(B, T).astype(F32), mlast.reshape(B, T).astype(F32))
-  new = lambda *a: pallas_gpu_wy.intra_chunk_wy(*a, masks, C, scale, hi, F32, INTERPRET, 4, (16, 16))
+  new = lambda *a: pallas_gpu_wy.intra_chunk_wy(*a, masks, C, scale, hi, F32, INTERPRET, 4, 16)
   out_r, vjp_r = jax.vjp(ref, *args)
   out_n, vjp_n = jax.vjp(new, *args)
   cts = tuple(r(*x.shape) for x in out_r)
@@ -363,6 +364,26 @@ def test_dispatch_errors_and_where_it_runs():
   assert not pallas_gpu.supported_on(fake("cpu", "9.0"))
   assert api.resolve_backend("auto", fake("gpu", "9.0")) == "pallas_gpu"
   assert api.resolve_backend("auto", fake("gpu", "8.6")) == "xla"
+
+
+def test_auto_intra_is_wy_where_it_applies_else_xla():
+  """intra="auto" runs the same program as "wy" for the bounded gate (bf16 and fp32 inputs)
+  and as "xla" for the unbounded gate (safe tiles) and fp64 inputs: the fp32 final state
+  (and the output) equal bit for bit."""
+  def run(dtype, bound, intra):
+    inp = kt.make_inputs(12, 1, 40, 1, 32, 32, dtype=dtype, initial_state=False)
+    kw = {} if bound is None else dict(gate_lower_bound=bound)
+    o, S = pallas_gpu.chunk_kda_pallas_gpu(*[inp[n] for n in NAMES], interpret=INTERPRET,
+                                           output_final_state=True, **kw, intra=intra)
+    return np.concatenate([np.asarray(o, np.float64).ravel(), np.asarray(S, np.float64).ravel()])
+  # (bf16: W, U, Kd are stored in bf16, which rounds the two paths to the same state here)
+  for dtype, bound, picked, other in [(BF16, -5.0, "wy", None), (F32, -5.0, "wy", "xla"),
+                                      (F32, None, "xla", None), (jnp.float64, -5.0, "xla", None)]:
+    with jax.enable_x64(dtype == jnp.float64):
+      auto = run(dtype, bound, "auto")
+      np.testing.assert_array_equal(auto, run(dtype, bound, picked), err_msg=f"{dtype} {bound}")
+      if other:  # and the two paths do differ (in the last bits), so the check has teeth
+        assert not np.array_equal(auto, run(dtype, bound, other))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the real Triton kernels, T=1024)")

@@ -1,0 +1,101 @@
+"""Time KDA's intra-chunk step alone on a GPU: the Pallas kernels of `pallas_gpu_wy` at several
+tilings beside the XLA step (`xla._intra_chunk`, as `pallas_gpu` runs it with `intra="xla"`).
+
+    python3 -m benchmarks.kda_intra --shape 1,16,8192,128 --configs 4:32,4:16,4:64
+
+Inputs: `benchmarks.kda._jax_inputs` (bf16 q, k, v; g in (-5, 0) and β as fp32, as
+`pallas_gpu` passes them), chunk 64, TF32 products (`precision=DEFAULT`), bf16 storage of the
+outputs. Each time is the median of --repeats calls after one warm-up call (which compiles),
+`block_until_ready`; "fwd" is the six outputs (W, U, Q ⊙ Γ, A_qk, Kd, d), "fwd+bwd" the
+gradient of a fixed weighted sum of them in q, k, v, g, β. The step's inputs and outputs are
+in each path's own layout ([B, T, H, ·] for the kernels, [B·H·N, C, ·] chunks for XLA; the
+XLA time includes its layout change).
+
+Source of the operator: Kimi Linear (arXiv 2510.26692) §3; the kernels: pallas_gpu_wy.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+
+
+def _median_ms(fn, args, repeats):
+  import jax
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(repeats):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append((time.perf_counter() - t0) * 1e3)
+  return statistics.median(times)
+
+
+def _fns(path, B, H, T, D, num_warps=4, block_k=32):
+  """(fwd, fwd+bwd) jitted for path "xla" or "wy"."""
+  import jax
+  import jax.numpy as jnp
+  from pallas_kernels.kda import pallas_gpu, pallas_gpu_wy
+  from pallas_kernels.kda import xla as kda_xla
+  C, scale, prec = 64, D ** -0.5, jax.lax.Precision.DEFAULT
+
+  if path == "wy":
+    def fwd(q, k, v, g, beta):
+      return pallas_gpu_wy.intra_chunk_wy(q, k, v, g, beta, None, C, scale, prec, jnp.bfloat16,
+                                          False, num_warps, block_k)
+  else:
+    M = B * H * (T // C)
+
+    def fwd(q, k, v, g, beta):
+      ch = lambda x: jnp.moveaxis(x, 2, 1).reshape((M, C) + x.shape[3:]).astype(jnp.float32)
+      outs = kda_xla._intra_chunk(ch(q), ch(k), ch(v), ch(g), ch(beta), None, None, None,
+                                  scale=scale, diag="dense", precision=prec,
+                                  inverse=pallas_gpu.blocked_unit_lower_inverse,
+                                  matmul_cumsum=True)
+      return tuple(o.astype(jnp.bfloat16) for o in outs[:5]) + (outs[5],)
+
+  def loss(q, k, v, g, beta):
+    outs = fwd(q, k, v, g, beta)
+    return sum(jnp.sum(o.astype(jnp.float32)) * 1e-3 * (i + 1) for i, o in enumerate(outs))
+
+  return jax.jit(fwd), jax.jit(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))
+
+
+def main(argv=None) -> None:
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--shape", default="1,16,8192,128", metavar="B,H,T,D")
+  p.add_argument("--configs", default="4:32,4:16,4:64", metavar="WARPS:BLOCK,...",
+                 help="intra_chunk_wy's (num_warps, block_k) pairs to time")
+  p.add_argument("--repeats", type=int, default=10)
+  a = p.parse_args(argv)
+  try:
+    B, H, T, D = (int(x) for x in a.shape.split(","))
+    configs = [tuple(int(y) for y in c.split(":")) for c in a.configs.split(",") if c]
+  except ValueError:
+    p.error(f"--shape {a.shape!r} / --configs {a.configs!r}: expected B,H,T,D and W:B,...")
+  if T % 64 or any(len(c) != 2 or c[0] not in (1, 2, 4, 8) or c[1] < 16 or c[1] & (c[1] - 1)
+                   for c in configs):
+    p.error("T must be a multiple of 64; each config WARPS:BLOCK with WARPS in 1, 2, 4, 8 and "
+            "BLOCK a power of two >= 16")
+  import jax
+  import jax.numpy as jnp
+  if jax.default_backend() != "gpu":
+    sys.exit("benchmarks.kda_intra: needs a CUDA GPU (the Triton kernels)")
+  from benchmarks.kda import _jax_inputs
+  q, k, v, g, beta, _ = _jax_inputs(B, H, T, D)
+  args = (q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32))
+  print(f"intra-chunk step, B={B} H={H} T={T} K=V={D}, bf16, on {jax.devices()[0].device_kind}")
+  rows = [("xla", None)] + [("wy", c) for c in configs]
+  for path, cfg in rows:
+    t0 = time.time()
+    fwd, fwd_bwd = _fns(path, B, H, T, D, *(cfg or ()))
+    f, fb = _median_ms(fwd, args, a.repeats), _median_ms(fwd_bwd, args, a.repeats)
+    label = "xla" if cfg is None else f"wy num_warps={cfg[0]} block_k={cfg[1]}"
+    print(f"{label:28s} fwd {f:7.3f} ms   fwd+bwd {fb:7.3f} ms   ({time.time() - t0:.0f} s with "
+          "compile)", flush=True)
+
+
+if __name__ == "__main__":
+  main()
