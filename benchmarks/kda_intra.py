@@ -2,6 +2,7 @@
 tilings beside the XLA step (`xla._intra_chunk`, as `pallas_gpu` runs it with `intra="xla"`).
 
     python3 -m benchmarks.kda_intra --shape 1,16,8192,128 --configs 4:32,4:16,4:64
+    python -m benchmarks.kda_intra --interpret --shape 1,2,128,32 --configs 4:16 --repeats 1
 
 Inputs: `benchmarks.kda._jax_inputs` (bf16 q, k, v; g in (-5, 0) and β as fp32, as
 `pallas_gpu` passes them), chunk 64, TF32 products (`precision=DEFAULT`), bf16 storage of the
@@ -17,24 +18,12 @@ Source of the operator: Kimi Linear (arXiv 2510.26692) §3; the kernels: pallas_
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 import time
 
 
-def _median_ms(fn, args, repeats):
-  import jax
-  jax.block_until_ready(fn(*args))
-  times = []
-  for _ in range(repeats):
-    t0 = time.perf_counter()
-    jax.block_until_ready(fn(*args))
-    times.append((time.perf_counter() - t0) * 1e3)
-  return statistics.median(times)
-
-
-def _fns(path, B, H, T, D, num_warps=4, block_k=32):
-  """(fwd, fwd+bwd) jitted for path "xla" or "wy"."""
+def _fns(path, B, H, T, D, num_warps=4, block_k=32, interpret=False):
+  """(fwd, fwd+bwd) jitted for path "xla" or "wy" (interpret: the kernels in interpret mode)."""
   import jax
   import jax.numpy as jnp
   from pallas_kernels.kda import pallas_gpu, pallas_gpu_wy
@@ -44,7 +33,7 @@ def _fns(path, B, H, T, D, num_warps=4, block_k=32):
   if path == "wy":
     def fwd(q, k, v, g, beta):
       return pallas_gpu_wy.intra_chunk_wy(q, k, v, g, beta, None, C, scale, prec, jnp.bfloat16,
-                                          False, num_warps, block_k)
+                                          interpret, num_warps, block_k)
   else:
     M = B * H * (T // C)
 
@@ -69,6 +58,9 @@ def main(argv=None) -> None:
   p.add_argument("--configs", default="4:32,4:16,4:64", metavar="WARPS:BLOCK,...",
                  help="intra_chunk_wy's (num_warps, block_k) pairs to time")
   p.add_argument("--repeats", type=int, default=10)
+  p.add_argument("--interpret", action="store_true",
+                 help="without a GPU: the kernels in Pallas interpret mode (a smoke run of this "
+                      "script at a small --shape; the times mean nothing)")
   a = p.parse_args(argv)
   try:
     B, H, T, D = (int(x) for x in a.shape.split(","))
@@ -81,17 +73,18 @@ def main(argv=None) -> None:
             "BLOCK a power of two >= 16")
   import jax
   import jax.numpy as jnp
-  if jax.default_backend() != "gpu":
-    sys.exit("benchmarks.kda_intra: needs a CUDA GPU (the Triton kernels)")
-  from benchmarks.kda import _jax_inputs
+  if jax.default_backend() != "gpu" and not a.interpret:
+    sys.exit("benchmarks.kda_intra: needs a CUDA GPU (the Triton kernels), or --interpret")
+  from benchmarks.kda import _jax_inputs, _median_ms
   q, k, v, g, beta, _ = _jax_inputs(B, H, T, D)
   args = (q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32))
   print(f"intra-chunk step, B={B} H={H} T={T} K=V={D}, bf16, on {jax.devices()[0].device_kind}")
   rows = [("xla", None)] + [("wy", c) for c in configs]
   for path, cfg in rows:
     t0 = time.time()
-    fwd, fwd_bwd = _fns(path, B, H, T, D, *(cfg or ()))
-    f, fb = _median_ms(fwd, args, a.repeats), _median_ms(fwd_bwd, args, a.repeats)
+    fwd, fwd_bwd = _fns(path, B, H, T, D, *(cfg or (4, 32)), interpret=a.interpret)
+    f, fb = (_median_ms(lambda fn=fn: fn(*args), 1, a.repeats, jax.block_until_ready)
+             for fn in (fwd, fwd_bwd))
     label = "xla" if cfg is None else f"wy num_warps={cfg[0]} block_k={cfg[1]}"
     print(f"{label:28s} fwd {f:7.3f} ms   fwd+bwd {fb:7.3f} ms   ({time.time() - t0:.0f} s with "
           "compile)", flush=True)
