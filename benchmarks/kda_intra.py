@@ -1,7 +1,7 @@
 """Time KDA's intra-chunk step alone on a GPU: the Pallas kernels of `pallas_gpu_wy` at several
 tilings beside the XLA step (`xla._intra_chunk`, as `pallas_gpu` runs it with `intra="xla"`).
 
-    python3 -m benchmarks.kda_intra --shape 1,16,8192,128 --configs 4:32,4:16,4:64
+    python3 -m benchmarks.kda_intra --shape 1,16,8192,128 --configs 4:32,4:16,4:64,4:64/32
     python -m benchmarks.kda_intra --interpret --shape 1,2,128,32 --configs 4:16 --repeats 1
 
 Inputs: `benchmarks.kda._jax_inputs` (bf16 q, k, v; g in (-5, 0) and β as fp32, as
@@ -55,22 +55,30 @@ def _fns(path, B, H, T, D, num_warps=4, block_k=32, interpret=False):
 def main(argv=None) -> None:
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--shape", default="1,16,8192,128", metavar="B,H,T,D")
-  p.add_argument("--configs", default="4:32,4:16,4:64", metavar="WARPS:BLOCK,...",
-                 help="intra_chunk_wy's (num_warps, block_k) pairs to time")
+  p.add_argument("--configs", default="4:32,4:16,4:64,4:64/32", metavar="WARPS:BLOCK,...",
+                 help="intra_chunk_wy's num_warps and block_k to time (BLOCK or FWD/BWD)")
   p.add_argument("--repeats", type=int, default=10)
   p.add_argument("--interpret", action="store_true",
                  help="without a GPU: the kernels in Pallas interpret mode (a smoke run of this "
                       "script at a small --shape; the times mean nothing)")
   a = p.parse_args(argv)
+  def config(text):  # "W:B" or "W:BF/BB" -> (W, B) or (W, (BF, BB))
+    w, b = text.split(":")
+    blocks = tuple(int(x) for x in b.split("/"))
+    if int(w) not in (1, 2, 4, 8) or len(blocks) > 2 or any(x < 16 or x & (x - 1)
+                                                              for x in blocks):
+      raise ValueError(text)
+    return int(w), blocks[0] if len(blocks) == 1 else blocks
+
   try:
     B, H, T, D = (int(x) for x in a.shape.split(","))
-    configs = [tuple(int(y) for y in c.split(":")) for c in a.configs.split(",") if c]
+    configs = [config(c) for c in a.configs.split(",") if c]
   except ValueError:
-    p.error(f"--shape {a.shape!r} / --configs {a.configs!r}: expected B,H,T,D and W:B,...")
-  if T % 64 or any(len(c) != 2 or c[0] not in (1, 2, 4, 8) or c[1] < 16 or c[1] & (c[1] - 1)
-                   for c in configs):
-    p.error("T must be a multiple of 64; each config WARPS:BLOCK with WARPS in 1, 2, 4, 8 and "
-            "BLOCK a power of two >= 16")
+    p.error(f"--shape {a.shape!r} / --configs {a.configs!r}: expected B,H,T,D and configs "
+            "WARPS:BLOCK or WARPS:FWD_BLOCK/BWD_BLOCK, WARPS in 1, 2, 4, 8, blocks powers of "
+            "two >= 16 (e.g. 4:32,4:64/32)")
+  if T % 64:
+    p.error(f"--shape: T={T} must be a multiple of 64 (the chunk)")
   import jax
   import jax.numpy as jnp
   if jax.default_backend() != "gpu" and not a.interpret:

@@ -433,6 +433,12 @@ def _config(q, v, interpret, precision, num_warps, block_k):
   return B, Tp, H, Kp, Vp, BK, BV, hi, params
 
 
+def _pass_block(block_k, i):
+  """The channel block of pass i (0 forward, 1 backward): block_k is one int for both passes
+  or a (forward, backward) pair."""
+  return block_k if isinstance(block_k, int) else block_k[i]
+
+
 def _tok(C, H, d, nb=None):
   """Spec of a [B, Tp, H, d] input: one chunk of one head, all d channels (grid (B·H, N)) or,
   with nb blocks of d channels, block min(j, nb − 1) (grid (B·H, N, ·))."""
@@ -472,7 +478,7 @@ def _fwd_call(q, k, v, g, beta, masks, C, scale, precision, store, interpret, nu
               block_k):
   """Returns the six outputs of `intra_chunk_wy` and the residuals X, S_k [BH, N, C, C] f32."""
   B, Tp, H, Kp, Vp, BK, BV, hi, params = _config(q, v, interpret, precision, num_warps,
-                                                 block_k)
+                                                 _pass_block(block_k, 0))
   segs = masks is not None
   BH, N, n = B * H, Tp // C, C // SUB
   nk, nv = Kp // BK, Vp // BV
@@ -515,7 +521,7 @@ def _fwd_call(q, k, v, g, beta, masks, C, scale, precision, store, interpret, nu
 def _bwd_call(q, k, v, g, beta, masks, X, Sk, cts, C, scale, precision, interpret, num_warps,
               block_k):
   B, Tp, H, Kp, Vp, BK, BV, hi, params = _config(q, v, interpret, precision, num_warps,
-                                                 block_k)
+                                                 _pass_block(block_k, 1))
   segs = masks is not None
   BH, N, n = B * H, Tp // C, C // SUB
   nk = Kp // BK
@@ -574,7 +580,9 @@ def intra_chunk_wy(q, k, v, g, beta, masks, C, scale, precision, store, interpre
       interpret: Pallas interpret mode (CPU tests); num_warps: warps per program; block_k: key
       and value channels per block (a power of two ≥ 16, capped at Kp / Vp): the width of
       the per-block programs of the W / U forward and the pairwise backward, and of the
-      channel loops of the per-chunk kernels.
+      channel loops of the per-chunk kernels; one int for both passes or a (forward,
+      backward) pair (on an H100 block 64 gave the fastest forward and 32 the fastest
+      backward, docs/benchmarks.md; the pair (64, 32) has not been timed).
 
   Returns:
     W [BH, Tp, Kp], U [BH, Tp, Vp], Qg = scale Q ⊙ Γ [BH, Tp, Kp], A_qk [BH, N, C, C],

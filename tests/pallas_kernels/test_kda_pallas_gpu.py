@@ -216,15 +216,16 @@ def test_fused_intra_chunk_kernels_match_the_xla_intra_chunk(C, segments):
     assert kt.rel_rmse(a, b) <= 1e-5, name
 
 
-@pytest.mark.parametrize("C,segments,V", [(64, True, 32), (32, False, 16), (16, True, 64)])
-def test_wy_kernels_match_the_xla_intra_chunk(C, segments, V):
+@pytest.mark.parametrize("C,segments,V,block_k", [(64, True, 32, 16), (32, False, 16, 16),
+                                                   (16, True, 64, 16), (32, True, 32, (32, 16))])
+def test_wy_kernels_match_the_xla_intra_chunk(C, segments, V, block_k):
   """pallas_gpu_wy's forward and backward kernels against `xla._intra_chunk` (an op-by-op
   formulation with direct sums, differentiated by autodiff; itself checked against the fp64
   reference through the `xla` backend's tests): fp32, HIGHEST, gates down to the −5 bound,
   block_k 16 of K = 32 (two key blocks) and V = 16, 32, 64 (fewer, as many and more value
-  blocks than key blocks: the channel-block programs' guards), random cotangents, inputs in
-  the [B, T, H, ·] layout the kernels read."""
-  seed = 60 + C + segments
+  blocks than key blocks: the channel-block programs' guards), and a (forward, backward) pair
+  of blocks (32, 16); random cotangents, inputs in the [B, T, H, ·] layout the kernels read."""
+  seed = 60 + C + segments + (0 if isinstance(block_k, int) else 7)
   print(f"seed={seed}")
   rng = np.random.default_rng(seed)
   B, H, K = 2, 2, 32
@@ -264,7 +265,8 @@ def test_wy_kernels_match_the_xla_intra_chunk(C, segments, V):
 
   masks = None if not segments else (doc.reshape(B, T).astype(jnp.int32),
                                      m0.reshape(B, T).astype(F32), mlast.reshape(B, T).astype(F32))
-  new = lambda *a: pallas_gpu_wy.intra_chunk_wy(*a, masks, C, scale, hi, F32, INTERPRET, 4, 16)
+  new = lambda *a: pallas_gpu_wy.intra_chunk_wy(*a, masks, C, scale, hi, F32, INTERPRET, 4,
+                                                block_k)
   out_r, vjp_r = jax.vjp(ref, *args)
   out_n, vjp_n = jax.vjp(new, *args)
   cts = tuple(r(*x.shape) for x in out_r)
