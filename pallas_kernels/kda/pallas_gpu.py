@@ -11,11 +11,11 @@ Structure (C-token chunks, N = T / C of them, every equation as in xla.py's docs
   1. intra-chunk, parallel over all B·H·N chunks: the pairwise scores A_kk, A_qk on 16-token
      sub-tiles, X = (I + A_kk)⁻¹, W, U, Q ⊙ Γ, Kd = (K ⊙ e^(G_C − G) ⊙ m_C)ᵀ and the chunk
      decay. `intra="wy"` (what "auto" picks for the lower-bounded gate's dense diagonal tiles
-     and fp32 / bf16 inputs): pallas_gpu_wy.py, Pallas kernels on whole-chunk tile products
+     and bf16 inputs; "wy" also runs fp32): pallas_gpu_wy.py, Pallas kernels on whole-chunk tile products
      reading q, k, v, g, β in their [B, T, H, ·] layout (forward: scores and inverse per
      chunk, then W, U, Q ⊙ Γ, Kd per chunk and channel block; backward likewise in two
      kernels); measured 4-13% faster fwd+bwd than the XLA step on an H100 (2026-12-05,
-     docs/benchmarks.md). `intra="xla"` (the safe path and fp64 always): xla._intra_chunk as
+     docs/benchmarks.md). `intra="xla"` (what "auto" picks otherwise): xla._intra_chunk as
      batched XLA ops differentiated by autodiff, with the inverse by
      `blocked_unit_lower_inverse` and the in-chunk cumulative sums as triangular matmuls
      (xla.tri_cumsum, not XLA's O(C²) reduce-window cumsum).
@@ -253,7 +253,8 @@ def chunk_kda_pallas_gpu(
       "wy": the Pallas kernels of pallas_gpu_wy.py, forward and hand-written backward (dense
       diagonal tiles and fp32 / bf16 inputs only; fwd+bwd of the operator 5.50 against 6.34
       ms at B=1, H=16, T=8K, 18.11 against 18.91 ms at B=8, H=8, T=8K on an H100,
-      2026-12-05, docs/benchmarks.md); "auto" (default): "wy" where it applies, else "xla".
+      2026-12-05, docs/benchmarks.md); "auto" (default): "wy" for bf16 q, k, v where it
+      applies (where it was measured), else "xla".
       `fused=True` overrides it with the per-chunk kernels of pallas_gpu_intra.py.
 
   Returns:
@@ -277,7 +278,10 @@ def chunk_kda_pallas_gpu(
   if intra == "wy" and not wy_applies:
     raise ValueError("intra='wy' needs dense diagonal tiles (a gate_lower_bound, or "
                      "diag='dense') and float32 / bfloat16 q, k, v; use intra='xla'")
-  use_wy = (intra == "wy" or (intra == "auto" and wy_applies)) and not fused
+  # "auto" runs the kernels where they were measured faster: bf16 q, k, v. fp32 inputs keep
+  # the XLA step (the kernels' products would be IEEE fp32 FMA dots; not timed).
+  wy_auto = wy_applies and all(x.dtype == jnp.bfloat16 for x in (q, k, v))
+  use_wy = (intra == "wy" or (intra == "auto" and wy_auto)) and not fused
   if precision is None:
     hi = q.dtype != jnp.bfloat16
     precision = jax.lax.Precision.HIGHEST if hi else jax.lax.Precision.DEFAULT

@@ -52,7 +52,7 @@ Status (docs/benchmarks.md, 2026-12-05, one H100): exact (the XLA intra-chunk st
 gradients to 1e-5 in fp32 interpret mode; the kernels against the XLA step on the GPU too);
 the operator's fwd+bwd at K = V = 128, bf16: 5.50 ms at B=1, H=16, T=8K and 18.11 ms at B=8,
 H=8, T=8K, against 6.34 and 18.91 ms with the XLA step, so `pallas_gpu`'s `intra="auto"` runs
-it. Still register-bound: the scores and pair kernels use 255 registers and spill
+it for bf16 inputs. Still register-bound: the scores and pair kernels use 255 registers and spill
 (benchmarks/triton_resources.py).
 
 Precision: `precision` (DEFAULT = TF32 for bf16 inputs, HIGHEST for fp32) for the score, W, U
