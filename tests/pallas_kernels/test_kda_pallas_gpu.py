@@ -142,12 +142,14 @@ def test_state_pass_kernel_and_its_vjp_match_a_scan(store):
 @pytest.mark.skipif(ON_GPU, reason=(
     "CPU-only: bit equality of two separately compiled programs (bf16 and fp32 inputs) holds "
     "on XLA:CPU; XLA:GPU may pick different GEMM algorithms for the two"))
-def test_bf16_inputs_with_fp32_storage_are_the_fp32_program_rounded_once():
-  """bf16 q, k, v cross the layout change as bf16 and are promoted once after it: with fp32
-  storage and HIGHEST matmuls, the output and every gradient equal the fp32-input program's
-  rounded to bf16, bit for bit (output cotangent bf16-exact). Fails if the promotion happens
-  at each read (the cotangents of the reads are then rounded and summed in bf16: 22% of dk's
-  elements differed)."""
+@pytest.mark.parametrize("intra", ["xla", "wy"])
+def test_bf16_inputs_with_fp32_storage_are_the_fp32_program_rounded_once(intra):
+  """bf16 q, k, v cross the layout change as bf16 and are promoted once after it (the wy
+  kernels: once, inside the kernel): with fp32 storage and HIGHEST matmuls, the output and
+  every gradient equal the fp32-input program's (same intra path) rounded to bf16, bit for
+  bit (output cotangent bf16-exact). Fails if the promotion happens at each read (the
+  cotangents of the reads are then rounded and summed in bf16: 22% of dk's elements
+  differed)."""
   inp = kt.make_inputs(7, 1, 100, 2, 32, 32, dtype=BF16, initial_state=True, segments=True)
   w = jnp.asarray(np.random.default_rng(0).normal(size=(1, 100, 2, 32)), BF16).astype(F32)
 
@@ -156,7 +158,8 @@ def test_bf16_inputs_with_fp32_storage_are_the_fp32_program_rounded_once():
       o, S = pallas_gpu.chunk_kda_pallas_gpu(
           q, k, v, g, beta, initial_state=inp["initial_state"],
           segment_ids=inp["segment_ids"], output_final_state=True, interpret=INTERPRET,
-          gate_lower_bound=-5.0, store_dtype=F32, precision=jax.lax.Precision.HIGHEST)
+          gate_lower_bound=-5.0, store_dtype=F32, precision=jax.lax.Precision.HIGHEST,
+          intra=intra)
       return jnp.sum(o.astype(F32) * w) + jnp.sum(S), o
     args = [inp[n].astype(dtype) for n in NAMES]
     return jax.jit(jax.value_and_grad(loss, argnums=tuple(range(5)), has_aux=True))(*args)
