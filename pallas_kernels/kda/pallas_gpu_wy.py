@@ -260,6 +260,18 @@ def _fwd_scores_kernel(*refs, n, BK, scale, prec, hi, segs):
   x_ref[...] = _inverse(beta[:, None] * Sk, n, hi)
 
 
+def _chunk_factors(t, m0_ref, ml_ref):
+  """Γ = e^G ⊙ m0 and e^(G_C − G) ⊙ m_last [C, BK], and the chunk decay d = e^(G_C) m0_{C−1}
+  [BK], for the gate block t (`_Gate`); without segments (refs None) the masks are all ones."""
+  gam, ed, dec = jnp.exp(t.G), jnp.exp(t.E), jnp.exp(t.Gtot)
+  if m0_ref is not None:
+    m0 = m0_ref[...].astype(f32)
+    gam = gam * m0[:, None]
+    ed = ed * ml_ref[...].astype(f32)[:, None]
+    dec = dec * _last(m0)
+  return gam, ed, dec
+
+
 def _fwd_wu_kernel(*refs, n, nk, nv, scale, prec, segs):
   """Grid (B·H, N, max(nk, nv)); program j: key block j (if j < nk) and value block j (if
   j < nv). Refs: q, k, g [C, BK], v [C, BV], β [C] (, m0, m_last [C]), X [C, C] ->
@@ -275,14 +287,8 @@ def _fwd_wu_kernel(*refs, n, nk, nv, scale, prec, segs):
   def keys():
     t = _Gate(g_ref[...].astype(f32), n)
     k = k_ref[...].astype(f32)
-    gam = jnp.exp(t.G)
-    kdv = k * jnp.exp(t.E)
-    dec = jnp.exp(t.Gtot)
-    if segs:
-      m0 = m0_ref[...].astype(f32)
-      gam = gam * m0[:, None]
-      kdv = kdv * ml_ref[...].astype(f32)[:, None]
-      dec = dec * _last(m0)
+    gam, ed, dec = _chunk_factors(t, *((m0_ref, ml_ref) if segs else (None, None)))
+    kdv = k * ed
     w_ref[...] = _dot(x_ref[...], beta[:, None] * k * gam, prec).astype(w_ref.dtype)
     qg_ref[...] = (scale * q_ref[...].astype(f32) * gam).astype(qg_ref.dtype)
     kd_ref[...] = jnp.transpose(kdv).astype(kd_ref.dtype)
@@ -386,14 +392,7 @@ def _bwd_pair_kernel(*refs, n, scale, prec, hi, segs):
       dq, dk, dG = P, R + Z, q * P + k * (R - Z)
     else:
       dq, dk, dG = dq + P, dk + R + Z, dG + q * P + k * (R - Z)
-  gam = jnp.exp(t.G)
-  ed = jnp.exp(t.E)
-  dec = jnp.exp(t.Gtot)
-  if segs:
-    m0 = m0_ref[...].astype(f32)
-    gam = gam * m0[:, None]
-    ed = ed * ml_ref[...].astype(f32)[:, None]
-    dec = dec * _last(m0)
+  gam, ed, dec = _chunk_factors(t, *((m0_ref, ml_ref) if segs else (None, None)))
   dqg = dqg_ref[...].astype(f32)
   dq = dq + scale * gam * dqg
   dG = dG + scale * q * gam * dqg
