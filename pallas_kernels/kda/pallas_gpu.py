@@ -11,10 +11,11 @@ Structure (C-token chunks, N = T / C of them, every equation as in xla.py's docs
   1. intra-chunk, parallel over all B·H·N chunks: the pairwise scores A_kk, A_qk on 16-token
      sub-tiles, X = (I + A_kk)⁻¹, W, U, Q ⊙ Γ, Kd = (K ⊙ e^(G_C − G) ⊙ m_C)ᵀ and the chunk
      decay. `intra="wy"` (what "auto" picks for the lower-bounded gate's dense diagonal tiles
-     and bf16 inputs; "wy" also runs fp32): pallas_gpu_wy.py, Pallas kernels on whole-chunk tile products
-     reading q, k, v, g, β in their [B, T, H, ·] layout (forward: scores and inverse per
-     chunk, then W, U, Q ⊙ Γ, Kd per chunk and channel block; backward likewise in two
-     kernels); measured 4-13% faster fwd+bwd than the XLA step on an H100 (2026-12-05,
+     and bf16 inputs; "wy" also runs fp32): pallas_gpu_wy.py, Pallas kernels reading q, k,
+     v, g, β in their [B, T, H, ·] layout (forward: scores by 16 × 16 tiles, the inverse per
+     chunk, then W, U, Q ⊙ Γ, Kd per chunk and channel block; backward: dX per chunk, then
+     the pairwise chain rule by 16-row tiles per chunk and channel block); the intra-chunk
+     step fwd+bwd 2.94 against 4.19 ms for the XLA step on an H100 (2026-12-05,
      docs/benchmarks.md). `intra="xla"` (what "auto" picks otherwise): xla._intra_chunk as
      batched XLA ops differentiated by autodiff, with the inverse by
      `blocked_unit_lower_inverse` and the in-chunk cumulative sums as triangular matmuls
@@ -251,9 +252,9 @@ def chunk_kda_pallas_gpu(
       None or jnp.float32: fp32 storage.
     intra: how the intra-chunk step runs. "xla": batched XLA ops differentiated by autodiff;
       "wy": the Pallas kernels of pallas_gpu_wy.py, forward and hand-written backward (dense
-      diagonal tiles and fp32 / bf16 inputs only; fwd+bwd of the operator 5.50 against 6.34
-      ms at B=1, H=16, T=8K, 18.11 against 18.91 ms at B=8, H=8, T=8K on an H100,
-      2026-12-05, docs/benchmarks.md); "auto" (default): "wy" for bf16 q, k, v where it
+      diagonal tiles and fp32 / bf16 inputs only; at B=1, H=16, T=8K on an H100, 2026-12-05:
+      the intra-chunk step fwd+bwd 2.94 against 4.19 ms for the XLA step in one run, the
+      operator 4.60 ms, docs/benchmarks.md); "auto" (default): "wy" for bf16 q, k, v where it
       applies (where it was measured), else "xla".
       `fused=True` overrides it with the per-chunk kernels of pallas_gpu_intra.py.
 

@@ -1,37 +1,42 @@
 """KDA on NVIDIA GPUs: the intra-chunk work (scores, triangular inverse, WY form) as Pallas
-kernels (Triton lowering) on whole-chunk tiles, forward and a hand-written backward.
+kernels (Triton lowering), forward and a hand-written backward.
 
 Source: Kimi Linear (arXiv 2510.26692) §3; ARCHITECTURE.md §2.4 (the equations, exponent
 safety). The same outputs as `xla._intra_chunk` (W, U, Q ⊙ Γ · scale, A_qk, Kdᵀ, the chunk
 decay), for the lower-bounded gate ("dense" diagonal tiles) only; `pallas_gpu.py` calls it.
 
-Four kernels, two per pass, 4 warps each. q, k, v, g, β are read in the caller's
-[B, T, H, ·] layout (no transposes); every matrix product is a [C, ·] × [·, C] or
-[C, C] × [C, ·] tile product (C = 64 rows, the tensor cores' shape), not 16-row sub-tiles.
+Five kernels, 4 warps each. q, k, v, g, β are read in the caller's [B, T, H, ·] layout (no
+transposes).
 
-  forward  `kda_wy_fwd_scores`  grid B·H × N:       S_k, S_q, A_qk, X = (I + A_kk)⁻¹
+  forward  `kda_wy_fwd_scores`  grid B·H × N:       S_k, A_qk by 16 × 16 tile products
+           `kda_wy_fwd_inverse` grid B·H × N:       X = (I + β S_k)⁻¹ (whole-chunk products)
            `kda_wy_fwd_wu`      grid B·H × N × nb:  W, Q ⊙ Γ, Kd, d of key block j; U of
                                                     value block j (reads X)
   backward `kda_wy_bwd_dx`      grid B·H × N:       dX, ∂A, ∂V, U's part of ∂β (reads X, S_k)
-           `kda_wy_bwd_pair`    grid B·H × N × nk:  ∂q, ∂k, ∂g, the rest of ∂β of key block j
+           `kda_wy_bwd_pair`    grid B·H × N × nk:  ∂q, ∂k, ∂g, the rest of ∂β of key block j,
+                                                    by 16-row tiles
 
 X and S_k (2 · C² fp32 per chunk) are the forward's residuals, so the backward does not
-recompute the scores or the inverse. The split by channel block exists for occupancy: the
-whole-chunk kernels of the twentieth session (one forward, one backward, 8 warps) ran at one
-block per SM (255 registers, 12.5% occupancy under ncu) and took 2× the XLA step's time.
+recompute the scores or the inverse. The split by channel block exists for occupancy (the
+whole-chunk kernels of the twentieth session ran at one 8-warp block per SM); the scores and
+the pairwise backward work on 16-row tiles read from the refs, because their earlier form
+(n = C/16 masked whole-chunk products, [C, C] and [C, BK] fp32 values live together) used
+255 registers and spilled 448 B / 2,752 B per thread (pip Triton, block 32) and took
+0.92 / 1.68 ms of the 4.42 ms fwd+bwd at B=1, H=16, T=8K on an H200 (2026-12-05).
 
 The math:
 
   * Pairwise scores on 16-token sub-tiles (query tile a, reference r_a = G at its first row
-    s_a), as n = C/16 masked whole-chunk products: with
+    s_a; `_TileGate`): with
         Lx_i  = Σ_{s_a<m≤i} g_m                  (a direct sum inside the tile, ≤ 0)
-        QF_a  = e^(Lx) on the rows of tile a, 0 elsewhere                       (≤ 1)
-        KF_a  = e^(r_a − G_j): e^(−Lx_j) on tile a (≤ e^(15|g_min|), the bound of the
-                lower-bounded gate), e^((tp_b − Lx_j) + Σ_{b<c<a} tot_c + g_{s_a}) on earlier
-                tiles b (≤ 1), 0 on later tiles (exponent −inf before exp)
-    S_q = Σ_a (q ⊙ QF_a)(k ⊙ KF_a)ᵀ and S_k likewise with k on the query side; every exponent
-    is a direct sum of g over a token range or a sum of such (tile totals tot_c, their part
-    after the first row tp_c), never a difference of whole-chunk cumulative sums.
+        QF_a  = e^(Lx) on the rows of tile a                                    (≤ 1)
+        KF_ab = e^(r_a − G_j) on the rows of key tile b ≤ a: e^(−Lx_j) for b = a (≤
+                e^(15|g_min|), the bound of the lower-bounded gate), e^((tp_b − Lx_j) +
+                Σ_{b<c<a} tot_c + g_{s_a}) for b < a (≤ 1)
+    block (a, b) of S_q is (q_a ⊙ QF_a)(k_b ⊙ KF_ab)ᵀ, summed over key-channel blocks, and
+    S_k likewise with k on the query side; every exponent is a direct sum of g over a token
+    range or a sum of such (tile totals tot_c, their part after the first row tp_c), never a
+    difference of whole-chunk cumulative sums.
   * X = (I + A_kk)⁻¹ without a row-serial loop: blocked forward substitution whose steps are
     whole-chunk products (4 × 4 diagonal blocks by (I + L)(I + L²), then block rows of 4 and
     of 16 rows, 14 products at C = 64; `_inverse`). Row i of every product reads rows ≤ i
@@ -39,21 +44,23 @@ The math:
   * W = X (β ⊙ K ⊙ Γ), U = X (β ⊙ V), Q ⊙ Γ · scale, Kdᵀ = (K ⊙ e^(G_C − G) ⊙ m_C)ᵀ,
     d = e^(G_C) m0_C, Γ = e^G ⊙ m0.
 
-The backward reads X and S_k from the forward and applies the chain rule with whole-chunk
-products:
+The backward reads X and S_k from the forward and applies the chain rule:
 
     dX = dW (β K Γ)ᵀ + dU (β V)ᵀ,   dA = −Xᵀ dX Xᵀ (strictly lower, same document)
     dS_k = β_i dA,  dS_q = scale · dA_qk (causal, same document)
-    for S = Σ_d a_id b_jd e^(G_id − G_jd):  Da = Σ_a QF_a ⊙ (dS (b ⊙ KF_a)),
-        Db = Σ_a KF_a ⊙ (dSᵀ (a ⊙ QF_a)),  ∂a += Da,  ∂b += Db,  ∂G += a ⊙ Da − b ⊙ Db
-    ∂g = reverse cumulative sum of ∂G in the chunk (+ ∂G_C on every row)
+    for S = Σ_d a_id b_jd e^(G_id − G_jd), per 16-row tile i (`_bwd_pair_kernel`):
+        Da_i = QF_i ⊙ Σ_{b≤i} dS[i, b] (b_b ⊙ KF_ib),
+        Db_i = Σ_{a≥i} KF_ai ⊙ (dS[a, i]ᵀ (a_a ⊙ QF_a)),
+        ∂a += Da,  ∂b += Db,  ∂G += a ⊙ Da − b ⊙ Db
+    ∂g = reverse cumulative sum of ∂G in the chunk (+ ∂G_C on every row): inside each tile
+    by a [16, 16] triangular product, across tiles by a carried column sum.
 
-Status (docs/benchmarks.md, 2026-12-05, one H100): exact (the XLA intra-chunk step's outputs and
-gradients to 1e-5 in fp32 interpret mode; the kernels against the XLA step on the GPU too);
-the operator's fwd+bwd at K = V = 128, bf16: 5.50 ms at B=1, H=16, T=8K and 18.11 ms at B=8,
-H=8, T=8K, against 6.34 and 18.91 ms with the XLA step, so `pallas_gpu`'s `intra="auto"` runs
-it for bf16 inputs. Still register-bound: the scores and pair kernels use 255 registers and spill
-(benchmarks/triton_resources.py).
+Status (docs/benchmarks.md, 2026-12-05, H100s): exact (the XLA intra-chunk step's outputs and
+gradients to 1e-5 in fp32 interpret mode; the kernels against the XLA step on the GPU too).
+The intra-chunk step alone, fwd+bwd at B=1, H=16, T=8K, K=V=128, bf16: 2.94 ms against 3.66
+ms for the masked whole-chunk kernels and 4.19 ms for the XLA step (one H100, one run); the
+operator 4.60 ms (from 5.50). Registers (pip Triton, block 32): scores 247, no spill; pair
+255 with 40 B of stack; the inverse 255 with 224 B.
 
 Precision: `precision` (DEFAULT = TF32 for bf16 inputs, HIGHEST for fp32) for the score, W, U
 and gradient products; `hi` (3×TF32 on the GPU, true fp32 in interpret mode and for fp32 inputs)
@@ -143,23 +150,67 @@ class _Gate:
       out = (jnp.zeros_like(self.Lx) + v) if out is None else jnp.where(self.tile == c, v, out)
     return out
 
-  def qf(self, a):
-    """e^(G_i − r_a) on the rows of query tile a, 0 elsewhere (≤ 1)."""
-    return jnp.exp(jnp.where(self.tile == a, self.Lx, -jnp.inf))
 
-  def kf(self, a):
-    """e^(r_a − G_j) for keys j up to the end of tile a, 0 after (masked before exp)."""
-    if a == 0:
-      return jnp.exp(jnp.where(self.tile == 0, -self.Lx, -jnp.inf))
-    btw = []
-    for b in range(a):  # Σ_{b<c<a} tot_c + g_{s_a}
-      s = self.g0[a]
-      for c in range(b + 1, a):
-        s = s + self.tot[c]
-      btw.append(s)
-    earlier = self.TP - self.Lx + self.rows(btw + [None] * (self.n - a))
-    e = jnp.where(self.tile == a, -self.Lx, jnp.where(self.tile < a, earlier, -jnp.inf))
-    return jnp.exp(e)
+
+class _TileGate:
+  """The gate's exponents of one [C, BK] block of g, per 16-row tile c (the same quantities as
+  `_Gate`, module docstring, each a [SUB, BK] value or a [BK] vector): Lx_c, g0_c (g at the
+  tile's first row), tp_c (Lx at its last row), tot_c = g0_c + tp_c. Built from 16-row loads
+  of the ref, so no [C, BK] value is kept."""
+
+  def __init__(self, g_ref, n, cols=slice(None)):
+    gc = g_ref[_tile(0), cols]
+    r = _iota(gc.shape, 0)
+    self.n, self.Lx, self.g0, self.tp, self.tot = n, [], [], [], []
+    for c in range(n):
+      gc = g_ref[_tile(c), cols].astype(f32)
+      lx = jnp.cumsum(jnp.where(r == 0, 0.0, gc), axis=0)  # Σ_{s_c<m≤i} g_m
+      g0 = jnp.sum(jnp.where(r == 0, gc, 0.0), axis=0)
+      tp = jnp.sum(jnp.where(r == SUB - 1, lx, 0.0), axis=0)
+      self.Lx.append(lx)
+      self.g0.append(g0)
+      self.tp.append(tp)
+      self.tot.append(g0 + tp)
+
+  def _sum(self, vecs, start=None):
+    out = start
+    for v in vecs:
+      out = v if out is None else out + v
+    return out
+
+  @property
+  def Gtot(self):
+    """G_C = Σ_c tot_c [BK]."""
+    return self._sum(self.tot)
+
+  def G(self, a):
+    """G on the rows of tile a: Lx + Σ_{c<a} tot_c + g0_a, [SUB, BK] (≤ 0)."""
+    pre = self._sum(self.tot[:a])
+    pre = self.g0[a] if pre is None else pre + self.g0[a]
+    return self.Lx[a] + pre[None, :]
+
+  def E(self, a):
+    """G_C − G_j on the rows of tile a: tp_a − Lx + Σ_{c>a} tot_c, [SUB, BK] (≤ 0)."""
+    after = self._sum(self.tot[a + 1:])
+    e = self.tp[a][None, :] - self.Lx[a]
+    return e if after is None else e + after[None, :]
+
+  def qf(self, a):
+    """e^(G_i − r_a) on the rows of query tile a (≤ 1)."""
+    return jnp.exp(self.Lx[a])
+
+  def kf(self, a, b):
+    """e^(r_a − G_j) on the rows of key tile b ≤ a: e^(−Lx) for b = a (≤ e^(15|g_min|)),
+    e^(tp_b − Lx + Σ_{b<c<a} tot_c + g0_a) for b < a (≤ 1)."""
+    if b == a:
+      return jnp.exp(-self.Lx[a])
+    btw = self._sum(self.tot[b + 1:a], self.g0[a])
+    return jnp.exp((self.tp[b] + btw)[None, :] - self.Lx[b])
+
+
+def _tile(c):
+  """The rows of 16-row tile c (a static slice)."""
+  return slice(c * SUB, (c + 1) * SUB)
 
 
 def _inverse(A, n, hi):
@@ -209,55 +260,57 @@ def _last(x):
   return jnp.sum(jnp.where(jax.lax.broadcasted_iota(jnp.int32, (C,), 0) == C - 1, x, 0.0))
 
 
-def _scores_k(k_ref, g_ref, n, BK, prec, hi, q_ref=None, unroll=False):
-  """S_k (and S_q when q_ref is given), [C, C] fp32, summed over the key-channel blocks."""
-  C, Kp = k_ref.shape
-  blk = _blocks(Kp, BK)
-
-  def body(kb, acc):
-    ks = blk(kb)
-    t = _Gate(g_ref[:, ks].astype(f32), n)
-    k = k_ref[:, ks].astype(f32)
-    q = None if q_ref is None else q_ref[:, ks].astype(f32)
-    Sk, Sq = acc
-    for a in range(n):
-      qf = t.qf(a)
-      kk = k * t.kf(a)
-      Sk = Sk + _dot(k * qf, kk, prec, tb=True)
-      if q is not None:
-        Sq = Sq + _dot(q * qf, kk, prec, tb=True)
-    return Sk, Sq
-
-  zero = jnp.zeros((C, C), f32)
-  acc = (zero, None if q_ref is None else zero)
-  if unroll:
-    for kb in range(Kp // BK):
-      acc = body(kb, acc)
-    Sk, Sq = acc
-  else:
-    Sk, Sq = jax.lax.fori_loop(0, Kp // BK, body, acc)
-  return Sk, Sq
-
-
 # ---------------------------------------------------------------------------------------------
 # Forward: (A) scores and inverse per chunk; (B) W, Q ⊙ Γ, Kd, d and U per chunk and channel
 # block, reading X from (A).
 
 
-def _fwd_scores_kernel(*refs, n, BK, scale, prec, hi, segs):
-  """Grid (B·H, N). Refs: q, k, g [C, Kp], β [C] (, doc [C]) -> A_qk, X, S_k [C, C]."""
+def _fwd_scores_kernel(*refs, n, BK, scale, prec, segs):
+  """Grid (B·H, N). S_k and A_qk of one chunk by 16-row tiles: for query tile a, the blocks
+  (a, b ≤ a) as [16, BK] × [BK, 16] products summed over the key-channel blocks (the
+  exponents of `_TileGate`); the blocks above the diagonal are written as zeros. Refs: q, k,
+  g [C, Kp] (, doc [C]) -> A_qk [C, C] (store dtype; causal, same document), S_k [C, C] fp32
+  (strictly lower, same document). The inverse runs in `_fwd_inverse_kernel`."""
   if segs:
-    q_ref, k_ref, g_ref, b_ref, doc_ref, aqk_ref, x_ref, sk_ref = refs
+    q_ref, k_ref, g_ref, doc_ref, aqk_ref, sk_ref = refs
   else:
-    q_ref, k_ref, g_ref, b_ref, aqk_ref, x_ref, sk_ref = refs
-    doc_ref = None
-  C = q_ref.shape[0]
-  beta = b_ref[...].astype(f32)
-  Sk, Sq = _scores_k(k_ref, g_ref, n, BK, prec, hi, q_ref=q_ref, unroll=True)
-  aqk_ref[...] = jnp.where(_mask(C, segs, doc_ref, False), scale * Sq, 0.0).astype(aqk_ref.dtype)
-  Sk = jnp.where(_mask(C, segs, doc_ref, True), Sk, 0.0)
-  sk_ref[...] = Sk
-  x_ref[...] = _inverse(beta[:, None] * Sk, n, hi)
+    q_ref, k_ref, g_ref, aqk_ref, sk_ref = refs
+  Kp = q_ref.shape[1]
+  ii, jj = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
+  zero = jnp.zeros((SUB, SUB), f32)
+  for a in range(n):
+    Sk, Sq = [zero] * (a + 1), [zero] * (a + 1)
+    for kb in range(Kp // BK):
+      ks = slice(kb * BK, (kb + 1) * BK)
+      t = _TileGate(g_ref, a + 1, ks)
+      qf = t.qf(a)
+      lk = k_ref[_tile(a), ks].astype(f32) * qf
+      lq = q_ref[_tile(a), ks].astype(f32) * qf
+      for b in range(a + 1):
+        rk = k_ref[_tile(b), ks].astype(f32) * t.kf(a, b)
+        Sk[b] = Sk[b] + _dot(lk, rk, prec, tb=True)
+        Sq[b] = Sq[b] + _dot(lq, rk, prec, tb=True)
+    for b in range(n):
+      if b > a:
+        aqk_ref[_tile(a), _tile(b)] = zero.astype(aqk_ref.dtype)
+        sk_ref[_tile(a), _tile(b)] = zero
+        continue
+      keep_q = ii >= jj if a == b else None
+      keep_k = ii > jj if a == b else None
+      if segs:
+        same = doc_ref[_tile(a)][:, None] == doc_ref[_tile(b)][None, :]
+        keep_q = same if keep_q is None else keep_q & same
+        keep_k = same if keep_k is None else keep_k & same
+      sq, sk = scale * Sq[b], Sk[b]
+      if keep_q is not None:
+        sq, sk = jnp.where(keep_q, sq, 0.0), jnp.where(keep_k, sk, 0.0)
+      aqk_ref[_tile(a), _tile(b)] = sq.astype(aqk_ref.dtype)
+      sk_ref[_tile(a), _tile(b)] = sk
+
+
+def _fwd_inverse_kernel(sk_ref, b_ref, x_ref, *, n, hi):
+  """Grid (B·H, N). X = (I + β ⊙ S_k)⁻¹ of one chunk from the stored S_k [C, C] (`_inverse`)."""
+  x_ref[...] = _inverse(b_ref[...].astype(f32)[:, None] * sk_ref[...], n, hi)
 
 
 def _chunk_factors(t, m0_ref, ml_ref):
@@ -359,56 +412,74 @@ def _bwd_dx_kernel(*refs, n, BK, BV, prec, hi, segs):
 
 
 def _bwd_pair_kernel(*refs, n, scale, prec, hi, segs):
-  """Grid (B·H, N, nk); program j: key block j. Refs: q, k, g [C, BK], β [C] (, doc, m0,
-  m_last [C]), X, ∂S_k [C, C], ∂A_qk [C, C], ∂W, ∂(Q ⊙ Γ) [C, BK], ∂Kdᵀ [BK, C], ∂d [BK] ->
-  ∂q, ∂k, ∂g [C, BK], ∂β's part of this block [C].
+  """`_bwd_pair_kernel`'s outputs, computed by 16-row tiles: the same refs and grid.
 
-  For S = Σ_d a_id b_jd e^(G_id − G_jd) with query tile a (module docstring):
-    P = QF ⊙ (∂S_q (k ⊙ KF)), R = QF ⊙ (∂S_k (k ⊙ KF)), Z = KF ⊙ (∂S_qᵀ (q ⊙ QF) + ∂S_kᵀ (k ⊙ QF))
-    ∂q += P,  ∂k += R + Z,  ∂G += q ⊙ P + k ⊙ (R − Z);
-  then Q ⊙ Γ, W's β K Γ (through Xᵀ ∂W), Kd and d; ∂g = reverse cumsum of ∂G + ∂G_C."""
+  Query tile a and key tile b ≤ a meet in one [16, 16] block of ∂S_q, ∂S_k (read from the
+  refs), so each product is a [16, 16] × [16, BK] tile product and no [C, C] or [C, BK] value
+  is kept: for tile i, from the last to the first,
+    P_i = QF_i ⊙ Σ_{b≤i} ∂S_q[i, b] (k_b ⊙ KF_{i,b}),  R_i likewise with ∂S_k,
+    Z_i = Σ_{a≥i} KF_{a,i} ⊙ (∂S_q[a, i]ᵀ (q_a ⊙ QF_a) + ∂S_k[a, i]ᵀ (k_a ⊙ QF_a)),
+    Xᵀ ∂W on tile i = Σ_{a≥i} X[a, i]ᵀ ∂W_a,
+  then ∂q, ∂k, ∂G of the tile as in `_bwd_pair_kernel`, and ∂g = the reverse cumulative sum
+  of ∂G inside the tile plus a carry: ∂G_C and the column sums of ∂G of the later tiles."""
   if segs:
     (q_ref, k_ref, g_ref, b_ref, doc_ref, m0_ref, ml_ref, x_ref, dsk_ref, daqk_ref, dw_ref,
      dqg_ref, dkd_ref, ddec_ref, dq_ref, dk_ref, dg_ref, db_ref) = refs
   else:
     (q_ref, k_ref, g_ref, b_ref, x_ref, dsk_ref, daqk_ref, dw_ref, dqg_ref, dkd_ref, ddec_ref,
      dq_ref, dk_ref, dg_ref, db_ref) = refs
-    doc_ref = None
-  C = q_ref.shape[0]
-  beta = b_ref[...].astype(f32)
-  t = _Gate(g_ref[...].astype(f32), n)
-  q = q_ref[...].astype(f32)
-  k = k_ref[...].astype(f32)
-  dSq = jnp.where(_mask(C, segs, doc_ref, False), scale * daqk_ref[...].astype(f32), 0.0)
-  dSk = dsk_ref[...]
-  dq = dk = dG = None
-  for a in range(n):
-    qf, kf = t.qf(a), t.kf(a)
-    kk = k * kf
-    P = qf * _dot(dSq, kk, prec)
-    R = qf * _dot(dSk, kk, prec)
-    Z = kf * (_dot(dSq, q * qf, prec, ta=True) + _dot(dSk, k * qf, prec, ta=True))
-    if dq is None:
-      dq, dk, dG = P, R + Z, q * P + k * (R - Z)
-    else:
-      dq, dk, dG = dq + P, dk + R + Z, dG + q * P + k * (R - Z)
-  gam, ed, dec = _chunk_factors(t, *((m0_ref, ml_ref) if segs else (None, None)))
-  dqg = dqg_ref[...].astype(f32)
-  dq = dq + scale * gam * dqg
-  dG = dG + scale * q * gam * dqg
-  dbk = _dot(x_ref[...], dw_ref[...].astype(f32), prec, ta=True)  # Xᵀ ∂W
-  dk = dk + beta[:, None] * gam * dbk
-  dG = dG + beta[:, None] * k * gam * dbk
-  db_ref[...] = jnp.sum(dbk * k * gam, axis=1).astype(db_ref.dtype)
-  dkd = jnp.transpose(dkd_ref[...].astype(f32))  # [C, BK]
-  kd = k * ed
-  dk = dk + ed * dkd
-  dG = dG - dkd * kd
-  dGtot = jnp.sum(dkd * kd, axis=0) + ddec_ref[...].astype(f32) * dec
-  dq_ref[...] = dq.astype(dq_ref.dtype)
-  dk_ref[...] = dk.astype(dk_ref.dtype)
-  rev = jnp.where(_iota((C, C), 0) <= _iota((C, C), 1), 1.0, 0.0).astype(f32)  # Σ_{i≥m}
-  dg_ref[...] = (_dot(rev, dG, hi) + dGtot[None, :]).astype(dg_ref.dtype)
+  t = _TileGate(g_ref, n)
+  ii, jj = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
+  q = lambda c: q_ref[_tile(c), :].astype(f32)
+  k = lambda c: k_ref[_tile(c), :].astype(f32)
+
+  def dsq(a, b):  # scale · ∂A_qk on block (a, b): causal on the diagonal, same document
+    keep = (ii >= jj) if a == b else None
+    if segs:
+      same = doc_ref[_tile(a)][:, None] == doc_ref[_tile(b)][None, :]
+      keep = same if keep is None else keep & same
+    m = scale * daqk_ref[_tile(a), _tile(b)].astype(f32)
+    return m if keep is None else jnp.where(keep, m, 0.0)
+
+  def factors(c):  # Γ, e^(G_C − G) (with the masks) and Kd on tile c
+    gam, ed = jnp.exp(t.G(c)), jnp.exp(t.E(c))
+    if segs:
+      gam = gam * m0_ref[_tile(c)].astype(f32)[:, None]
+      ed = ed * ml_ref[_tile(c)].astype(f32)[:, None]
+    return gam, ed, k(c) * ed
+
+  dkd = lambda c: jnp.transpose(dkd_ref[:, _tile(c)].astype(f32))  # [16, BK]
+  dec = jnp.exp(t.Gtot)
+  if segs:
+    dec = dec * _last(m0_ref[_tile(n - 1)].astype(f32))
+  carry = ddec_ref[...].astype(f32) * dec  # ∂G_C, then + the later tiles' Σ ∂G
+  for c in range(n):
+    carry = carry + jnp.sum(dkd(c) * factors(c)[2], axis=0)
+  rev = jnp.where(ii <= jj, 1.0, 0.0).astype(f32)  # Σ_{m≥i} inside a tile
+  for i in reversed(range(n)):
+    P = R = Z = dbk = None
+    for b in range(i + 1):
+      kk = k(b) * t.kf(i, b)
+      p, r = _dot(dsq(i, b), kk, prec), _dot(dsk_ref[_tile(i), _tile(b)], kk, prec)
+      P, R = (p, r) if P is None else (P + p, R + r)
+    qf = t.qf(i)
+    P, R = qf * P, qf * R
+    for a in range(i, n):
+      qf_a = t.qf(a)
+      z = t.kf(a, i) * (_dot(dsq(a, i), q(a) * qf_a, prec, ta=True)
+                        + _dot(dsk_ref[_tile(a), _tile(i)], k(a) * qf_a, prec, ta=True))
+      w = _dot(x_ref[_tile(a), _tile(i)], dw_ref[_tile(a), :].astype(f32), prec, ta=True)
+      Z, dbk = (z, w) if Z is None else (Z + z, dbk + w)
+    gam, ed, kd = factors(i)
+    qi, ki, dkdi = q(i), k(i), dkd(i)
+    beta = b_ref[_tile(i)].astype(f32)[:, None]
+    dqg = scale * gam * dqg_ref[_tile(i), :].astype(f32)
+    dq_ref[_tile(i), :] = (P + dqg).astype(dq_ref.dtype)
+    dk_ref[_tile(i), :] = (R + Z + beta * gam * dbk + ed * dkdi).astype(dk_ref.dtype)
+    dG = qi * (P + dqg) + ki * (R - Z) + beta * ki * gam * dbk - dkdi * kd
+    db_ref[_tile(i)] = jnp.sum(dbk * ki * gam, axis=1).astype(db_ref.dtype)
+    dg_ref[_tile(i), :] = (_dot(rev, dG, hi) + carry[None, :]).astype(dg_ref.dtype)
+    carry = carry + jnp.sum(dG, axis=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -482,17 +553,20 @@ def _fwd_call(q, k, v, g, beta, masks, C, scale, precision, store, interpret, nu
   BH, N, n = B * H, Tp // C, C // SUB
   nk, nv = Kp // BK, Vp // BV
   sq = lambda d: jax.ShapeDtypeStruct((BH, N, C, C), d)
-  specs = [_tok(C, H, Kp), _tok(C, H, Kp), _tok(C, H, Kp), _tok_vec(C, H)]
-  args = (q, k, g, beta)
+  specs, args = [_tok(C, H, Kp)] * 3, (q, k, g)
   if segs:
     specs.append(_seq(C, H))
     args += (masks[0],)
-  aqk, X, Sk = pl.pallas_call(
-      functools.partial(_fwd_scores_kernel, n=n, BK=BK, scale=scale, prec=precision, hi=hi,
+  aqk, Sk = pl.pallas_call(
+      functools.partial(_fwd_scores_kernel, n=n, BK=BK, scale=scale, prec=precision,
                         segs=segs),
-      grid=(BH, N), in_specs=specs, out_specs=[_square(C)] * 3,
-      out_shape=[sq(store), sq(f32), sq(f32)], compiler_params=params, interpret=interpret,
+      grid=(BH, N), in_specs=specs, out_specs=[_square(C)] * 2,
+      out_shape=[sq(store), sq(f32)], compiler_params=params, interpret=interpret,
       name="kda_wy_fwd_scores")(*args)
+  X = pl.pallas_call(
+      functools.partial(_fwd_inverse_kernel, n=n, hi=hi), grid=(BH, N),
+      in_specs=[_square(C), _tok_vec(C, H)], out_specs=_square(C), out_shape=sq(f32),
+      compiler_params=params, interpret=interpret, name="kda_wy_fwd_inverse")(Sk, beta)
 
   nb = max(nk, nv)
   specs = [_tok(C, H, BK, nk), _tok(C, H, BK, nk), _tok(C, H, BV, nv), _tok(C, H, BK, nk),
@@ -580,8 +654,8 @@ def intra_chunk_wy(q, k, v, g, beta, masks, C, scale, precision, store, interpre
       and value channels per block (a power of two ≥ 16, capped at Kp / Vp): the width of
       the per-block programs of the W / U forward and the pairwise backward, and of the
       channel loops of the per-chunk kernels; one int for both passes or a (forward,
-      backward) pair (on an H100 block 64 gave the fastest forward and 32 the fastest
-      backward, docs/benchmarks.md; the pair (64, 32) has not been timed).
+      backward) pair (on an H100 the pair (64, 32) and 32 were equal within the noise:
+      2.995 and 2.944 ms fwd+bwd of the step at B=1, H=16, T=8K; docs/benchmarks.md).
 
   Returns:
     W [BH, Tp, Kp], U [BH, Tp, Vp], Qg = scale Q ⊙ Γ [BH, Tp, Kp], A_qk [BH, N, C, C],
