@@ -46,13 +46,14 @@ import math
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import xla as kda_xla
 from pallas_kernels.kda.pallas_gpu_intra import intra_chunk
 from pallas_kernels.kda.pallas_gpu_kernels import state_bwd_kernel, state_fwd_kernel
 from pallas_kernels.kda.pallas_gpu_wy import intra_chunk_wy
-from pallas_kernels.kda.tiles import SUB, resolve_diag
+from pallas_kernels.kda.tiles import SAVE_NAME, SUB, resolve_diag
 from pallas_kernels.platform import compute_capability
 
 MIN_HOPPER = 9.0  # compute capability from which "auto" picks this backend
@@ -145,7 +146,8 @@ def state_pass(w, u, kd, dec, h0, C, BV, precision, interpret):
 
 
 def _state_pass_fwd(w, u, kd, dec, h0, C, BV, precision, interpret):
-  hs, vn, ht = _fwd_call(w, u, kd, dec, h0, C, BV, precision, interpret)
+  hs, vn, ht = (checkpoint_name(x, SAVE_NAME)
+                for x in _fwd_call(w, u, kd, dec, h0, C, BV, precision, interpret))
   return (hs, vn, ht), (w, kd, dec, hs, vn)
 
 
@@ -356,7 +358,7 @@ def chunk_kda_pallas_gpu(
   o = (jnp.matmul(Qg, hs, precision=precision, preferred_element_type=acc)
        + jnp.matmul(A_qk, vn, precision=precision, preferred_element_type=acc))  # [M, C, Vp]
   o = jnp.moveaxis(o.reshape(B, H, Tp, Vp), 1, 2)[:, :T, :, :V]
-  o = jnp.where(valid[:, :T, None, None], o, 0).astype(q.dtype)
+  o = checkpoint_name(jnp.where(valid[:, :T, None, None], o, 0).astype(q.dtype), SAVE_NAME)
   if not output_final_state:
     return o, None
   return o, ht.reshape(B, H, Kp, Vp)[:, :, :K, :V]

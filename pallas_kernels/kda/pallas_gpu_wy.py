@@ -74,10 +74,11 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
 from pallas_kernels.kda.pallas_gpu_kernels import _dot
-from pallas_kernels.kda.tiles import SUB
+from pallas_kernels.kda.tiles import SAVE_NAME, SUB
 
 f32 = jnp.float32
 HI = jax.lax.Precision.HIGHEST
@@ -676,6 +677,7 @@ def _wy_fwd(q, k, v, g, beta, masks, C, scale, precision, store, interpret, num_
             block_k):
   out, (X, Sk) = _fwd_call(q, k, v, g, beta, masks, C, scale, precision, store, interpret,
                            num_warps, block_k)
+  out, X, Sk = jax.tree.map(lambda x: checkpoint_name(x, SAVE_NAME), (out, X, Sk))
   return out, (q, k, v, g, beta, masks, X, Sk)
 
 

@@ -55,11 +55,12 @@ import functools
 
 import jax
 import jax.numpy as jnp
+from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import tpu as pltpu
 
 from pallas_kernels.kda.pallas_tpu_kernels import bwd_kernel, fwd_kernel
-from pallas_kernels.kda.tiles import SUB, resolve_diag, segment_resets
+from pallas_kernels.kda.tiles import SAVE_NAME, SUB, resolve_diag, segment_resets
 
 LANE = 128
 
@@ -153,8 +154,9 @@ def _kda_core(q, k, v, g, tok, h0T, scale, C, dense, interpret, poison):
 
 
 def _kda_core_fwd(q, k, v, g, tok, h0T, scale, C, dense, interpret, poison):
-  o, hT, states = _fwd_call(q, k, v, g, tok, h0T, scale=scale, C=C, dense=dense,
-                            save_states=True, interpret=interpret, poison=poison)
+  o, hT, states = (checkpoint_name(x, SAVE_NAME) for x in _fwd_call(
+      q, k, v, g, tok, h0T, scale=scale, C=C, dense=dense, save_states=True,
+      interpret=interpret, poison=poison))
   return (o, hT), (q, k, v, g, tok, states)
 
 

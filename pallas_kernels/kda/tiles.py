@@ -20,6 +20,13 @@ DIAG_MODES = ("auto", "dense", "safe")
 # Largest |g_min| for which a dense diagonal tile of SUB tokens keeps every exponent below
 # log(float32 max) ≈ 88.7 nats with r at the tile's first row: (SUB − 1) · |g_min| < 88.
 DENSE_MAX_ABS_BOUND = 88.0 / (SUB - 1)
+# `jax.ad_checkpoint.checkpoint_name` of what the Pallas backends' forward computes for their
+# hand-written backward: the operator's output, its final state, and the residuals (pallas_gpu:
+# the intra-chunk outputs W, U, Q ⊙ Γ, A_qk, Kd, d, the WY kernels' X and S_k, the state pass's
+# H_n and V'; pallas_tpu: the chunk states). A remat policy that saves this name
+# (`sparse_lm.nn.remat_policy("save_kda")`) recomputes the rest of a layer but not the
+# operator's forward kernels. Inputs (q, k, v, g, β) are not named: the recompute makes them.
+SAVE_NAME = "kda_operator"
 
 
 def segment_resets(segment_ids: jax.Array) -> jax.Array:

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 import jax
+import jax.extend
 import jax.numpy as jnp
 
 from pallas_kernels.kda import api, chunk_kda, pallas_gpu, pallas_gpu_intra, pallas_gpu_wy
@@ -402,3 +403,101 @@ def test_gpu_longer_sequence_bf16():
   out = kt.run_with_grads(_kernel_fn(gate_lower_bound=-5.0), inp)
   errs = kt.check_against_reference(ref, out, kt.TOL_BF16, label="gpu_T1024")
   print({n: f"{e:.1e}" for n, e in errs.items()})
+
+
+def _live_pallas_calls(closed_jaxpr) -> list[str]:
+  """The kernel names of the pallas_calls a jaxpr runs once dead code is gone, once per call
+  site, sub-jaxprs included.
+
+  XLA removes a Triton / Mosaic custom call whose results nobody reads (they are not marked
+  side-effecting), while jax keeps every pallas_call in a jaxpr; so this walks the jaxpr
+  backwards from its outputs. jit and remat bodies map their inputs and outputs one to one
+  and are followed; any other primitive with a sub-jaxpr (scan, custom rules, ...) counts as
+  reading all its inputs, and its kernels all count."""
+
+  def subs(eqn):
+    for v in eqn.params.values():
+      for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          yield sub.jaxpr
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          yield sub
+
+  def every(jaxpr):
+    out = []
+    for eqn in jaxpr.eqns:
+      out += [str(eqn.params["name"])] if eqn.primitive.name == "pallas_call" else []
+      for sub in subs(eqn):
+        out += every(sub)
+    return out
+
+  def live(jaxpr, used_outputs):
+    need = {v for v, u in zip(jaxpr.outvars, used_outputs)
+            if u and isinstance(v, jax.extend.core.Var)}
+    out = []
+    for eqn in reversed(jaxpr.eqns):
+      used = [v in need for v in eqn.outvars]
+      if not any(used) and not (eqn.effects and eqn.primitive.name != "pallas_call"):
+        continue
+      body = eqn.params.get("jaxpr")
+      body = getattr(body, "jaxpr", body)
+      if eqn.primitive.name in ("jit", "pjit", "remat2", "checkpoint") and body is not None:
+        names, used_in = live(body, used)
+        out += names
+      else:
+        out += [str(eqn.params["name"])] if eqn.primitive.name == "pallas_call" else []
+        for sub in subs(eqn):
+          out += every(sub)
+        used_in = [True] * len(eqn.invars)
+      need |= {v for v, u in zip(eqn.invars, used_in)
+               if u and isinstance(v, jax.extend.core.Var)}
+    return out, [v in need for v in jaxpr.invars]
+
+  return live(closed_jaxpr.jaxpr, [True] * len(closed_jaxpr.jaxpr.outvars))[0]
+
+
+@pytest.mark.parametrize("intra", ["wy", "xla"])
+def test_save_kda_policy_keeps_the_forward_kernels_out_of_the_recompute(intra):
+  """remat_policy "save_kda" (sparse_lm.nn): a layer under jax.checkpoint recomputes its
+  cheap ops but not the operator's forward kernels, and its value and gradients are the full
+  remat's.
+
+  Counted in the jaxpr of value_and_grad (as a train step computes), after dead code is
+  dropped: under "full" each forward kernel runs twice (forward, recompute), under
+  "save_kda" once; the backward kernels once either way. (Not under jax.jit: a jitted
+  function's DCE is cached, which would hide `_live_pallas_calls`'s rule.)"""
+  from sparse_lm import nn as slm_nn  # pylint: disable=g-import-not-at-top
+  B, T, H, K, V = 1, 80, 2, 32, 32
+  print("seed=31")
+  # fp32: with bf16 the saved output is rounded to bf16 where XLA may otherwise keep excess
+  # precision (xla_allow_excess_precision), so the two programs would differ by bf16 rounding
+  d = kt.make_inputs(31, B, T, H, K, V, dtype=F32, initial_state=False, segments=True)
+  w = jnp.asarray(np.random.default_rng(4).normal(size=(B, T, H, V)), F32)
+
+  def layer(q, k, v, g, beta):  # cheap ops around the operator, as in a KDA layer
+    o, _ = pallas_gpu.chunk_kda_pallas_gpu(q * 1.5, k, v, g, beta, gate_lower_bound=-5.0,
+                                           intra=intra, segment_ids=d["segment_ids"],
+                                           interpret=INTERPRET)
+    return jnp.tanh(o.astype(F32))
+
+  def run(policy_name):
+    f = jax.checkpoint(layer, policy=slm_nn.remat_policy(policy_name))
+    step = jax.value_and_grad(lambda *a: jnp.sum(f(*a) * w), argnums=tuple(range(5)))
+    args = [d[n] for n in NAMES]
+    kernels = _live_pallas_calls(jax.make_jaxpr(step)(*args))
+    return jax.jit(step)(*args), kernels
+
+  ((l_full, g_full), k_full), ((l_save, g_save), k_save) = run("full"), run("save_kda")
+  fwd = ["kda_state_fwd"] + (["kda_wy_fwd_scores", "kda_wy_fwd_inverse", "kda_wy_fwd_wu"]
+                             if intra == "wy" else [])
+  bwd = ["kda_state_bwd"] + (["kda_wy_bwd_dx", "kda_wy_bwd_pair"] if intra == "wy" else [])
+  assert sorted(set(k_full)) == sorted(set(k_save)) == sorted(fwd + bwd), (k_full, k_save)
+  for name in fwd:
+    assert (k_full.count(name), k_save.count(name)) == (2, 1), (name, k_full, k_save)
+  for name in bwd:
+    assert (k_full.count(name), k_save.count(name)) == (1, 1), (name, k_full, k_save)
+  np.testing.assert_allclose(float(l_full), float(l_save), rtol=1e-6)
+  for n, a, b in zip(NAMES, g_full, g_save):
+    assert np.abs(np.asarray(a, F32)).max() > 0, n
+    np.testing.assert_allclose(np.asarray(a, F32), np.asarray(b, F32), rtol=1e-6, atol=1e-6,
+                               err_msg=f"d{n}")
