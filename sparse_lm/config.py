@@ -18,7 +18,8 @@ RematPolicy = Literal["none", "full", "save_dots", "save_qkv_proj", "minimal"]
 RESIDUAL_KINDS = ("attnres_block", "attnres_full", "standard")
 BALANCER_KINDS = ("quantile", "bias_sign", "aux_loss", "none")
 QB_CUTOFFS = ("midpoint", "kplus1")  # moe/router.route: alpha between z_(k), z_(k+1), or z_(k+1)
-REMAT_POLICIES = ("none", "full", "save_dots", "save_qkv_proj", "minimal", "save_kda")
+REMAT_POLICIES = ("none", "full", "save_dots", "save_qkv_proj", "minimal", "save_kda",
+                  "save_kda_experts")
 # pallas_kernels.kda backends ("auto": pallas_tpu on TPU, pallas_gpu on Hopper, else xla).
 KDA_BACKENDS = ("auto", "xla", "reference", "pallas_tpu", "pallas_gpu")
 GMM_BACKENDS = ("auto", "ragged_dot", "tokamax", "megablox", "blocked", "dense")

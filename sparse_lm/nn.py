@@ -308,6 +308,9 @@ def remat_policy(name: str):
     (K = V = 128, chunk 64: W, U, Q ⊙ Γ, Kd, V', o: 6 · 128 bf16; H_n: K·V / 64 bf16; A_qk:
     64 bf16; X, S_k: 2 · 64 fp32), 1.4 GB per layer of the `small` preset at 8 x 8,192
     tokens. With the "xla" backend only the output is named and the policy saves little.
+  "save_kda_experts": "save_kda", and the routed experts' three grouped-matmul outputs
+    (`sparse_lm.moe.gmm.SAVE_NAME`; the SiTU activation is recomputed from two of them):
+    (2 F + L) values per assignment, 1.3 GB per MoE layer of `small` at 8 x 8,192 tokens.
 
   Raises:
     ValueError: unknown policy name.
@@ -326,9 +329,12 @@ def remat_policy(name: str):
                                       cp.save_only_these_names(PROJECT_NAME))
   if name == "save_qkv_proj":
     return cp.save_only_these_names("query_proj", "key_proj", "value_proj", "out_proj")
-  if name == "save_kda":
+  if name in ("save_kda", "save_kda_experts"):
     from pallas_kernels.kda.tiles import SAVE_NAME  # pylint: disable=g-import-not-at-top
-    return cp.save_only_these_names(SAVE_NAME)
+    if name == "save_kda":
+      return cp.save_only_these_names(SAVE_NAME)
+    from sparse_lm.moe.gmm import SAVE_NAME as MOE  # pylint: disable=g-import-not-at-top
+    return cp.save_only_these_names(SAVE_NAME, MOE)
   raise ValueError(f"unknown remat_policy {name!r}")
 
 

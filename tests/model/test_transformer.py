@@ -96,7 +96,7 @@ def test_packing_matches_separate_documents(model):
   np.testing.assert_allclose(logits[0, :A], logits[2, :A], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("remat", ["minimal", "full"])
+@pytest.mark.parametrize("remat", ["minimal", "full", "save_kda"])
 def test_scan_equals_unrolled(model, remat):
   """Scanned, no remat == unrolled with remat (of the scanned groups, the head group and the
   last layer): the same numbers from the same parameters."""

@@ -17,12 +17,12 @@ import numpy as np
 import pytest
 
 import jax
-import jax.extend
 import jax.numpy as jnp
 
 from pallas_kernels.kda import api, chunk_kda, pallas_gpu, pallas_gpu_intra, pallas_gpu_wy
 from pallas_kernels.kda import xla as kda_xla
 import kda_testing as kt  # tests/pallas_kernels/kda_testing.py
+from tests import jaxpr_testlib
 
 BF16, F32 = jnp.bfloat16, jnp.float32
 ON_GPU = jax.default_backend() == "gpu"
@@ -405,57 +405,6 @@ def test_gpu_longer_sequence_bf16():
   print({n: f"{e:.1e}" for n, e in errs.items()})
 
 
-def _live_pallas_calls(closed_jaxpr) -> list[str]:
-  """The kernel names of the pallas_calls a jaxpr runs once dead code is gone, once per call
-  site, sub-jaxprs included.
-
-  XLA removes a Triton / Mosaic custom call whose results nobody reads (they are not marked
-  side-effecting), while jax keeps every pallas_call in a jaxpr; so this walks the jaxpr
-  backwards from its outputs. jit and remat bodies map their inputs and outputs one to one
-  and are followed; any other primitive with a sub-jaxpr (scan, custom rules, ...) counts as
-  reading all its inputs, and its kernels all count."""
-
-  def subs(eqn):
-    for v in eqn.params.values():
-      for sub in (v if isinstance(v, (tuple, list)) else (v,)):
-        if isinstance(sub, jax.extend.core.ClosedJaxpr):
-          yield sub.jaxpr
-        elif isinstance(sub, jax.extend.core.Jaxpr):
-          yield sub
-
-  def every(jaxpr):
-    out = []
-    for eqn in jaxpr.eqns:
-      out += [str(eqn.params["name"])] if eqn.primitive.name == "pallas_call" else []
-      for sub in subs(eqn):
-        out += every(sub)
-    return out
-
-  def live(jaxpr, used_outputs):
-    need = {v for v, u in zip(jaxpr.outvars, used_outputs)
-            if u and isinstance(v, jax.extend.core.Var)}
-    out = []
-    for eqn in reversed(jaxpr.eqns):
-      used = [v in need for v in eqn.outvars]
-      if not any(used) and not (eqn.effects and eqn.primitive.name != "pallas_call"):
-        continue
-      body = eqn.params.get("jaxpr")
-      body = getattr(body, "jaxpr", body)
-      if eqn.primitive.name in ("jit", "pjit", "remat2", "checkpoint") and body is not None:
-        names, used_in = live(body, used)
-        out += names
-      else:
-        out += [str(eqn.params["name"])] if eqn.primitive.name == "pallas_call" else []
-        for sub in subs(eqn):
-          out += every(sub)
-        used_in = [True] * len(eqn.invars)
-      need |= {v for v, u in zip(eqn.invars, used_in)
-               if u and isinstance(v, jax.extend.core.Var)}
-    return out, [v in need for v in jaxpr.invars]
-
-  return live(closed_jaxpr.jaxpr, [True] * len(closed_jaxpr.jaxpr.outvars))[0]
-
-
 @pytest.mark.parametrize("intra", ["wy", "xla"])
 def test_save_kda_policy_keeps_the_forward_kernels_out_of_the_recompute(intra):
   """remat_policy "save_kda" (sparse_lm.nn): a layer under jax.checkpoint recomputes its
@@ -463,9 +412,8 @@ def test_save_kda_policy_keeps_the_forward_kernels_out_of_the_recompute(intra):
   remat's.
 
   Counted in the jaxpr of value_and_grad (as a train step computes), after dead code is
-  dropped: under "full" each forward kernel runs twice (forward, recompute), under
-  "save_kda" once; the backward kernels once either way. (Not under jax.jit: a jitted
-  function's DCE is cached, which would hide `_live_pallas_calls`'s rule.)"""
+  dropped (jaxpr_testlib.live_calls): under "full" each forward kernel runs twice (forward, recompute), under
+  "save_kda" once; the backward kernels once either way."""
   from sparse_lm import nn as slm_nn  # pylint: disable=g-import-not-at-top
   B, T, H, K, V = 1, 80, 2, 32, 32
   print("seed=31")
@@ -484,7 +432,7 @@ def test_save_kda_policy_keeps_the_forward_kernels_out_of_the_recompute(intra):
     f = jax.checkpoint(layer, policy=slm_nn.remat_policy(policy_name))
     step = jax.value_and_grad(lambda *a: jnp.sum(f(*a) * w), argnums=tuple(range(5)))
     args = [d[n] for n in NAMES]
-    kernels = _live_pallas_calls(jax.make_jaxpr(step)(*args))
+    kernels = jaxpr_testlib.live_calls(jax.make_jaxpr(step)(*args), jaxpr_testlib.kernel_name)
     return jax.jit(step)(*args), kernels
 
   ((l_full, g_full), k_full), ((l_save, g_save), k_save) = run("full"), run("save_kda")

@@ -1,0 +1,75 @@
+"""What a jaxpr runs once its dead code is gone: for tests of remat policies (which ops the
+backward pass recomputes)."""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import jax.extend
+
+
+def kernel_name(eqn) -> str | None:
+  """A pallas_call's kernel name; None for any other equation."""
+  return str(eqn.params["name"]) if eqn.primitive.name == "pallas_call" else None
+
+
+def primitive_named(*names: str) -> Callable:
+  """A label function: the primitive's name when it is one of `names`, else None."""
+  return lambda eqn: eqn.primitive.name if eqn.primitive.name in names else None
+
+
+def live_calls(closed_jaxpr, label: Callable) -> list[str]:
+  """label(eqn) of every equation whose results are read, once per call site, sub-jaxprs
+  included; equations labelled None are left out.
+
+  Walks backwards from the jaxpr's outputs, as XLA's dead-code pass does: XLA removes a
+  Triton / Mosaic custom call whose results nobody reads (they are not marked
+  side-effecting), while jax keeps every pallas_call in a jaxpr, so a count of the jaxpr's
+  equations would include recomputations that never run. jit and remat bodies map their
+  inputs and outputs one to one and are followed; any other equation with a sub-jaxpr (scan,
+  custom rules, a kernel body) counts as reading all its inputs, and all its sub-jaxprs'
+  equations count.
+  """
+
+  def subs(eqn):
+    for v in eqn.params.values():
+      for sub in (v if isinstance(v, (tuple, list)) else (v,)):
+        if isinstance(sub, jax.extend.core.ClosedJaxpr):
+          yield sub.jaxpr
+        elif isinstance(sub, jax.extend.core.Jaxpr):
+          yield sub
+
+  def every(jaxpr):
+    out = []
+    for eqn in jaxpr.eqns:
+      name = label(eqn)
+      out += [name] if name is not None else []
+      for sub in subs(eqn):
+        out += every(sub)
+    return out
+
+  def live(jaxpr, used_outputs):
+    need = {v for v, u in zip(jaxpr.outvars, used_outputs)
+            if u and isinstance(v, jax.extend.core.Var)}
+    out = []
+    for eqn in reversed(jaxpr.eqns):
+      used = [v in need for v in eqn.outvars]
+      if not any(used) and not (eqn.effects and eqn.primitive.name != "pallas_call"):
+        continue
+      body = eqn.params.get("jaxpr")
+      body = getattr(body, "jaxpr", body)
+      if eqn.primitive.name in ("jit", "pjit", "remat2", "checkpoint") and body is not None:
+        names, used_in = live(body, used)
+        out += names
+      else:
+        name = label(eqn)
+        out += [name] if name is not None else []
+        for sub in subs(eqn):
+          out += every(sub)
+        used_in = [True] * len(eqn.invars)
+      need |= {v for v, u in zip(eqn.invars, used_in)
+               if u and isinstance(v, jax.extend.core.Var)}
+    return out, [v in need for v in jaxpr.invars]
+
+  return live(closed_jaxpr.jaxpr, [True] * len(closed_jaxpr.jaxpr.outvars))[0]
