@@ -4,6 +4,8 @@ kernel work on a GPU, where the whole `small` step takes 4 minutes to compile.
     python -m benchmarks.layer_step --mixer kda                 # small preset, 8 x 8192 tokens
     python -m benchmarks.layer_step --mixer mla --profile /tmp/lp --top 20
     python -m benchmarks.layer_step --preset tiny --batch 2 --seq-len 256 --repeats 3   # CPU
+    python -m benchmarks.layer_step --remat save_kda --residuals --set kda_backend=pallas_gpu \
+        --set gmm_backend=ragged_dot     # any machine: what the policy keeps for the backward
 
 The layer (`transformer.DecoderLayer`: AttnRes reads, pre-norms, the KDA or MLA mixer, the
 LatentMoE or dense FFN) runs under `jax.checkpoint` with the preset's remat policy (as
@@ -15,6 +17,13 @@ input stream's stack and partial sum (no optimizer). Prints the median of --repe
 compiled temporaries, and with --profile the device time per named scope and the top kernels
 (`benchmarks/trace_summary.py`; run with `XLA_FLAGS=--xla_gpu_enable_command_buffer=` so
 every kernel keeps its name).
+
+--residuals traces the program without compiling or running it and prints the bytes that
+cross the `jax.checkpoint` boundary, by kind (the layer's arguments; each
+`checkpoint_name` the policy saves; anything else), from `jax.ad_checkpoint.
+print_saved_residuals`: what the remat policy costs in memory per layer. It is jax's account;
+the compiler may keep less of what is not named (it can recompute cheap values) but keeps
+what a policy saves by name.
 """
 
 from __future__ import annotations
@@ -39,6 +48,8 @@ def main(argv=None) -> None:
   p.add_argument("--repeats", type=int, default=10)
   p.add_argument("--profile", metavar="DIR", default=None)
   p.add_argument("--top", type=int, default=15)
+  p.add_argument("--residuals", action="store_true",
+                 help="print the bytes saved for the backward pass by kind; no compile or run")
   args = p.parse_args(argv)
   if args.seq_len % 2:
     p.error("--seq-len must be even (two documents per row)")
@@ -112,6 +123,11 @@ def main(argv=None) -> None:
 
     fn = jax.jit(jax.value_and_grad(loss, argnums=(0, 2, 3)))
     inputs = (params, rest, stream["stack"], stream["partial"])
+    if args.residuals:
+      print(f"{args.preset} {args.mixer} + {args.ffn}, {B} x {T} tokens, remat "
+            f"{cfg.remat_policy}, kda_backend {cfg.kda_backend}, gmm_backend {cfg.gmm_backend}")
+      print(residual_table(loss, inputs))
+      return
     t0 = time.perf_counter()
     compiled = fn.lower(*inputs).compile()
     compile_s = time.perf_counter() - t0
@@ -140,6 +156,43 @@ def main(argv=None) -> None:
         f"{float(out[0]):.6e}", flush=True)
   if summary:
     print(summary)
+
+
+def residual_table(fn, inputs) -> str:
+  """A markdown table of what `fn(*inputs)`'s forward saves for its backward pass: GiB and
+  count by kind ("arguments", "named NAME" for each checkpoint_name, "other (FUNCTION)" by
+  the function that made it; a value named inside a shard_map shows as that shard_map's
+  output)."""
+  import contextlib
+  import io
+  import re
+  import jax
+  import numpy as np
+  buf = io.StringIO()
+  with contextlib.redirect_stdout(buf):
+    jax.ad_checkpoint.print_saved_residuals(fn, *inputs)
+  kinds: dict[str, list] = {}
+  for line in buf.getvalue().splitlines():
+    m = re.match(r"(\w+)\[([\d,]*)\]\s+(.*)", line.strip())
+    if not m:
+      continue
+    dtype, shape, what = m.groups()
+    bits = re.fullmatch(r"[a-z]+(\d+)", dtype)  # f32, bf16, i32, u8, ...; bool: 1 byte
+    itemsize = int(bits.group(1)) // 8 if bits else 1
+    size = int(np.prod([int(d) for d in shape.split(",") if d])) * itemsize
+    named = re.match(r"named '([^']+)'", what)
+    where = re.search(r"\((\S+)\)$", what)  # the function that made it
+    kind = ("arguments" if what.startswith("from the argument") else
+            f"named {named.group(1)}" if named else
+            f"other ({where.group(1)})" if where else "other")
+    kinds.setdefault(kind, [0, 0])
+    kinds[kind][0] += size
+    kinds[kind][1] += 1
+  rows = ["| kind | GiB | arrays |", "|---|---|---|"]
+  rows += [f"| {k} | {v[0] / GIB:.3f} | {v[1]} |" for k, v in sorted(kinds.items())]
+  total = sum(v[0] for v in kinds.values())
+  rows.append(f"| total | {total / GIB:.3f} | {sum(v[1] for v in kinds.values())} |")
+  return "\n".join(rows)
 
 
 if __name__ == "__main__":
