@@ -192,3 +192,37 @@ def test_poisoning_catches_an_unwritten_block():
                        out_shape=out_shape[0], input_output_aliases=aliases, interpret=True)(
                            jnp.ones((16, 128), F32), *pargs)
   assert bool(jnp.all(out[:8] == 1)) and bool(jnp.all(jnp.isnan(out[8:])))
+
+
+def test_save_kda_policy_keeps_the_forward_kernel_out_of_the_recompute():
+  """remat_policy "save_kda" (sparse_lm.nn) with pallas_tpu: the forward kernel runs twice in
+  value_and_grad under "full" (forward, recompute) and once under "save_kda" (its output and
+  chunk states are saved by name), after dead code is dropped (tests/jaxpr_testlib); the
+  backward kernel once either way; same value and gradients."""
+  from sparse_lm import nn as slm_nn  # pylint: disable=g-import-not-at-top
+  from tests import jaxpr_testlib  # pylint: disable=g-import-not-at-top
+  B, T, H, K, V = 1, 40, 1, 32, 32
+  print("seed=41")
+  d = kt.make_inputs(41, B, T, H, K, V, dtype=F32, initial_state=False, segments=False)
+  w = jnp.asarray(np.random.default_rng(5).normal(size=(B, T, H, V)), F32)
+
+  def layer(q, k, v, g, beta):
+    o, _ = pallas_tpu.chunk_kda_pallas_tpu(q * 1.5, k, v, g, beta, diag="dense",
+                                           chunk_size=16, interpret=True)
+    return jnp.tanh(o.astype(F32))
+
+  def run(policy):
+    f = jax.checkpoint(layer, policy=slm_nn.remat_policy(policy))
+    step = jax.value_and_grad(lambda *a: jnp.sum(f(*a) * w), argnums=tuple(range(5)))
+    args = [d[n] for n in ("q", "k", "v", "g", "beta")]
+    kernels = jaxpr_testlib.live_calls(jax.make_jaxpr(step)(*args), jaxpr_testlib.kernel_name)
+    return jax.jit(step)(*args), kernels
+
+  ((l_full, g_full), k_full), ((l_save, g_save), k_save) = run("full"), run("save_kda")
+  assert (k_full.count("kda_fwd_dense"), k_save.count("kda_fwd_dense")) == (2, 1), (k_full,
+                                                                                    k_save)
+  assert k_full.count("kda_bwd_dense") == k_save.count("kda_bwd_dense") == 1
+  np.testing.assert_allclose(float(l_full), float(l_save), rtol=1e-6)
+  for a, b in zip(g_full, g_save):
+    assert float(jnp.max(jnp.abs(a))) > 0
+    np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-6, atol=1e-6)
