@@ -11,7 +11,8 @@ from typing import Literal
 
 ResidualKind = Literal["attnres_block", "attnres_full", "standard"]
 BalancerKind = Literal["quantile", "bias_sign", "aux_loss", "none"]
-RematPolicy = Literal["none", "full", "save_dots", "save_qkv_proj", "minimal"]
+RematPolicy = Literal["none", "full", "save_dots", "save_qkv_proj", "minimal", "save_kda",
+                      "save_kda_experts"]
 
 # Every closed set of choices of the model, defined here once and validated in
 # `ModelConfig.validate` (the modules that act on a choice import these tuples).
