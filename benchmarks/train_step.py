@@ -6,6 +6,10 @@
                                      # the stage's own first batches; prints each step's loss
   XLA_FLAGS=--xla_gpu_enable_command_buffer= python benchmarks/train_step.py --profile /tmp/tr
                                      # + device time by named scope (KDA, MoE, AttnRes, ...)
+  for r in full save_kda; do python benchmarks/train_step.py --remat $r --compile-only \
+      --compilation-cache /tmp/jcc & done; wait        # compile both at once, then time each
+  for r in full save_kda; do python benchmarks/train_step.py --remat $r \
+      --compilation-cache /tmp/jcc; done               # (the compiles come from the cache)
 
 The step is the real one (`sparse_lm.train.loop.build`: AdamW, clipping, gradient
 accumulation, Quantile Balancing update, donated state) on synthetic packed batches (random
@@ -87,7 +91,16 @@ def main(argv=None) -> None:
                       "XLA_FLAGS=--xla_gpu_enable_command_buffer= so every kernel is named")
   p.add_argument("--workdir", default="/tmp/train_step_bench",
                  help="with --data real: where the stage's tokenizer is cached or trained")
+  p.add_argument("--compilation-cache", metavar="DIR", default=None,
+                 help="keep compiled programs in DIR (jax's persistent cache): a later run of "
+                      "the same configuration with the same DIR skips its compile")
+  p.add_argument("--compile-only", action="store_true",
+                 help="compile the step from the abstract state and batch into "
+                      "--compilation-cache and exit: nothing on the device, no data. Several "
+                      "at once (one per configuration) compile in parallel")
   args = p.parse_args(argv)
+  if args.compile_only and not args.compilation_cache:
+    p.error("--compile-only needs --compilation-cache DIR (where the compiled step is kept)")
 
   import jax
   import numpy as np
@@ -115,8 +128,24 @@ def main(argv=None) -> None:
   stage.validate()
   cfg = stage.model_config()
   mesh = shd.make_mesh(stage.mesh, jax.devices()[:1])
+  if args.compilation_cache:
+    base.enable_compilation_cache(args.compilation_cache)
   parts = loop.build(stage, mesh)
   sh = parts.batch_shardings
+  if args.compile_only:
+    from sparse_lm.train.precompile import abstract_batch
+    with shd.use_mesh(mesh):
+      t0 = time.perf_counter()
+      compiled = parts.train_step.lower(
+          shd.with_shardings(parts.abstract_state, parts.state_shardings),
+          abstract_batch(batch_shapes(stage, batch, seq_len), sh)).compile()
+      mem = compiled.memory_analysis()
+    print(f"compile-only: {args.preset}, remat {cfg.remat_policy}, {batch} x {seq_len} "
+          f"tokens: compiled in {time.perf_counter() - t0:.1f} s into "
+          f"{args.compilation_cache}" + (f"; arguments {mem.argument_size_in_bytes / GIB:.2f} "
+                                        f"GiB, temporaries {mem.temp_size_in_bytes / GIB:.2f} "
+                                        f"GiB" if mem is not None else ""), flush=True)
+    return
   with shd.use_mesh(mesh):
     state = parts.init()
     if args.data == "real":

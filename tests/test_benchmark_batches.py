@@ -47,3 +47,29 @@ def test_real_batches_are_the_stage_pipeline_batches_with_the_step_shapes(tmp_pa
       assert np.asarray(b[key]).dtype == np.dtype(dtype), key
   assert not np.array_equal(got[0]["tokens"], got[1]["tokens"])
   assert np.asarray(got[0]["segment_ids"]).max() >= 1
+
+
+def test_compile_only_fills_the_cache_that_the_timed_run_then_hits(tmp_path):
+  """--compile-only compiles the step from the abstract state and batch into
+  --compilation-cache; the timed run of the same configuration finds it there (jax writes a
+  new program on a miss, so the count stays 1) and prints its table. Subprocesses: the
+  cache directory is process-wide jax configuration."""
+  import os
+  import subprocess
+  import sys
+  cache = tmp_path / "jcc"
+  cmd = [sys.executable, str(_PATH), "--preset", "tiny", "--batch", "2", "--seq-len", "64",
+         "--steps", "1", "--compilation-cache", str(cache)]
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  out = subprocess.run(cmd + ["--compile-only"], capture_output=True, text=True, env=env,
+                       timeout=600, cwd=_PATH.parents[1])
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "compile-only: tiny, remat none, 2 x 64 tokens: compiled in" in out.stdout
+  programs = lambda: sorted(f for f in os.listdir(cache) if f.endswith("-cache"))
+  entries = programs()
+  assert len(entries) == 1, os.listdir(cache)
+  out = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=600,
+                       cwd=_PATH.parents[1])
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert "| step time" in out.stdout and "| tokens/s" in out.stdout, out.stdout
+  assert programs() == entries
