@@ -293,6 +293,15 @@ def assign(variable: nnx.Variable, value) -> None:
   variable.set_value(value.astype(old.dtype))
 
 
+# `jax.ad_checkpoint.checkpoint_name`s of the hand-written kernels' work, saved by the remat
+# policies "save_kda" and "save_kda_experts". KDA_OPERATOR_NAME is the string of
+# `pallas_kernels.kda.tiles.SAVE_NAME` (pallas_kernels imports nothing of sparse_lm; a test
+# checks the two agree); EXPERT_MATMUL_NAME names the routed experts' grouped-matmul outputs
+# (sparse_lm.moe.latent_moe.sorted_dispatch, expert_parallel.expert_ffn_local).
+KDA_OPERATOR_NAME = "kda_operator"
+EXPERT_MATMUL_NAME = "moe_expert_matmul"
+
+
 def remat_policy(name: str):
   """The `jax.checkpoint` policy for cfg.remat_policy, or None for "none" (no remat).
 
@@ -302,14 +311,14 @@ def remat_policy(name: str):
   "save_qkv_proj": save only the outputs tagged `query_proj`, `key_proj`, `value_proj`,
     `out_proj` with `jax.ad_checkpoint.checkpoint_name`.
   "save_kda": as "full", but keep what the KDA Pallas backends' forward makes for their
-    backward (`pallas_kernels.kda.tiles.SAVE_NAME`: the output, the intra-chunk outputs and
+    backward (KDA_OPERATOR_NAME: the output, the intra-chunk outputs and
     residuals, the chunk states), so the recompute skips the operator's forward kernels.
     Costs about 2.7 KB per token and head per KDA layer with pallas_gpu's bf16 storage
     (K = V = 128, chunk 64: W, U, Q ⊙ Γ, Kd, V', o: 6 · 128 bf16; H_n: K·V / 64 bf16; A_qk:
     64 bf16; X, S_k: 2 · 64 fp32), 1.4 GB per layer of the `small` preset at 8 x 8,192
     tokens. With the "xla" backend only the output is named and the policy saves little.
   "save_kda_experts": "save_kda", and the routed experts' three grouped-matmul outputs
-    (`sparse_lm.moe.gmm.SAVE_NAME`; the SiTU activation is recomputed from two of them):
+    (EXPERT_MATMUL_NAME; the SiTU activation is recomputed from two of them):
     (2 F + L) values per assignment, 1.3 GB per MoE layer of `small` at 8 x 8,192 tokens.
 
   Raises:
@@ -329,12 +338,10 @@ def remat_policy(name: str):
                                       cp.save_only_these_names(PROJECT_NAME))
   if name == "save_qkv_proj":
     return cp.save_only_these_names("query_proj", "key_proj", "value_proj", "out_proj")
-  if name in ("save_kda", "save_kda_experts"):
-    from pallas_kernels.kda.tiles import SAVE_NAME  # pylint: disable=g-import-not-at-top
-    if name == "save_kda":
-      return cp.save_only_these_names(SAVE_NAME)
-    from sparse_lm.moe.gmm import SAVE_NAME as MOE  # pylint: disable=g-import-not-at-top
-    return cp.save_only_these_names(SAVE_NAME, MOE)
+  if name == "save_kda":
+    return cp.save_only_these_names(KDA_OPERATOR_NAME)
+  if name == "save_kda_experts":
+    return cp.save_only_these_names(KDA_OPERATOR_NAME, EXPERT_MATMUL_NAME)
   raise ValueError(f"unknown remat_policy {name!r}")
 
 

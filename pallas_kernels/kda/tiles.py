@@ -24,8 +24,9 @@ DENSE_MAX_ABS_BOUND = 88.0 / (SUB - 1)
 # hand-written backward: the operator's output, its final state, and the residuals (pallas_gpu:
 # the intra-chunk outputs W, U, Q ⊙ Γ, A_qk, Kd, d, the WY kernels' X and S_k, the state pass's
 # H_n and V'; pallas_tpu: the chunk states). A remat policy that saves this name
-# (`sparse_lm.nn.remat_policy("save_kda")`) recomputes the rest of a layer but not the
-# operator's forward kernels. Inputs (q, k, v, g, β) are not named: the recompute makes them.
+# (`sparse_lm.nn.remat_policy("save_kda")`, whose KDA_OPERATOR_NAME is this string) recomputes
+# the rest of a layer but not the operator's forward kernels. Inputs (q, k, v, g, β) are not
+# named: the recompute makes them.
 SAVE_NAME = "kda_operator"
 
 

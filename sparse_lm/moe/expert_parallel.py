@@ -47,10 +47,10 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from sparse_lm import nn
 from sparse_lm import sharding as shd
 from sparse_lm.config import EP_EXCHANGES
 from sparse_lm.moe import permute
-from sparse_lm.moe import gmm as gmm_lib
 from sparse_lm.moe.gmm import gmm
 from sparse_lm.moe.situ_glu import situ_activation
 
@@ -86,10 +86,10 @@ def expert_ffn_local(x: jax.Array, local_ids: jax.Array, w_gate: jax.Array, w_up
   xs = permute.permute_rows(x, order, inverse)
   sizes = permute.one_hot_counts(local_ids, G)
   mm = functools.partial(gmm, group_sizes=sizes, backend=gmm_backend, platform=platform)
-  g = checkpoint_name(mm(xs, w_gate), gmm_lib.SAVE_NAME)
-  u = checkpoint_name(mm(xs, w_up), gmm_lib.SAVE_NAME)
+  g = checkpoint_name(mm(xs, w_gate), nn.EXPERT_MATMUL_NAME)
+  u = checkpoint_name(mm(xs, w_up), nn.EXPERT_MATMUL_NAME)
   h = situ_activation(g, u, beta1, beta2, out_dtype=x.dtype)
-  ys = checkpoint_name(mm(h, w_down), gmm_lib.SAVE_NAME)
+  ys = checkpoint_name(mm(h, w_down), nn.EXPERT_MATMUL_NAME)
   valid = (jnp.arange(x.shape[0]) < jnp.sum(sizes))[:, None]
   ys = jnp.where(valid, ys, 0)  # rows past the groups: zero whatever the backend returns
   return permute.permute_rows(ys, inverse, order)

@@ -43,10 +43,6 @@ from pallas_kernels.attention.tokamax import tokamax_flags
 from pallas_kernels.platform import compute_capability
 
 GMM_IMPLS = ("ragged_dot", "tokamax", "megablox", "blocked")
-# `jax.ad_checkpoint.checkpoint_name` of the routed experts' three grouped-matmul outputs
-# (latent_moe.sorted_dispatch, expert_parallel.expert_ffn_local): remat_policy
-# "save_kda_experts" (sparse_lm.nn) saves them, so the recompute skips the grouped matmuls.
-SAVE_NAME = "moe_expert_matmul"
 
 
 def resolve_backend(backend: str, platform: str | None = None, *, k: int = 128,

@@ -115,10 +115,10 @@ def sorted_dispatch(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
     group_sizes = group_sizes.at[-1].add(flat_ids.shape[0] - jnp.sum(group_sizes))
   zs = permute.permute_rows(z, order, inverse, k)  # [N k, L] sorted by expert
   mm = functools.partial(gmm_lib.gmm, backend=backend, rows_covered=covered)
-  g = checkpoint_name(mm(zs, params["w_gate"], group_sizes), gmm_lib.SAVE_NAME)
-  u = checkpoint_name(mm(zs, params["w_up"], group_sizes), gmm_lib.SAVE_NAME)
+  g = checkpoint_name(mm(zs, params["w_gate"], group_sizes), nn.EXPERT_MATMUL_NAME)
+  u = checkpoint_name(mm(zs, params["w_up"], group_sizes), nn.EXPERT_MATMUL_NAME)
   h = situ_activation(g, u, beta1, beta2, out_dtype=z.dtype)
-  out = checkpoint_name(mm(h, params["w_down"], group_sizes), gmm_lib.SAVE_NAME)  # [N k, L]
+  out = checkpoint_name(mm(h, params["w_down"], group_sizes), nn.EXPERT_MATMUL_NAME)  # [N k, L]
   out = permute.permute_rows(out, inverse, order).reshape(num_tokens, k, -1).astype(jnp.float32)
   w = jnp.where(expert_ids < num_experts, gates.astype(jnp.float32), 0.0)
   return jnp.einsum("nk,nkl->nl", w, out)

@@ -415,6 +415,8 @@ def test_save_kda_policy_keeps_the_forward_kernels_out_of_the_recompute(intra):
   dropped (jaxpr_testlib.live_calls): under "full" each forward kernel runs twice (forward, recompute), under
   "save_kda" once; the backward kernels once either way."""
   from sparse_lm import nn as slm_nn  # pylint: disable=g-import-not-at-top
+  from pallas_kernels.kda import tiles  # pylint: disable=g-import-not-at-top
+  assert slm_nn.KDA_OPERATOR_NAME == tiles.SAVE_NAME  # one string, defined on two floors
   B, T, H, K, V = 1, 80, 2, 32, 32
   print("seed=31")
   # fp32: with bf16 the saved output is rounded to bf16 where XLA may otherwise keep excess
