@@ -27,7 +27,8 @@ def live_calls(closed_jaxpr, label: Callable) -> list[str]:
   Triton / Mosaic custom call whose results nobody reads (they are not marked
   side-effecting), while jax keeps every pallas_call in a jaxpr, so a count of the jaxpr's
   equations would include recomputations that never run. jit and remat bodies map their
-  inputs and outputs one to one and are followed; any other equation with a sub-jaxpr (scan,
+  inputs and outputs one to one and are followed, and a scan's body once (the kernels of one
+  iteration; its carries to a fixed point); any other equation with a sub-jaxpr (while,
   custom rules, a kernel body) counts as reading all its inputs, and all its sub-jaxprs'
   equations count.
   """
@@ -62,6 +63,9 @@ def live_calls(closed_jaxpr, label: Callable) -> list[str]:
       if eqn.primitive.name in ("jit", "pjit", "remat2", "checkpoint") and body is not None:
         names, used_in = live(body, used)
         out += names
+      elif eqn.primitive.name == "scan" and body is not None:
+        names, used_in = live_scan(eqn, body, used)
+        out += names
       else:
         name = label(eqn)
         out += [name] if name is not None else []
@@ -71,5 +75,17 @@ def live_calls(closed_jaxpr, label: Callable) -> list[str]:
       need |= {v for v, u in zip(eqn.invars, used_in)
                if u and isinstance(v, jax.extend.core.Var)}
     return out, [v in need for v in jaxpr.invars]
+
+  def live_scan(eqn, body, used):
+    # body: (consts, carry, xs) -> (carry, ys). A carry output is needed if the scan's result
+    # is read or the next iteration reads that carry: iterate to a fixed point.
+    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    carry_used = list(used[:n_carry])
+    while True:
+      names, used_in = live(body, carry_used + list(used[n_carry:]))
+      more = [a or b for a, b in zip(carry_used, used_in[n_consts:n_consts + n_carry])]
+      if more == carry_used:
+        return names, used_in
+      carry_used = more
 
   return live(closed_jaxpr.jaxpr, [True] * len(closed_jaxpr.jaxpr.outvars))[0]

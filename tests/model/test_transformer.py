@@ -263,3 +263,35 @@ def test_eval_forward_writes_nothing_back_so_plain_jit_closes_over_the_model():
   nnx.jit(lambda mod, t: mod(t, train=True))(m, tokens)
   load1 = np.asarray(m.groups.layers[0].ffn.balancer_load[...])
   assert load1.shape[0] == 2 and np.any(load1 != load0)  # [groups, E]: accumulated in training
+
+
+def test_save_kda_runs_each_kda_forward_kernel_once_through_the_whole_model():
+  """remat_policy "save_kda" through the stack (the unrolled head, the scanned groups, their
+  checkpoints): in the model's value_and_grad, after dead code (tests/jaxpr_testlib, scan
+  bodies followed once), each KDA forward kernel of pallas_gpu (bf16: the wy kernels) runs
+  once per KDA call site, where "full" runs it twice; the backward kernels once either way.
+  Traced only (make_jaxpr): nothing is compiled, so the GPU kernels need no GPU here."""
+  from tests import jaxpr_testlib  # pylint: disable=g-import-not-at-top
+  fwd = ("kda_wy_fwd_scores", "kda_wy_fwd_inverse", "kda_wy_fwd_wu", "kda_state_fwd")
+  bwd = ("kda_wy_bwd_dx", "kda_wy_bwd_pair", "kda_state_bwd")
+  tok = jnp.asarray(np.random.default_rng(9).integers(0, 512, (1, 64)), jnp.int32)
+  counts = {}
+  for policy in ("full", "save_kda"):
+    cfg = get_preset("tiny", kda_backend="pallas_gpu", dtype="bfloat16", remat_policy=policy)
+    assert cfg.scan_layers
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))))
+
+    def loss(state):
+      logits = nnx.merge(graphdef, state)(tok)
+      logits = logits[0] if isinstance(logits, tuple) else logits
+      return jnp.sum(jnp.square(logits.astype(jnp.float32)))
+
+    kernels = jaxpr_testlib.live_calls(jax.make_jaxpr(jax.value_and_grad(loss))(state),
+                                       jaxpr_testlib.kernel_name)
+    counts[policy] = {n: kernels.count(n) for n in fwd + bwd}
+  sites = counts["save_kda"]["kda_wy_bwd_pair"]
+  assert sites >= 2, counts  # the head's KDA layers and the scanned group's, one site each
+  for n in fwd:
+    assert (counts["full"][n], counts["save_kda"][n]) == (2 * sites, sites), counts
+  for n in bwd:
+    assert counts["full"][n] == counts["save_kda"][n] == sites, counts
