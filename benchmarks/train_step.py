@@ -6,10 +6,12 @@
                                      # the stage's own first batches; prints each step's loss
   XLA_FLAGS=--xla_gpu_enable_command_buffer= python benchmarks/train_step.py --profile /tmp/tr
                                      # + device time by named scope (KDA, MoE, AttnRes, ...)
-  for r in full save_kda; do python benchmarks/train_step.py --remat $r --compile-only \
-      --compilation-cache /tmp/jcc & done; wait        # compile both at once, then time each
+  for r in full save_kda; do XLA_PYTHON_CLIENT_PREALLOCATE=false python benchmarks/train_step.py \
+      --remat $r --compile-only --compilation-cache /tmp/jcc & done; wait   # compile at once,
   for r in full save_kda; do python benchmarks/train_step.py --remat $r \
-      --compilation-cache /tmp/jcc; done               # (the compiles come from the cache)
+      --compilation-cache /tmp/jcc; done        # then time each, its compile from the cache
+                                     # (the same XLA_FLAGS in both: they are in the cache key;
+                                     # no preallocation where several processes share a GPU)
 
 The step is the real one (`sparse_lm.train.loop.build`: AdamW, clipping, gradient
 accumulation, Quantile Balancing update, donated state) on synthetic packed batches (random
