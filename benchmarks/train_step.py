@@ -142,7 +142,8 @@ def main(argv=None) -> None:
           shd.with_shardings(parts.abstract_state, parts.state_shardings),
           abstract_batch(batch_shapes(stage, batch, seq_len), sh)).compile()
       mem = compiled.memory_analysis()
-    print(f"compile-only: {args.preset}, remat {cfg.remat_policy}, {batch} x {seq_len} "
+    skip = f" (last {cfg.remat_skip_last} units kept)" if cfg.remat_skip_last else ""
+    print(f"compile-only: {args.preset}, remat {cfg.remat_policy}{skip}, {batch} x {seq_len} "
           f"tokens: compiled in {time.perf_counter() - t0:.1f} s into "
           f"{args.compilation_cache}" + (f"; arguments {mem.argument_size_in_bytes / GIB:.2f} "
                                         f"GiB, temporaries {mem.temp_size_in_bytes / GIB:.2f} "
