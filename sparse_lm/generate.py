@@ -15,6 +15,7 @@ the imported model and the tokenizer the checkpoint shipped.
 from __future__ import annotations
 
 import argparse
+import os
 import pathlib
 import re
 import sys
@@ -151,6 +152,36 @@ def _parser() -> argparse.ArgumentParser:
   return p
 
 
+class TextStream:
+  """Writes a completion's text to `out` as its tokens arrive, each character once.
+
+  `decode` maps all the tokens so far to text. A burst of tokens can end inside a multi-byte
+  UTF-8 character, which byte-level tokenizers decode as U+FFFD until its last byte arrives,
+  so trailing U+FFFD characters are held back until the next update; `finish` writes them if
+  they are still there. Should the decoder ever change text already written, the rest is
+  written from where the two texts part (nothing already written is taken back).
+  """
+
+  def __init__(self, decode, out):
+    self._decode, self._out, self.shown = decode, out, ""
+
+  def _write(self, text: str) -> None:
+    if self.shown.startswith(text):  # nothing new
+      return
+    common = len(os.path.commonprefix([text, self.shown]))
+    self._out.write(text[common:])
+    self._out.flush()
+    self.shown = text
+
+  def update(self, tokens) -> None:
+    """All the completion's tokens so far: writes what is new, bar a cut character."""
+    self._write(self._decode(tokens).rstrip("\ufffd"))
+
+  def finish(self, tokens) -> None:
+    """The completion's final tokens: writes whatever is still held back."""
+    self._write(self._decode(tokens))
+
+
 # The engine's argument names -> this CLI's flags, for its error messages.
 _FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p",
           "max_new_tokens": "--max-new-tokens", "max_length": "--max-length",
@@ -204,20 +235,14 @@ def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
     ids = tokenizer.encode(text)
     if state is None:
       ids = [tokenizer.bos_id] + ids
-    shown = ""
-
-    def stream(_, tokens):
-      nonlocal shown
-      text = tokenizer.decode(tokens, skip_special=True)
-      if text.startswith(shown):
-        out.write(text[len(shown):])
-        out.flush()
-        shown = text
+    text_out = TextStream(lambda t: tokenizer.decode(t, skip_special=True), out)
     try:
       res = engine.generate([ids], max_new_tokens=args.max_new_tokens, sampling=sampling,
-                            seed=seed, states=[state], stream=stream)[0]
+                            seed=seed, states=[state],
+                            stream=lambda _, tokens: text_out.update(tokens))[0]
     except ValueError as e:
       _flag_error(parser, e)
+    text_out.finish(res.tokens)
     out.write("\n")
     if res.finish_reason == "max_length":
       print(f"[stopped: the history reached --max-length {args.max_length} tokens]",

@@ -121,3 +121,26 @@ def test_cli_errors_name_the_flag_before_loading(flags, want, capsys, tmp_path):
     cli.main(["--workdir", str(tmp_path / "none"), "--prompt", "x"] + flags)
   assert e.value.code == 2
   assert re.search(want, capsys.readouterr().err)
+
+
+def test_text_stream_holds_back_a_character_cut_between_bursts():
+  """A burst that ends inside a multi-byte UTF-8 character (a byte-level tokenizer decodes the
+  partial bytes as U+FFFD) must not stop the stream: the text written is the whole
+  completion, each character once, for every place the bursts can be cut."""
+  text = "héllo 日本 def \u05f9otb"
+  data = list(text.encode("utf-8"))  # one token per byte, as a byte-level BPE can emit
+  decode = lambda toks: bytes(toks).decode("utf-8", errors="replace")
+  for cut in range(1, len(data)):
+    for burst in (1, 2, 3, 5):
+      out = io.StringIO()
+      s = cli.TextStream(decode, out)
+      ends = sorted({*range(cut, len(data), burst), len(data)})
+      for end in ends:
+        s.update(data[:end])
+      s.finish(data)
+      assert out.getvalue() == text, (cut, burst)
+  out = io.StringIO()  # still cut at the end: finish writes the replacement character
+  s = cli.TextStream(decode, out)
+  s.update(data[:2])
+  s.finish(data[:2])
+  assert out.getvalue() == "h\ufffd"
