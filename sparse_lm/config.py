@@ -211,6 +211,21 @@ class ModelConfig:
               "attnres_block_layers", "kda_conv_size", "balancer_bins", "loss_chunk_size"):
       if getattr(self, f) <= 0:
         bad(f"{f}={getattr(self, f)} must be > 0")
+    for f in ("attention_chunk_size", "norm_eps", "l2_norm_eps", "init_std", "route_scale",
+              "situ_beta1", "situ_beta2"):
+      if not getattr(self, f) > 0:  # also refuses NaN
+        bad(f"{f}={getattr(self, f)} must be > 0")
+    for f in ("bias_sign_rate", "aux_loss_coef"):
+      if not getattr(self, f) >= 0:
+        bad(f"{f}={getattr(self, f)} must be >= 0 (0 turns it off)")
+    if self.num_shared_experts and self.shared_expert_hidden <= 0:
+      bad(f"shared_expert_hidden={self.shared_expert_hidden} must be > 0 with "
+          f"num_shared_experts={self.num_shared_experts}")
+    if self.vision:
+      for f in ("vision_patch_size", "vision_width", "vision_layers", "vision_heads",
+                "vision_mlp"):
+        if getattr(self, f) <= 0:
+          bad(f"{f}={getattr(self, f)} must be > 0 (or vision=false)")
     if self.qk_rope_head_dim < 0 or self.num_shared_experts < 0:
       bad("qk_rope_head_dim and num_shared_experts must be >= 0")
     if self.q_lora_rank < 0:
@@ -332,7 +347,7 @@ def _tiny() -> ModelConfig:
 PRESETS = {"tiny": _tiny, "small": _small, "full": _full}
 
 
-def get_preset(name: str, **overrides) -> ModelConfig:
+def get_preset(name: str, /, **overrides) -> ModelConfig:
   """A preset by name ("tiny", "small", "full"), with optional field overrides.
 
   Raises:

@@ -107,6 +107,12 @@ class StageConfig:
               "checkpoint_every", "keep_checkpoints"):
       if getattr(self, f) <= 0:
         raise ValueError(f"StageConfig({self.name}): {f}={getattr(self, f)} must be > 0")
+    if self.eval_batches < 1:
+      raise ValueError(f"StageConfig({self.name}): eval_batches={self.eval_batches} must be "
+                       ">= 1 (to evaluate less often, raise eval_every)")
+    if self.eval_batch_size is not None and self.eval_batch_size < 1:
+      raise ValueError(f"StageConfig({self.name}): eval_batch_size={self.eval_batch_size} "
+                       "must be >= 1 or None (the training batch)")
     if self.gc_every < 0:
       raise ValueError(f"StageConfig({self.name}): gc_every={self.gc_every} must be >= 0 "
                        "(0 leaves Python's garbage collector as it is)")

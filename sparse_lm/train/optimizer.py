@@ -75,6 +75,25 @@ class OptimizerConfig:
                        "K2 uses 100) or None to disable QK-clip")
     if self.muon_ns_steps < 1:
       raise ValueError(f"optim.muon_ns_steps={self.muon_ns_steps} must be >= 1")
+    # (test, what it must be); `not test` also refuses NaN
+    checks = {
+        "peak_lr": (self.peak_lr > 0, "> 0"),
+        "warmup_steps": (self.warmup_steps >= 0, ">= 0"),
+        "decay_fraction": (0 <= self.decay_fraction <= 1, "in [0, 1]"),
+        "min_lr_ratio": (0 <= self.min_lr_ratio <= 1, "in [0, 1] (the decay's end, a "
+                         "fraction of peak_lr)"),
+        "b1": (0 <= self.b1 < 1, "in [0, 1)"),
+        "b2": (0 <= self.b2 < 1, "in [0, 1)"),
+        "eps": (self.eps > 0, "> 0"),
+        "weight_decay": (self.weight_decay >= 0, ">= 0 (0 turns it off)"),
+        "clip_norm": (self.clip_norm > 0, "> 0 (a large value such as 1e9 turns clipping "
+                      "off)"),
+        "muon_beta": (0 <= self.muon_beta < 1, "in [0, 1)"),
+        "muon_rms": (self.muon_rms > 0, "> 0"),
+    }
+    for field, (ok, want) in checks.items():
+      if not ok:
+        raise ValueError(f"optim.{field}={getattr(self, field)} must be {want}")
 
 
 OPTIMIZERS = ("adamw", "muon")

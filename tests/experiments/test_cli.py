@@ -165,3 +165,39 @@ def test_one_file_corpus_trains_with_a_tail_split_or_none(tmp_path, capsys):
   out = capsys.readouterr().out
   assert code == 0 and "no held-out split" in out
   assert "done at step 5: no held-out split" in out
+
+
+@pytest.mark.parametrize("item, field", [
+    ("optim.peak_lr=-1", "optim.peak_lr=-1.0 must be > 0"),
+    ("optim.warmup_steps=-10", "optim.warmup_steps=-10 must be >= 0"),
+    ("optim.decay_fraction=2", "optim.decay_fraction=2.0 must be in [0, 1]"),
+    ("optim.min_lr_ratio=-1", "optim.min_lr_ratio=-1.0 must be in [0, 1]"),
+    ("optim.b1=1.5", "optim.b1=1.5 must be in [0, 1)"),
+    ("optim.b2=-1", "optim.b2=-1.0 must be in [0, 1)"),
+    ("optim.eps=-1", "optim.eps=-1.0 must be > 0"),
+    ("optim.weight_decay=-1", "optim.weight_decay=-1.0 must be >= 0"),
+    ("optim.clip_norm=0", "optim.clip_norm=0.0 must be > 0"),
+    ("optim.muon_beta=2", "optim.muon_beta=2.0 must be in [0, 1)"),
+    ("optim.muon_rms=-1", "optim.muon_rms=-1.0 must be > 0"),
+    ("eval_batches=0", "eval_batches=0 must be >= 1"),
+    ("eval_batch_size=-3", "eval_batch_size=-3 must be >= 1"),
+    ("model.attention_chunk_size=0", "attention_chunk_size=0 must be > 0"),
+    ("model.norm_eps=0", "norm_eps=0.0 must be > 0"),
+    ("model.aux_loss_coef=-1", "aux_loss_coef=-1.0 must be >= 0"),
+])
+def test_bad_values_stop_before_anything_runs_and_name_the_field(item, field, tmp_path, capsys):
+  """Values no run can use (a negative learning rate trained on and diverged before these
+  checks) stop with status 2 and the field's name, before data or compiles."""
+  with pytest.raises(SystemExit) as e:
+    base.main(stage_8k.STAGES, ["--preset=tiny", f"--workdir={tmp_path}", "--set", item])
+  assert e.value.code == 2
+  assert field in capsys.readouterr().err
+  assert not list(tmp_path.iterdir())  # nothing written
+
+
+def test_model_name_can_be_set_like_any_other_field():
+  """`--list-keys` lists model.name; setting it renames the config (it used to collide with
+  get_preset's own argument)."""
+  stage = base.apply_overrides(stage_8k.STAGES["tiny"], ["model.name=mine"])
+  assert stage.model_config().name == "mine"
+  stage.validate()
