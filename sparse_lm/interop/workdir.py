@@ -34,7 +34,11 @@ TOKENIZER = "tokenizer.json"
 
 
 def _dir(workdir) -> pathlib.Path:
-  return pathlib.Path(workdir).absolute() / IMPORT_DIR
+  """The import directory of workdir W: W/hf_import, or W itself when W is that directory."""
+  p = pathlib.Path(workdir).absolute()
+  if p.name == IMPORT_DIR and (p / META).exists():
+    return p
+  return p / IMPORT_DIR
 
 
 def imported_config(workdir) -> ModelConfig | None:

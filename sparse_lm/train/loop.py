@@ -506,6 +506,24 @@ class _StageLoop:
     self.writer.close()
 
 
+def _init_from_missing(stage, workdir, prev_dir) -> str:
+  """What to do when `stage.init_from` names neither a stage with a checkpoint nor an import."""
+  where = f"[{stage.name}] init_from={stage.init_from!r}"
+  scratch = "or --set init_from=None to start from scratch"
+  if "/" not in stage.init_from and not stage.init_from.startswith("."):  # a stage's name
+    return (f"{where}: no checkpoint in {prev_dir}; run `python -m experiments."
+            f"{stage.init_from} --preset={stage.preset} --workdir={workdir}` first, {scratch}")
+  path = pathlib.Path(stage.init_from)
+  if (path / "config.json").is_file():  # an HF checkpoint directory, not yet imported
+    return (f"{where} is an HF checkpoint directory, not an import: run `python -m "
+            f"sparse_lm.interop.hf import --hf_dir {path} --workdir W` and pass "
+            f"--set init_from=W, {scratch}")
+  return (f"{where}: neither an HF import (no {path}/hf_import/sparse_lm_model.json; `python "
+          f"-m sparse_lm.interop.hf import --hf_dir D --workdir W` writes one, then pass W) nor "
+          f"a stage directory with checkpoints ({prev_dir}); to continue a stage of this "
+          f"workdir pass its name (stage_8k, ...), {scratch}")
+
+
 def _init_from(stage, workdir, target, fingerprint, parts, say) -> TrainState:
   """The previous stage's final checkpoint, restarted at step 0 of this stage (or, when
   init_from is an HF import directory, its weights with a fresh optimizer)."""
@@ -525,10 +543,7 @@ def _init_from(stage, workdir, target, fingerprint, parts, say) -> TrainState:
   check = lambda meta: check_model(meta, stage.model_config(), stage.name)
   restored = prev.restore_latest(target, check_meta=check) if prev_dir.exists() else None
   if restored is None:
-    raise FileNotFoundError(
-        f"[{stage.name}] init_from={stage.init_from!r}: no checkpoint in {prev_dir}; run "
-        f"`python -m experiments.{stage.init_from} --preset={stage.preset} "
-        f"--workdir={workdir}` first, or --set init_from=None to start from scratch")
+    raise FileNotFoundError(_init_from_missing(stage, workdir, prev_dir))
   state, _, meta = restored
   prev.close()
   check_tokenizer(meta, fingerprint, f"stage {stage.init_from} checkpoint {prev_dir}")

@@ -132,3 +132,23 @@ def test_exported_stage_imports_back_with_its_tokenizer(tmp_path):
                             nnx.to_flat_state(nnx.state(back, nnx.Param))):
     np.testing.assert_array_equal(np.asarray(x[...], np.float32), np.asarray(y[...], np.float32),
                                   err_msg=str(p))
+
+
+def test_init_from_takes_the_import_directory_itself_and_names_what_a_wrong_path_is(tmp_path):
+  """`init_from` may name W or W/hf_import (what `import` prints it wrote); a raw HF
+  checkpoint directory or another path gets a message that says to import it, not to run a
+  stage of that name."""
+  from sparse_lm.interop import workdir as hf_import
+  w = tmp_path / "w"
+  import_to_workdir(KIMI_LINEAR, w)
+  assert hf_import.imported_config(w) == hf_import.imported_config(w / "hf_import")
+  assert hf_import.imported_config(w).name == "kimi_linear"
+  assert hf_import.imported_config(tmp_path) is None
+  missing = loop._init_from_missing  # pylint: disable=protected-access
+  msg = missing(small_stage(name="ft", init_from=str(KIMI_LINEAR)), tmp_path, tmp_path / "x")
+  assert "HF checkpoint directory, not an import" in msg
+  assert f"sparse_lm.interop.hf import --hf_dir {KIMI_LINEAR}" in msg
+  msg = missing(small_stage(name="ft", init_from="/nonexistent"), tmp_path, tmp_path / "x")
+  assert "neither an HF import" in msg and "experiments./" not in msg
+  msg = missing(small_stage(name="ft", init_from="stage_8k"), tmp_path, tmp_path / "x")
+  assert "python -m experiments.stage_8k --preset=" in msg
