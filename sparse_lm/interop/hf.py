@@ -239,21 +239,28 @@ def _export_source(workdir_path: str, stage: str | None):
 
 
 def export_from_workdir(workdir_path, out, *, stage: str | None = None,
-                        layout: str = "kimi_linear", quantize: bool = False) -> list[str]:
+                        layout: str | None = None, quantize: bool = False) -> list[str]:
   """A workdir's newest trained stage (or `stage`; its HF import if it has no stage) -> HF
   checkpoint `out`: weights and config.json (`save_pretrained`) and the tokenizer files with
   the bos / eos / pad ids (`tokenizer_hf.write_checkpoint_files`), so that `import` of `out`
   gives the same model and tokenizer back. Returns the shard file names.
 
+  `layout` None: `kimi_k3` with `quantize`, else `hf_config.default_layout` (`kimi_linear`
+  when transformers' KimiLinearForCausalLM can hold the model, else `kimi_k3`).
   A SentencePiece tokenizer has no HF file to write: the weights are exported without it
   (with a warning).
 
   Raises:
     FileNotFoundError: no checkpoint of `stage` (or of any stage, and no import).
-    ValueError: `save_pretrained`'s errors.
+    ValueError: `save_pretrained`'s errors: checked before anything is written to `out`.
   """
   from sparse_lm.data import tokenizer_hf  # pylint: disable=g-import-not-at-top
   model, cfg, extra, tokenizer = _export_source(str(workdir_path), stage)
+  if layout is None:
+    layout = "kimi_k3" if quantize else hf_config.default_layout(cfg)
+  if quantize and layout != "kimi_k3":
+    raise ValueError("quantize_experts=True needs layout='kimi_k3' (Kimi-Linear is bf16)")
+  hf_config.config_to_hf(cfg, layout, quantized=quantize)  # refuses before a file is written
   if tokenizer is not None:
     try:
       extra = {**extra, **tokenizer_hf.write_checkpoint_files(tokenizer, out)}
@@ -277,21 +284,30 @@ def main(argv=None) -> None:
   b.add_argument("--stage", help="the stage to export (default: the newest stage checkpoint "
                  "in the workdir; the HF import if there is none)")
   b.add_argument("--out", required=True)
-  b.add_argument("--layout", choices=hf_config.LAYOUTS, default="kimi_linear")
+  b.add_argument("--layout", choices=hf_config.LAYOUTS, default=None,
+                 help="default: kimi_linear when transformers' KimiLinearForCausalLM can hold "
+                      "the model (no SiTU, LatentMoE, MLA output gate or AttnRes), else kimi_k3")
   b.add_argument("--quantize", action="store_true", help="MXFP4 routed experts (kimi_k3)")
   args = ap.parse_args(argv)
-  if args.cmd == "import":
-    out = import_to_workdir(args.hf_dir, args.workdir, dtype=args.dtype)
-    tok = workdir.tokenizer_path(args.workdir)
-    print(f"imported {args.hf_dir} -> {out}" + (f" (tokenizer {tok})" if tok else
-                                                 " (the checkpoint ships no tokenizer)"))
-  else:
-    files = export_from_workdir(args.workdir, args.out, stage=args.stage, layout=args.layout,
-                                quantize=args.quantize)
-    tok = [f for f in ("tokenizer.json", "tiktoken.model")
-           if (pathlib.Path(args.out) / f).is_file()]
-    print(f"exported {len(files)} shard(s) to {args.out} ({args.layout}); tokenizer: "
-          + (tok[0] if tok else "none (the source has none)"))
+  if args.cmd == "export" and args.quantize and args.layout == "kimi_linear":
+    b.error("--quantize needs --layout kimi_k3 (Kimi-Linear stores bf16 experts)")
+  try:  # a missing directory or a model the layout cannot hold: a message, status 2
+    if args.cmd == "import":
+      out = import_to_workdir(args.hf_dir, args.workdir, dtype=args.dtype)
+      tok = workdir.tokenizer_path(args.workdir)
+      print(f"imported {args.hf_dir} -> {out}" + (f" (tokenizer {tok})" if tok else
+                                                   " (the checkpoint ships no tokenizer)"))
+    else:
+      layout = args.layout or ("kimi_k3" if args.quantize else None)
+      files = export_from_workdir(args.workdir, args.out, stage=args.stage, layout=layout,
+                                  quantize=args.quantize)
+      conf = json.loads((pathlib.Path(args.out) / "config.json").read_text())
+      tok = [f for f in ("tokenizer.json", "tiktoken.model")
+             if (pathlib.Path(args.out) / f).is_file()]
+      print(f"exported {len(files)} shard(s) to {args.out} ({conf['model_type']}); tokenizer: "
+            + (tok[0] if tok else "none (the source has none)"))
+  except (FileNotFoundError, ValueError) as e:
+    (a if args.cmd == "import" else b).error(str(e))
 
 
 if __name__ == "__main__":

@@ -192,6 +192,26 @@ def config_from_hf(raw: dict[str, Any], *, dtype: str | None = None,
   return ModelConfig(name=layout, **f), layout
 
 
+def kimi_linear_cannot_express(cfg: ModelConfig) -> list[str]:
+  """The fields of `cfg` that transformers' KimiLinearForCausalLM has no module for (the
+  Kimi-K3 features of the presets); empty when the `kimi_linear` layout can hold cfg."""
+  out = []
+  if cfg.ffn_activation != "swiglu":
+    out.append(f"ffn_activation={cfg.ffn_activation!r} (Kimi-Linear: swiglu)")
+  if cfg.moe_latent:
+    out.append("moe_latent=True (Kimi-Linear: experts on the full width)")
+  if cfg.mla_output_gate:
+    out.append("mla_output_gate=True (Kimi-Linear: no MLA output gate)")
+  if cfg.residual != "standard":
+    out.append(f"residual={cfg.residual!r} (Kimi-Linear: the plain residual stream)")
+  return out
+
+
+def default_layout(cfg: ModelConfig) -> str:
+  """`kimi_linear` when transformers' KimiLinearForCausalLM can hold cfg, else `kimi_k3`."""
+  return "kimi_k3" if kimi_linear_cannot_express(cfg) else "kimi_linear"
+
+
 def config_to_hf(cfg: ModelConfig, layout: str, *, quantized: bool = False,
                  extra: dict[str, Any] | None = None) -> dict[str, Any]:
   """The config.json for `cfg` in `layout` (the inverse of `config_from_hf`).
@@ -204,6 +224,9 @@ def config_to_hf(cfg: ModelConfig, layout: str, *, quantized: bool = False,
   """
   if layout not in LAYOUTS:
     raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}")
+  if layout == "kimi_linear" and kimi_linear_cannot_express(cfg):
+    raise ValueError("layout='kimi_linear' (transformers' KimiLinearForCausalLM) cannot hold "
+                     f"{'; '.join(kimi_linear_cannot_express(cfg))}: use layout='kimi_k3'")
   if cfg.kda_output_gate_rank not in (0, cfg.kda_head_dim):
     raise ValueError(f"kda_output_gate_rank={cfg.kda_output_gate_rank}: HF stores the low-rank "
                      f"gate with rank = head_dim ({cfg.kda_head_dim}) or full rank (0)")

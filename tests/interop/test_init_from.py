@@ -6,6 +6,7 @@ import subprocess
 import sys
 
 import numpy as np
+import pytest
 from flax import nnx
 
 from sparse_lm import sharding as shd
@@ -114,9 +115,16 @@ def test_exported_stage_imports_back_with_its_tokenizer(tmp_path):
   _, _, saved_tok = workdir.load_stage_with_tokenizer(tmp_path / "w")
   assert saved_tok.fingerprint == tok.fingerprint
   assert workdir.stage_tokenizer(tmp_path / "w").fingerprint == tok.fingerprint
+  with pytest.raises(ValueError, match=r"layout='kimi_linear' .* cannot hold "
+                     r"ffn_activation='situ'.*moe_latent=True.*mla_output_gate=True.*"
+                     r"residual='attnres_block'.*use layout='kimi_k3'"):
+    export_from_workdir(tmp_path / "w", tmp_path / "refused", layout="kimi_linear")
+  assert not (tmp_path / "refused").exists()  # refused before the tokenizer files
   out = tmp_path / "hf"
-  export_from_workdir(tmp_path / "w", out)
+  export_from_workdir(tmp_path / "w", out)  # the preset's K3 features: kimi_k3 by default
   conf = json.loads((out / "config.json").read_text())
+  assert conf["model_type"] == "kimi_k3"
+  conf = conf["text_config"]
   assert (conf["bos_token_id"], conf["eos_token_id"], conf["pad_token_id"]) == (
       tok.bos_id, tok.eos_id, tok.pad_id)
   assert (out / "tokenizer.json").is_file()
@@ -152,3 +160,33 @@ def test_init_from_takes_the_import_directory_itself_and_names_what_a_wrong_path
   assert "neither an HF import" in msg and "experiments./" not in msg
   msg = missing(small_stage(name="ft", init_from="stage_8k"), tmp_path, tmp_path / "x")
   assert "python -m experiments.stage_8k --preset=" in msg
+
+
+def test_cli_errors_are_one_line_with_status_2(tmp_path, capsys):
+  """The interop CLI's errors (missing directories, a non-HF directory, --quantize with the
+  kimi_linear layout) exit with argparse's status 2 and the message, no traceback; the
+  refused export writes nothing. A Kimi-Linear model exports as kimi_linear by default."""
+  from sparse_lm.interop import hf
+  from sparse_lm.interop import hf_config
+  w = tmp_path / "w"
+  import_to_workdir(KIMI_LINEAR, w)
+  cases = [
+      (["import", "--hf_dir", str(tmp_path / "none"), "--workdir", str(tmp_path / "x")],
+       "no config.json"),
+      (["export", "--workdir", str(tmp_path / "none"), "--out", str(tmp_path / "o1")],
+       str(tmp_path / "none")),
+      (["export", "--workdir", str(w), "--out", str(tmp_path / "o2"), "--quantize",
+        "--layout", "kimi_linear"], "--quantize needs --layout kimi_k3"),
+  ]
+  for argv, want in cases:
+    with pytest.raises(SystemExit) as e:
+      hf.main(argv)
+    assert e.value.code == 2, argv
+    err = capsys.readouterr().err
+    assert want in err and "Traceback" not in err, (argv, err)
+  assert not (tmp_path / "o1").exists() and not (tmp_path / "o2").exists()
+  _, cfg = load_pretrained(KIMI_LINEAR)
+  assert hf_config.default_layout(cfg) == "kimi_linear" and not \
+      hf_config.kimi_linear_cannot_express(cfg)
+  hf.main(["export", "--workdir", str(w), "--out", str(tmp_path / "o3")])
+  assert json.loads((tmp_path / "o3" / "config.json").read_text())["model_type"] == "kimi_linear"
