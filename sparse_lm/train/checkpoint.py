@@ -20,9 +20,11 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import logging
 import os
 import pathlib
 import shutil
+import sys
 import time
 import warnings
 from typing import Any, Callable
@@ -130,9 +132,10 @@ class Checkpointer:
           return restored.state, dict(restored.data or {}), meta
         except Exception as e:  # pylint: disable=broad-except  (any read failure: corrupt)
           failure = e
+      _quiet_abandoned_reads()
+      why = str(failure).split("\n")[0].split(" [tensorstore_spec")[0][:300]
       msg = (f"checkpoint {self.directory / str(step)} cannot be restored "
-             f"({type(failure).__name__}: {str(failure)[:300]}); falling back to the previous "
-             "one")
+             f"({type(failure).__name__}: {why}); falling back to the previous one")
       warnings.warn(msg, RuntimeWarning, stacklevel=2)
       errors.append(msg)
       unreadable.append(step)
@@ -157,6 +160,44 @@ class Checkpointer:
     if jax.process_count() > 1:
       multihost_utils.sync_global_devices("sparse_lm checkpoint set aside")
     self._mgr.reload()
+
+
+class _AbandonedReadFilter(logging.Filter):
+  """Drops asyncio's "... exception was never retrieved" records of checkpoint reads."""
+
+  def filter(self, record: logging.LogRecord) -> bool:
+    text = record.getMessage()
+    return not ("never retrieved" in text and any(k in text for k in _READ_MARKS))
+
+
+_READ_MARKS = ("orbax", "tensorstore", "OCDBT")
+_QUIET = []
+
+
+def _quiet_abandoned_reads() -> None:
+  """Silence the late errors of a failed restore's other reads, for the rest of the process.
+
+  When one array of a checkpoint cannot be read, orbax's restore raises while its other
+  reads (one per array) are still in flight; as they finish, each reports into an event loop
+  already closed, and asyncio logs each failed one: thousands of tracebacks for one
+  corrupt checkpoint of a real model, burying the one warning that says what happened. This
+  drops exactly those (`RuntimeError('Event loop is closed')` raised where no one can catch
+  it, and asyncio's never-retrieved records that name orbax or TensorStore); other
+  unraisable exceptions and log records pass through. Installed once.
+  """
+  if _QUIET:
+    return
+  previous = sys.unraisablehook
+
+  def hook(unraisable):
+    err = unraisable.exc_value
+    if isinstance(err, RuntimeError) and str(err) == "Event loop is closed":
+      return
+    previous(unraisable)
+
+  sys.unraisablehook = hook
+  logging.getLogger("asyncio").addFilter(_AbandonedReadFilter())
+  _QUIET.append(hook)
 
 
 def check_tokenizer(meta: dict[str, Any], fingerprint: str, where: str) -> None:
