@@ -37,6 +37,11 @@ def load_workdir(workdir: str | pathlib.Path, *, stage: str | None = None,
   try:
     model, tokenizer, stage_cfg = load(workdir, stage)
   except FileNotFoundError:
+    here = pathlib.Path(workdir)
+    if (here / "checkpoints").is_dir():  # a stage's directory, not the workdir above it
+      raise FileNotFoundError(
+          f"{workdir} is a stage directory: pass --workdir {here.parent} --stage {here.name}, "
+          f"or --checkpoint {here / 'checkpoints'}/<step>") from None
     if stage is not None or hf_import.imported_config(workdir) is None:
       raise
     return _load_import(workdir, preset)
@@ -188,12 +193,17 @@ _FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p"
           "prefill_chunk": "--prefill-chunk"}
 
 
-def _flag_error(parser: argparse.ArgumentParser, err: ValueError):
-  """Exit with `err`'s message (status 2, as argparse) in terms of the CLI's flags."""
+def _flag_message(err: ValueError) -> str:
+  """`err`'s message in terms of the CLI's flags."""
   msg = str(err)
   for name, flag in _FLAGS.items():
     msg = re.sub(rf"(?<![-\w]){name}\b", flag, msg)
-  parser.error(msg)
+  return msg
+
+
+def _flag_error(parser: argparse.ArgumentParser, err: ValueError):
+  """Exit with `err`'s message (status 2, as argparse) in terms of the CLI's flags."""
+  parser.error(_flag_message(err))
 
 
 def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
@@ -213,7 +223,7 @@ def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
   except ValueError as e:
     _flag_error(parser, e)
   if not args.interactive and not args.prompt:
-    raise SystemExit("--prompt is empty: give text to continue, or use --interactive")
+    parser.error("--prompt is empty: give text to continue, or use --interactive")
   try:  # a checkpoint of another preset, or one that does not fit its config: status 2
     if args.checkpoint:
       model, tokenizer, meta = load_checkpoint(args.checkpoint, preset=args.preset)
@@ -231,34 +241,49 @@ def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
   except ValueError as e:
     _flag_error(parser, e)
 
-  def turn(text, state, seed):
+  def turn(text, state, seed, echo=""):
+    """One turn: `echo` (the prompt) is written once the engine has accepted the input.
+    Returns (state, whether the history is full); None for a line the engine refused in
+    --interactive (the session goes on from the state before it)."""
     ids = tokenizer.encode(text)
     if state is None:
       ids = [tokenizer.bos_id] + ids
     text_out = TextStream(lambda t: tokenizer.decode(t, skip_special=True), out)
+    pending = [echo]
+
+    def stream(tokens):
+      if pending:
+        out.write(pending.pop())
+      text_out.update(tokens)
     try:
       res = engine.generate([ids], max_new_tokens=args.max_new_tokens, sampling=sampling,
-                            seed=seed, states=[state],
-                            stream=lambda _, tokens: text_out.update(tokens))[0]
+                            seed=seed, states=[state], stream=lambda _, t: stream(t))[0]
     except ValueError as e:
-      _flag_error(parser, e)
+      if not args.interactive:
+        _flag_error(parser, e)
+      print(f"[not sent: {_flag_message(e)}]", file=sys.stderr)
+      return None
+    if pending:
+      out.write(pending.pop())
     text_out.finish(res.tokens)
     out.write("\n")
-    if res.finish_reason == "max_length":
-      print(f"[stopped: the history reached --max-length {args.max_length} tokens]",
-            file=sys.stderr)
-    return res.state
+    full = res.finish_reason == "max_length"
+    if full:
+      print(f"[stopped: the history reached --max-length {args.max_length} tokens"
+            + ("; the session ends: start a new one or raise --max-length]" if args.interactive
+               else "]"), file=sys.stderr)
+    return res.state, full
 
   if not args.interactive:
-    out.write(args.prompt)
-    turn(args.prompt, None, args.seed)
+    turn(args.prompt, None, args.seed, echo=args.prompt)
     return 0
-  state = None
+  state, full = None, False
   if args.prompt:
-    out.write(args.prompt)
-    state = turn(args.prompt, None, args.seed)
+    state, full = turn(args.prompt, None, args.seed, echo=args.prompt) or (None, False)
   for n, line in enumerate(sys.stdin, start=1):
-    state = turn(line.rstrip("\n"), state, args.seed + n)
+    if full:
+      break
+    state, full = turn(line.rstrip("\n"), state, args.seed + n) or (state, False)
   return 0
 
 

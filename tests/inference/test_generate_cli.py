@@ -144,3 +144,33 @@ def test_text_stream_holds_back_a_character_cut_between_bursts():
   s.update(data[:2])
   s.finish(data[:2])
   assert out.getvalue() == "h\ufffd"
+
+
+def test_cli_refusals_echo_nothing_and_a_full_session_ends_cleanly(workdir, monkeypatch, capsys):
+  """A prompt the engine refuses (too long) stops with status 2 before the prompt is echoed;
+  in --interactive a refused line is reported and the session goes on from the state before
+  it, and once the history reaches --max-length the session ends with status 0 and says so;
+  a stage directory passed as --workdir names the workdir above it."""
+  root, _, _ = workdir
+  flags = ["--max-new-tokens", "4", "--max-length", "24", "--prefill-chunk", "64"]
+  out = io.StringIO()
+  with pytest.raises(SystemExit) as stop:
+    cli.main(["--workdir", str(root), "--prompt", "def " * 40] + flags, out=out)
+  assert stop.value.code == 2 and out.getvalue() == ""
+  assert "--max-length" in capsys.readouterr().err
+  monkeypatch.setattr("sys.stdin", io.StringIO("return " * 40 + "\nreturn\nclass\nvalue\n"
+                                               "index\nlist\ndict\nprint\n"))
+  out = io.StringIO()
+  flags[1] = "8"  # 8 new tokens a turn: the third turn reaches the 24 tokens of history
+  assert cli.main(["--workdir", str(root), "--interactive", "--prompt", "def "] + flags,
+                  out=out) == 0
+  err = capsys.readouterr().err
+  assert "[not sent: " in err and "--max-length" in err
+  assert err.count("the session ends") == 1
+  assert out.getvalue().startswith("def ") and out.getvalue().count("\n") == 3
+  with pytest.raises(FileNotFoundError, match=r"is a stage directory: pass --workdir "
+                     + re.escape(str(root)) + " --stage stage_8k"):
+    cli.main(["--workdir", str(root / "stage_8k"), "--prompt", "x"])
+  with pytest.raises(SystemExit) as stop:
+    cli.main(["--workdir", str(root), "--prompt", ""])
+  assert stop.value.code == 2 and "--prompt is empty" in capsys.readouterr().err
