@@ -261,6 +261,12 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
                         progress_every=progress_every, alerts=alerts, on_step=on_step,
                         precompile=(jax.default_backend() == "gpu" if precompile is None
                                     else precompile))
+      no_eval = "no held-out split"
+      if stage.data.eval_fraction > 0 and not loop.eval_batches:
+        no_eval = "no held-out loss: the held-out split has no tokens"
+        say(f"[{stage.name}] warning: the held-out split of {stage.data.source} has no tokens "
+            f"(data.eval_fraction={stage.data.eval_fraction} of it is empty); no held-out "
+            "loss will be reported: give more text or raise data.eval_fraction")
       try:
         start = int(jax.device_get(state.step))
         state, preempted = loop.train(state, start)
@@ -270,7 +276,7 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
         loop.close()
   if not preempted:
     say(f"[{stage.name}] done at step {end}: " + (", ".join(
-        f"{k} {v:.4f}" for k, v in final_eval.items()) or "no held-out split") + loop.summary())
+        f"{k} {v:.4f}" for k, v in final_eval.items()) or no_eval) + loop.summary())
     if stage.sample_tokens > 0:
       say(f"[{stage.name}] sample: {stage.sample_prompt!r} -> {sample!r}")
   return RunResult(stage.name, start, end, loop.losses, loop.evals, final_eval, sample,

@@ -165,6 +165,17 @@ def test_one_file_corpus_trains_with_a_tail_split_or_none(tmp_path, capsys):
   out = capsys.readouterr().out
   assert code == 0 and "no held-out split" in out
   assert "done at step 5: no held-out split" in out
+  # A file too short for its held-out tail (2 lines: 2% of it ends at the last line break):
+  # the run says at its start that no held-out loss will come, and why.
+  short = tmp_path / "short.txt"
+  short.write_text("def f(x):\n    return x + 1\n")
+  (tmp_path / "run2").mkdir()
+  shutil.copy(tmp_path / "run" / "tokenizer.json", tmp_path / "run2" / "tokenizer.json")
+  code = base.main(stage_8k.STAGES, _argv(tmp_path / "run2", f"data.source=text:{short}"))
+  out = capsys.readouterr().out
+  assert code == 0, out
+  assert "warning: the held-out split of text:" in out and "has no tokens" in out
+  assert "done at step 5: no held-out loss: the held-out split has no tokens" in out
 
 
 @pytest.mark.parametrize("item, field", [
