@@ -35,7 +35,7 @@ import optax
 import orbax.checkpoint as ocp
 from jax.experimental import multihost_utils
 
-from sparse_lm.config import ModelConfig
+from sparse_lm.config import PRESETS, ModelConfig
 from sparse_lm.data import DataConfig
 from sparse_lm.sharding import MeshLayout
 from sparse_lm.train.config import StageConfig
@@ -308,10 +308,16 @@ def check_model(meta: dict[str, Any], model_cfg: ModelConfig, name: str
   notes = {f"model.{k}": v for k, v in diff.items() if k in MODEL_RUNTIME_FIELDS}
   diff = {k: v for k, v in diff.items() if k not in MODEL_RUNTIME_FIELDS}
   if diff:
+    head = ""
+    saved_preset = (meta.get("stage") or {}).get("preset")
+    if saved_preset in PRESETS and model_cfg.name in PRESETS and saved_preset != model_cfg.name:
+      head = (f"the checkpoint holds a {saved_preset!r} model and this run builds "
+              f"{model_cfg.name!r} (--preset={saved_preset} resumes it); ")
     raise ConfigMismatchError(
-        f"[{name}] the model config differs from the checkpoint at step {meta.get('step')}: "
-        + _listing(diff) + ". A checkpoint cannot be resumed as another model: use a new "
-        "workdir (--workdir=...), or run with the checkpoint's model settings.")
+        f"[{name}] {head}the model config differs from the checkpoint at step "
+        f"{meta.get('step')}: " + _listing(diff) + ". A checkpoint cannot be resumed as "
+        "another model: use a new workdir (--workdir=...), or run with the checkpoint's model "
+        "settings.")
   return notes
 
 

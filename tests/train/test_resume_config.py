@@ -73,6 +73,13 @@ def test_resume_compares_the_saved_stage_config():
   with pytest.raises(ckpt_lib.ConfigMismatchError, match="use a new workdir"):
     ckpt_lib.check_resume(meta, apply_overrides(saved, ["model.d_model=32"]),
                           allow_config_change=True)
+  # Another preset: the message says so before listing its fields.
+  small = dataclasses.replace(stage_8k.STAGES["small"], steps=30)
+  with pytest.raises(ckpt_lib.ConfigMismatchError,
+                     match=r"the checkpoint holds a .tiny. model and this run builds .small. "
+                           r"\(--preset=tiny resumes it\); "
+                           r"the model config differs"):
+    ckpt_lib.check_resume(meta, small, allow_config_change=True)
 
 
 def test_stage_config_round_trips_through_the_checkpoint_json():
