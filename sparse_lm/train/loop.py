@@ -452,8 +452,8 @@ class _StageLoop:
       routing = {k: v for k, v in routing.items() if not k.startswith("moe/drop_rate")}
     if "moe/drop_rate_total" in routing:
       self.drop_rates.append((step + 1, routing["moe/drop_rate_total"]))
-    self.writer.write(step, {**m, **routing, "tokens_per_s": tps, **({"mfu": mfu} if mfu else {})},
-                      prefix="train/")
+    timed = {"tokens_per_s": tps, **({"mfu": mfu} if mfu else {})} if tps > 0 else {}
+    self.writer.write(step, {**m, **routing, **timed}, prefix="train/")  # none untimed
     self.bar.update(step + 1, scalars["loss"], tps, mfu, routing)
     interval = (step + 1) // self.stage.eval_every
     for kind, message in metrics_lib.routing_warnings(routing, self.alerts):

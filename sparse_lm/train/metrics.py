@@ -241,8 +241,10 @@ def _clock(seconds: float) -> str:
 
 def stats_text(loss: float, tokens_per_s: float, mfu_value: float | None,
                routing: Mapping[str, Any]) -> str:
-  """`loss 4.1234  12,345 tok/s  MFU n/a  drop 0.00%  max/mean load 1.31  dead 0.0%`."""
-  text = f"loss {loss:.4f}  {tokens_per_s:,.0f} tok/s  MFU "
+  """`loss 4.1234  12,345 tok/s  MFU n/a  drop 0.00%  max/mean load 1.31  dead 0.0%`; before
+  any timed step (`tokens_per_s` 0: the first step of a run compiles) `tok/s n/a`."""
+  speed = f"{tokens_per_s:,.0f} tok/s" if tokens_per_s > 0 else "tok/s n/a"
+  text = f"loss {loss:.4f}  {speed}  MFU "
   text += f"{100 * mfu_value:.1f}%" if mfu_value is not None else "n/a"
   if "moe/drop_rate_total" in routing:
     text += f"  drop {100 * routing['moe/drop_rate_total']:.2f}%"

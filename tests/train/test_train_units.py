@@ -143,6 +143,8 @@ def test_routing_health_is_summarised_and_warned_about():
   assert s["moe/drop_rate_total"] == pytest.approx(0.02) and s["moe/drop_rate_layer"] == "layer_3"
   assert metrics_lib.stats_text(3.0, 1234.0, None, summary) == (
       "loss 3.0000  1,234 tok/s  MFU n/a  drop 1.50%  max/mean load 2.99  dead 37.5%")
+  # The first step after a start or resume compiles and is not timed: no "0 tok/s".
+  assert metrics_lib.stats_text(3.0, 0.0, None, {}) == "loss 3.0000  tok/s n/a  MFU n/a"
 
 
 def test_progress_prints_plain_lines_off_a_terminal():
