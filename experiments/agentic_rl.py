@@ -85,6 +85,8 @@ def main(argv=None) -> int:
   cfg = PRESETS[args.preset]
   try:
     cfg = apply_sets(cfg, args.sets)
+    if args.env is not None and args.env != cfg.env:  # the preset's env settings are its env's
+      cfg = dataclasses.replace(cfg, env_overrides=())
     for name in ("init_from", "env", "seed"):
       if getattr(args, name) is not None:
         cfg = dataclasses.replace(cfg, **{name: getattr(args, name)})

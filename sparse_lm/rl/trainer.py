@@ -76,8 +76,14 @@ class RLConfig:
     """Raise ValueError naming the offending field."""
     for f in ("seq_len", "max_turn_tokens", "sft_batch", "prompts_per_step", "eval_tasks",
               "checkpoint_every"):
-      if getattr(self, f) <= 0:
-        raise ValueError(f"RLConfig: {f}={getattr(self, f)} must be > 0")
+      if not isinstance(getattr(self, f), int) or getattr(self, f) <= 0:
+        raise ValueError(f"RLConfig: {f}={getattr(self, f)!r} must be an integer > 0")
+    for f in ("sft_steps", "grpo_steps", "eval_every", "seed"):
+      value = getattr(self, f)
+      if not isinstance(value, int) or value < 0:
+        raise ValueError(f"RLConfig: {f}={value!r} must be an integer >= 0"
+                         + (" (0: evaluate only at the phases' ends)" if f == "eval_every"
+                            else ""))
     if self.sft_seq_len is not None and self.sft_seq_len <= 0:
       raise ValueError(f"RLConfig: sft_seq_len={self.sft_seq_len} must be > 0 (or None)")
     if not 0.0 <= self.partial_credit < 1.0:
@@ -90,6 +96,36 @@ class RLConfig:
                        "advantage is relative to the group)")
     self.env_instance()
     get_preset(self.preset, **dict(self.model_overrides))
+
+
+def fit_lengths(cfg: RLConfig, tok, log=print, *, samples: int = 256) -> RLConfig:
+  """`cfg` with `seq_len` and `sft_seq_len` raised to what the env's episodes need with `tok`.
+
+  How many tokens a task takes depends on the tokenizer (the preset's own, or a pretraining
+  run's with `init_from`) and the env, so a preset's lengths, sized for one pair, can be too
+  short for another: an SFT transcript longer than `sft_seq_len` stopped the run, and a prompt
+  with no room for `max_turn_tokens` got no turn at all (success 0, silently). Over `samples`
+  tasks (a fixed draw, so a resumed run gets the same lengths): the longest SFT transcript L
+  and the longest prompt P; `sft_seq_len` (if set) becomes at least L and `seq_len` at least
+  max(L, P + max_turn_tokens), each rounded up to a multiple of 16, and each change is logged.
+  """
+  env = cfg.env_instance()
+  rng = np.random.default_rng([cfg.seed, 5])
+  tasks = [env.sample(rng) for _ in range(samples)]
+  longest = max(len(rollout.transcript(tok, t)[0]) for t in tasks)
+  prompt = max(len(rollout.prompt_ids(tok, t)) for t in tasks)
+  up = lambda n: -(-n // 16) * 16
+  changes = {}
+  if cfg.sft_seq_len is not None and cfg.sft_seq_len < longest:
+    changes["sft_seq_len"] = up(longest)
+  need = max(longest, prompt + cfg.max_turn_tokens)
+  if cfg.seq_len < need:
+    changes["seq_len"] = up(need)
+  if changes:
+    log(f"{cfg.env} episodes with this tokenizer: SFT transcripts up to {longest} tokens, "
+        f"prompts up to {prompt} (+ max_turn_tokens {cfg.max_turn_tokens}); using "
+        + ", ".join(f"{k}={v} (was {getattr(cfg, k)})" for k, v in changes.items()))
+  return dataclasses.replace(cfg, **changes)
 
 
 def _rng(cfg: RLConfig, phase: str, step: int) -> np.random.Generator:
@@ -360,6 +396,7 @@ def run(cfg: RLConfig, workdir: str, log=print, progress: bool = False) -> dict:
   if tok.vocab_size > model_cfg.vocab_size:
     raise ValueError(f"tokenizer has {tok.vocab_size} ids > model vocab_size "
                      f"{model_cfg.vocab_size}")
+  cfg = fit_lengths(cfg, tok, log)
   model = run_sft(cfg, wd, model, tok, log=log, progress=progress)
   engine = Engine(model, max_length=cfg.seq_len,
                   max_batch=max(cfg.prompts_per_step * cfg.grpo.group_size, 1))

@@ -24,6 +24,54 @@ def test_config_errors_name_the_field():
     apply_sets(cfg, ["grpo_stepz=3"])
   out = apply_sets(cfg, ["grpo_steps=3", "grpo.kl_coef=0.05", "env=lookup"])
   assert (out.grpo_steps, out.grpo.kl_coef, out.env) == (3, 0.05, "lookup")
+  # eval_every=-1 evaluated after every step ((step + 1) % -1 == 0); a string length compared
+  # with an int; a negative seed reached numpy
+  for field, value, want in (("eval_every", -1, "eval_every=-1 must be an integer >= 0"),
+                             ("sft_steps", -1, "sft_steps=-1 must be"),
+                             ("seed", -1, "seed=-1 must be"),
+                             ("seq_len", "abc", "seq_len='abc' must be an integer > 0")):
+    with pytest.raises(ValueError, match=want):
+      dataclasses.replace(cfg, **{field: value}).validate()
+
+
+def test_cli_env_replaces_the_presets_env_settings(capsys):
+  """`--preset small --env arithmetic` kept the passkey env's doc_chars and failed in
+  ArithmeticEnv; the env's settings now go with the preset's env (here validation reaches the
+  model config, past the env, and names its bad override)."""
+  from experiments import agentic_rl
+  with pytest.raises(SystemExit) as e:
+    agentic_rl.main(["--preset=small", "--env=arithmetic", "--set",
+                     'model_overrides=[["not_a_field", 1]]'])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "not_a_field" in err and "doc_chars" not in err
+
+
+def test_lengths_fit_the_env_and_tokenizer(tmp_path):
+  """The tiny preset's lengths (sized for arithmetic with its own tokenizer) grow to what
+  another env needs: every sampled SFT transcript then fits sft_seq_len, and every prompt
+  leaves max_turn_tokens of room in seq_len (a lookup transcript of 49 tokens stopped the run
+  at sft_seq_len=32). Arithmetic keeps the recorded run's lengths."""
+  from sparse_lm.rl import grpo, rollout
+  cfg = PRESETS["tiny"]
+  tok = trainer._tokenizer(cfg, tmp_path / "a", 512)  # pylint: disable=protected-access
+  assert trainer.fit_lengths(cfg, tok) == cfg
+  lookup = dataclasses.replace(cfg, env="lookup")
+  tok = trainer._tokenizer(lookup, tmp_path / "l", 512)  # pylint: disable=protected-access
+  lines = []
+  fit = trainer.fit_lengths(lookup, tok, lines.append)
+  assert fit.sft_seq_len > cfg.sft_seq_len and fit.sft_seq_len % 16 == 0
+  assert "sft_seq_len=" in lines[0] and "(was 32)" in lines[0]
+  env, rng = fit.env_instance(), np.random.default_rng(7)
+  eps = []
+  for _ in range(64):
+    task = env.sample(rng)
+    ids, gen = rollout.transcript(tok, task)
+    assert len(rollout.prompt_ids(tok, task)) + fit.max_turn_tokens <= fit.seq_len
+    eps.append(rollout.Episode(tokens=ids, generated=gen, logprobs=[0.0] * len(ids)))
+  grpo.episodes_to_batch(eps, None, fit.sft_seq_len)  # raises if one does not fit
+  with pytest.raises(ValueError, match="> seq_len=32"):
+    grpo.episodes_to_batch(eps, None, cfg.sft_seq_len)
 
 
 def test_init_from_without_checkpoints_is_refused_before_anything_runs(tmp_path, capsys):
