@@ -137,7 +137,8 @@ def apply_overrides(stage: StageConfig, sets: Sequence[str]) -> StageConfig:
       near = nearest_keys(key)
       raise ValueError(f"unknown --set key {key!r}; "
                        + (f"did you mean {', '.join(near)}? " if near else "")
-                       + "(--list-keys prints every key with its value)")
+                       + "(`python -m experiments.stage_8k --list-keys` prints every key "
+                       "with its value)")
     prefix, _, field = key.partition(".")
     if not field:
       top[key] = _parse(text, _hints(StageConfig)[key], key)

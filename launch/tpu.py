@@ -5,7 +5,7 @@
     python -m launch.tpu setup  --name lm --num-slices 2 --zone ... --project ...
     python -m launch.tpu run    --name lm --num-slices 2 --zone ... --project ... \
         --run-name s8k -- python -m experiments.stage_8k --preset full --workdir gs://b/runs
-    python -m launch.tpu tail   --name lm --zone ... --project ... --run-name s8k
+    python -m launch.tpu tail   --name lm --num-slices 2 --zone ... --project ... --run-name s8k
     python -m launch.tpu delete --name lm --zone ... --project ...
 
 Every subcommand takes `--dry-run`, which prints the exact commands (one per line, shell-quoted)
