@@ -7,10 +7,9 @@ The notebook loads the recorded ablation runs (docs/ablations/results.json, writ
 plots. It trains nothing; rerun the report to refresh the numbers.
 """
 
-import pathlib
+from nbformat.v4 import new_code_cell, new_markdown_cell
 
-import nbformat
-from nbformat.v4 import new_code_cell, new_markdown_cell, new_notebook
+from nbwrite import write_notebook
 
 cells = [
     new_markdown_cell(
@@ -76,10 +75,4 @@ cells = [
         "print('gate exponent plot:', 'shown' if png.exists() else 'not recorded')"),
 ]
 
-nb = new_notebook(cells=cells, metadata={
-    "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
-    "language_info": {"name": "python"},
-})
-out = pathlib.Path(__file__).with_name("ablations.ipynb")
-nbformat.write(nb, out)
-print("wrote", out)
+write_notebook(cells, "ablations.ipynb")

@@ -18,7 +18,13 @@ FIND_CHECKOUT = (
 
 
 def write_notebook(cells, name: str, **metadata) -> pathlib.Path:
-  """Write `cells` as notebooks/`name` with a Python 3 kernel (plus `metadata`); returns it."""
+  """Write `cells` as notebooks/`name` with a Python 3 kernel (plus `metadata`); returns it.
+
+  Cell ids are the notebook's name and the cell's index (nbformat draws random ones), so
+  regenerating an unchanged notebook rewrites the same file."""
+  stem = pathlib.Path(name).stem
+  for i, cell in enumerate(cells):
+    cell["id"] = f"{stem}-{i}"
   nb = new_notebook(cells=cells, metadata={
       "kernelspec": {"name": "python3", "display_name": "Python 3", "language": "python"},
       "language_info": {"name": "python"},

@@ -30,3 +30,23 @@ def test_first_cells_import_the_checkout_from_the_notebooks_folder():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, (name, out.stderr[-2000:])
     assert f"FROM {root / 'sparse_lm' / '__init__.py'}" in out.stdout, (name, out.stdout)
+
+
+def test_generators_rewrite_the_committed_notebooks_byte_for_byte():
+  """notebooks/make_*.py write what is committed (the notebooks are not edited by hand) and
+  write it the same each time: cell ids are fixed, not nbformat's random ones (every
+  regeneration used to change all three files)."""
+  import pathlib
+  import subprocess
+  import sys
+  nb_dir = pathlib.Path(__file__).resolve().parents[1] / "notebooks"
+  for name in ("quickstart", "vision", "ablations"):
+    path = nb_dir / f"{name}.ipynb"
+    before = path.read_bytes()
+    try:
+      out = subprocess.run([sys.executable, f"make_{name}.py"], cwd=nb_dir,
+                           capture_output=True, text=True, timeout=300)
+      assert out.returncode == 0, out.stderr[-2000:]
+      assert path.read_bytes() == before, f"make_{name}.py does not write {path.name} as committed"
+    finally:
+      path.write_bytes(before)
