@@ -24,6 +24,7 @@ def test_ablations_notebook_executes_and_is_generated(tmp_path):
   gen = (ROOT / "notebooks" / "make_ablations.py").read_text()
   copy = tmp_path / "make_ablations.py"
   copy.write_text(gen)
+  (tmp_path / "nbwrite.py").write_text((ROOT / "notebooks" / "nbwrite.py").read_text())
   subprocess.run([sys.executable, str(copy)], check=True, capture_output=True)
   fresh = nbformat.read(tmp_path / "ablations.ipynb", as_version=4)
   assert [c.source for c in fresh.cells] == [c.source for c in nbformat.read(nb_path, 4).cells]
