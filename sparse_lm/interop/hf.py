@@ -185,8 +185,6 @@ def save_pretrained(model: Transformer, cfg: ModelConfig, path: str | os.PathLik
       with the kimi_linear layout, or (while the shards are written) an expert matrix whose
       input dimension is not a multiple of 32, MXFP4's block (mxfp4.quantize).
   """
-  if quantize_experts and layout != "kimi_k3":
-    raise ValueError("quantize_experts=True needs layout='kimi_k3' (Kimi-Linear is bf16)")
   path = pathlib.Path(path)
   conf = hf_config.config_to_hf(cfg, layout, quantized=quantize_experts, extra=extra_config)
   writer = ShardWriter(path, max_shard_bytes)
@@ -258,8 +256,6 @@ def export_from_workdir(workdir_path, out, *, stage: str | None = None,
   model, cfg, extra, tokenizer = _export_source(str(workdir_path), stage)
   if layout is None:
     layout = "kimi_k3" if quantize else hf_config.default_layout(cfg)
-  if quantize and layout != "kimi_k3":
-    raise ValueError("quantize_experts=True needs layout='kimi_k3' (Kimi-Linear is bf16)")
   hf_config.config_to_hf(cfg, layout, quantized=quantize)  # refuses before a file is written
   if tokenizer is not None:
     try:
@@ -298,8 +294,7 @@ def main(argv=None) -> None:
       print(f"imported {args.hf_dir} -> {out}" + (f" (tokenizer {tok})" if tok else
                                                    " (the checkpoint ships no tokenizer)"))
     else:
-      layout = args.layout or ("kimi_k3" if args.quantize else None)
-      files = export_from_workdir(args.workdir, args.out, stage=args.stage, layout=layout,
+      files = export_from_workdir(args.workdir, args.out, stage=args.stage, layout=args.layout,
                                   quantize=args.quantize)
       conf = json.loads((pathlib.Path(args.out) / "config.json").read_text())
       tok = [f for f in ("tokenizer.json", "tiktoken.model")

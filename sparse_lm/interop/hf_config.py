@@ -220,10 +220,13 @@ def config_to_hf(cfg: ModelConfig, layout: str, *, quantized: bool = False,
   the text config; token ids default to None (transformers then uses no padding index).
 
   Raises:
-    ValueError: unknown layout, or a cfg the layout cannot express (named field).
+    ValueError: unknown layout, `quantized` with a layout other than kimi_k3, or a cfg the
+      layout cannot express (named field).
   """
   if layout not in LAYOUTS:
     raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}")
+  if quantized and layout != "kimi_k3":
+    raise ValueError("quantize_experts=True needs layout='kimi_k3' (Kimi-Linear is bf16)")
   if layout == "kimi_linear" and kimi_linear_cannot_express(cfg):
     raise ValueError("layout='kimi_linear' (transformers' KimiLinearForCausalLM) cannot hold "
                      f"{'; '.join(kimi_linear_cannot_express(cfg))}: use layout='kimi_k3'")

@@ -108,6 +108,9 @@ def fit_lengths(cfg: RLConfig, tok, log=print, *, samples: int = 256) -> RLConfi
   tasks (a fixed draw, so a resumed run gets the same lengths): the longest SFT transcript L
   and the longest prompt P; `sft_seq_len` (if set) becomes at least L and `seq_len` at least
   max(L, P + max_turn_tokens), each rounded up to a multiple of 16, and each change is logged.
+
+  Raises:
+    ValueError: an unknown `cfg.env` (RLConfig.env_instance).
   """
   env = cfg.env_instance()
   rng = np.random.default_rng([cfg.seed, 5])
