@@ -17,6 +17,8 @@ cannot run here):
               autodiff
   pallas_gpu_wy  pallas_gpu with intra="wy": the intra-chunk kernels of pallas_gpu_wy.py
   pallas_gpu_hi  the same with precision=HIGHEST (true fp32 matmuls)
+  pallas_gpu_bf16  pallas_gpu with precision=BF16_OPERANDS: the kernels' products on bf16
+              operands (fp32 accumulation) instead of TF32, the diagonal tiles' excepted
   pallas_gpu_f32store  pallas_gpu with store_dtype=float32: fp32 intermediates between its
               steps (its default stores them in bf16 for bf16 inputs since 2026-12-02)
   jla         jax-linear-attention's Mosaic GPU KDA (linear_attention("kda", impl="mosaic_gpu"))
@@ -40,7 +42,7 @@ import time
 import traceback
 
 JAX_BACKENDS = ("xla", "xla_safe", "xla_tf32", "pallas_tpu", "pallas_gpu", "pallas_gpu_hi",
-                "pallas_gpu_f32store", "pallas_gpu_xla", "pallas_gpu_wy", "jla", "reference", "attn")
+                "pallas_gpu_bf16", "pallas_gpu_f32store", "pallas_gpu_xla", "pallas_gpu_wy", "jla", "reference", "attn")
 TORCH_BACKENDS = ("fla", "sdpa")
 DEFAULT_BACKENDS = ("pallas_gpu", "pallas_gpu_hi", "xla", "pallas_tpu", "fla", "jla", "attn")
 PEERS = ("fla", "jla")
@@ -122,6 +124,7 @@ def _jax_fns(backend: str):
       except ImportError:
         raise SkipBackend("pallas_kernels.kda.pallas_tpu not importable") from None
     name = {"xla_safe": "xla", "pallas_gpu_hi": "pallas_gpu", "pallas_gpu_xla": "pallas_gpu",
+            "pallas_gpu_bf16": "pallas_gpu",
             "pallas_gpu_wy": "pallas_gpu", "pallas_gpu_f32store": "pallas_gpu"}.get(backend,
                                                                                    backend)
     bound = None if backend in ("xla_safe", "reference") else -5.0
@@ -138,6 +141,11 @@ def _jax_fns(backend: str):
         from pallas_kernels.kda import pallas_gpu  # pylint: disable=g-import-not-at-top
         return pallas_gpu.chunk_kda_pallas_gpu(q, k, v, g, beta, gate_lower_bound=-5.0,
                                                precision=jax.lax.Precision.HIGHEST)[0]
+      if backend == "pallas_gpu_bf16":
+        from pallas_kernels.kda import pallas_gpu  # pylint: disable=g-import-not-at-top
+        from pallas_kernels.kda.pallas_gpu_kernels import BF16_OPERANDS  # pylint: disable=g-import-not-at-top
+        return pallas_gpu.chunk_kda_pallas_gpu(q, k, v, g, beta, gate_lower_bound=-5.0,
+                                               precision=BF16_OPERANDS)[0]
       if backend in ("pallas_gpu_xla", "pallas_gpu_wy"):
         from pallas_kernels.kda import pallas_gpu  # pylint: disable=g-import-not-at-top
         return pallas_gpu.chunk_kda_pallas_gpu(q, k, v, g, beta, gate_lower_bound=-5.0,

@@ -1,7 +1,7 @@
 """Registers and spills of the KDA Pallas (Triton) GPU kernels, on a machine without a GPU.
 
     python -m benchmarks.triton_resources --triton-python /tmp/tv/bin/python
-    python -m benchmarks.triton_resources --block-k 64 --num-warps 4 --segments ...
+    python -m benchmarks.triton_resources --block-k 64 --num-warps 4 --segments --bf16-operands
 
 Lowers `pallas_gpu_wy.intra_chunk_wy` (forward and backward) and the state-pass kernels for
 CUDA with `lowering_platforms=("cuda",)` (jax needs no GPU for that), saves each kernel's Triton
@@ -46,12 +46,15 @@ COMPILE = textwrap.dedent("""
 """)
 
 
-def dump_ttir(out: str, block_k: int, num_warps: int, segments: bool) -> list[str]:
-  """Lower the kernels for CUDA and write each one's TTIR to out/<name>.ttir."""
+def dump_ttir(out: str, block_k: int, num_warps: int, segments: bool,
+              bf16_operands: bool = False) -> list[str]:
+  """Lower the kernels for CUDA and write each one's TTIR to out/<name>.ttir; bf16_operands:
+  the kernels' `precision=BF16_OPERANDS` instead of DEFAULT."""
   import jax
   import jax.numpy as jnp
   from jax._src.pallas.triton import pallas_call_registration as reg
   from pallas_kernels.kda import pallas_gpu, pallas_gpu_wy
+  from pallas_kernels.kda.pallas_gpu_kernels import BF16_OPERANDS
 
   os.makedirs(out, exist_ok=True)
   lower = reg.lowering.lower_jaxpr_to_triton_module
@@ -66,6 +69,7 @@ def dump_ttir(out: str, block_k: int, num_warps: int, segments: bool) -> list[st
     return res
 
   reg.lowering.lower_jaxpr_to_triton_module = capture
+  prec = BF16_OPERANDS if bf16_operands else jax.lax.Precision.DEFAULT
   try:
     B, T, H, K = 1, 512, 2, 128
     sd = lambda *s, d=jnp.bfloat16: jax.ShapeDtypeStruct(s, d)
@@ -74,13 +78,13 @@ def dump_ttir(out: str, block_k: int, num_warps: int, segments: bool) -> list[st
 
     def wy(q, k, v, g, beta, masks):
       out, vjp = jax.vjp(lambda *a: pallas_gpu_wy.intra_chunk_wy(
-          *a, masks, 64, K ** -0.5, jax.lax.Precision.DEFAULT, jnp.bfloat16, False,
+          *a, masks, 64, K ** -0.5, prec, jnp.bfloat16, False,
           num_warps, block_k), q, k, v, g, beta)
       return vjp(out)
 
     def state(w, u, kd, dec, h0):
       out, vjp = jax.vjp(lambda *a: pallas_gpu.state_pass(
-          *a, 64, 32, jax.lax.Precision.DEFAULT, False), w, u, kd, dec, h0)
+          *a, 64, 32, prec, False), w, u, kd, dec, h0)
       return vjp(out)
 
     f32 = jnp.float32
@@ -102,6 +106,8 @@ def main(argv=None) -> None:
                  help="intra_chunk_wy's block_k (key / value channels per block)")
   p.add_argument("--num-warps", type=int, default=4, help="intra_chunk_wy's num_warps")
   p.add_argument("--segments", action="store_true", help="with packed-document masks")
+  p.add_argument("--bf16-operands", action="store_true",
+                 help="the kernels' precision=BF16_OPERANDS (bf16 products) instead of DEFAULT")
   p.add_argument("--triton-python", default=None, metavar="PYTHON",
                  help="a Python with `triton` installed: compile and print REG / STACK")
   a = p.parse_args(argv)
@@ -111,7 +117,7 @@ def main(argv=None) -> None:
   if a.num_warps not in (1, 2, 4, 8, 16):
     p.error(f"--num-warps {a.num_warps}: expected 1, 2, 4, 8 or 16")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
-  names = dump_ttir(a.out, block_k, a.num_warps, a.segments)
+  names = dump_ttir(a.out, block_k, a.num_warps, a.segments, a.bf16_operands)
   print(f"TTIR of {', '.join(names)} in {a.out}", flush=True)
   if a.triton_python:
     res = subprocess.run([a.triton_python, "-c", COMPILE, a.out, str(a.num_warps)],

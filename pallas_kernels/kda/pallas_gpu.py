@@ -32,7 +32,8 @@ step on an H200, docs/benchmarks.md).
 
 Precision: `precision=None` runs the matmuls of steps 1-3 at DEFAULT (TF32 tensor cores on
 NVIDIA) for bf16 inputs and HIGHEST (true fp32) for fp32/fp64 inputs; the triangular inverse is
-always HIGHEST (3×TF32 inside the wy kernels on a GPU). Accumulation and the running state are
+always HIGHEST (3×TF32 inside the wy kernels on a GPU). `precision=BF16_OPERANDS` (opt-in)
+rounds the kernels' operands to bf16 instead of TF32's 10-bit mantissa (chunk_kda_pallas_gpu). Accumulation and the running state are
 fp32. Storage (`store_dtype`): bf16 q, k, v are read as bf16 and promoted to fp32 once (the
 same values); with bf16 q, k and v the arrays passed between steps 1, 2 and 3 (W, U, Kd,
 Q ⊙ Γ, A_qk, H_n, V') and their cotangents are stored in bf16, as fla and
@@ -51,7 +52,8 @@ from jax.experimental import pallas as pl
 
 from pallas_kernels.kda import xla as kda_xla
 from pallas_kernels.kda.pallas_gpu_intra import intra_chunk
-from pallas_kernels.kda.pallas_gpu_kernels import state_bwd_kernel, state_fwd_kernel
+from pallas_kernels.kda.pallas_gpu_kernels import (BF16_OPERANDS, state_bwd_kernel,
+                                                   state_fwd_kernel)
 from pallas_kernels.kda.pallas_gpu_wy import intra_chunk_wy
 from pallas_kernels.kda.tiles import SAVE_NAME, SUB, resolve_diag
 from pallas_kernels.platform import compute_capability
@@ -87,6 +89,12 @@ def blocked_unit_lower_inverse(A):
     top = jnp.concatenate([X, jnp.zeros(X.shape[:-1] + (SUB,), X.dtype)], axis=-1)
     X = jnp.concatenate([top, jnp.concatenate([off, Xd[..., a, :, :]], axis=-1)], axis=-2)
   return X
+
+
+def _xla_precision(precision):
+  """The precision of the XLA matmuls around the kernels: BF16_OPERANDS (a kernel-side
+  rounding of the operands) is DEFAULT there (bf16 GEMMs for the bf16-stored arrays)."""
+  return jax.lax.Precision.DEFAULT if precision == BF16_OPERANDS else precision
 
 
 def _pow2(n: int) -> int:
@@ -160,7 +168,8 @@ def _state_pass_bwd(C, BV, precision, interpret, res, cts):
   dht = cts[2].astype(f32)
   ds, dh0 = _bwd_call(w, kd, dec, dvn, dhs, dht, C, BV, precision, interpret)
   BH, N, Kp, Vp = hs.shape
-  mm = functools.partial(jnp.einsum, precision=precision, preferred_element_type=f32)
+  mm = functools.partial(jnp.einsum, precision=_xla_precision(precision),
+                         preferred_element_type=f32)
   vn4 = vn.reshape(BH, N, C, Vp)
   du = dvn.reshape(BH, N, C, Vp).astype(f32) + mm("bnkc,bnkv->bncv", kd, ds)
   dkd = mm("bnkv,bncv->bnkc", ds, vn4)
@@ -237,6 +246,11 @@ def chunk_kda_pallas_gpu(
       only when `gate_lower_bound` promises g ≥ g_min with |g_min| ≤ 88/15.
     gate_lower_bound: g_min of the gate that produced g (−5.0 for the bounded gate), or None.
     precision: matmul precision of all steps; None = DEFAULT for bf16 inputs, else HIGHEST.
+      `pallas_gpu_kernels.BF16_OPERANDS`: the Pallas kernels' products on operands rounded to
+      bf16 (fp32 accumulation; bf16 tensor-core MMA as fla's kernels use), except the
+      diagonal tiles' score products and the triangular inverse; XLA's matmuls at DEFAULT.
+      Within the §2.5 bf16 bounds in its three test cases (interpret mode, against the fp64
+      reference: o ≤ 3.3e-3, dq dk ≤ 3.9e-3, dg dβ ≤ 4.5e-3).
     block_v: value columns per state-pass program (a power of two; capped at the padded V).
     fused: with dense diagonal tiles and fp32/bf16 inputs, run the intra-chunk work as one
       fused Triton kernel per chunk, forward and backward (pallas_gpu_intra.py). Off by
@@ -337,7 +351,7 @@ def chunk_kda_pallas_gpu(
       same = None if doc is None else doc[..., :, None] == doc[..., None, :]
       W, U, Qg, A_qk, Kd, dec = kda_xla._intra_chunk(qc, kc, vc, gc, bc, same, m0, mlast,
                                                      scale=scale, diag=diag,
-                                                     precision=precision,
+                                                     precision=_xla_precision(precision),
                                                      inverse=blocked_unit_lower_inverse,
                                                      matmul_cumsum=True)
   if initial_state is None:
@@ -355,8 +369,9 @@ def chunk_kda_pallas_gpu(
     hs, vn = hs.astype(acc), vn.astype(acc)
   else:
     Qg, A_qk = Qg.astype(st), A_qk.astype(st)
-  o = (jnp.matmul(Qg, hs, precision=precision, preferred_element_type=acc)
-       + jnp.matmul(A_qk, vn, precision=precision, preferred_element_type=acc))  # [M, C, Vp]
+  xp = _xla_precision(precision)
+  o = (jnp.matmul(Qg, hs, precision=xp, preferred_element_type=acc)
+       + jnp.matmul(A_qk, vn, precision=xp, preferred_element_type=acc))  # [M, C, Vp]
   o = jnp.moveaxis(o.reshape(B, H, Tp, Vp), 1, 2)[:, :T, :, :V]
   o = checkpoint_name(jnp.where(valid[:, :T, None, None], o, 0).astype(q.dtype), SAVE_NAME)
   if not output_final_state:

@@ -30,9 +30,18 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 
 
+# `precision=BF16_OPERANDS`: both operands of every product are rounded to bf16 and the product
+# is accumulated in fp32 (bf16 tensor-core MMA on a GPU, as fla's and jax-linear-attention's
+# kernels multiply), in place of DEFAULT's TF32 products of fp32 operands.
+BF16_OPERANDS = jax.lax.DotAlgorithmPreset.BF16_BF16_F32
+
+
 def _dot(a, b, precision, ta=False, tb=False):
-  """a @ b with optional transposes, fp32 accumulation."""
+  """a @ b with optional transposes, fp32 accumulation; with precision=BF16_OPERANDS the
+  operands are rounded to bf16 first (explicit casts: the same numbers in interpret mode)."""
   dims = (((0 if ta else 1,), (1 if tb else 0,)), ((), ()))
+  if precision == BF16_OPERANDS:
+    a, b, precision = a.astype(jnp.bfloat16), b.astype(jnp.bfloat16), None
   return jax.lax.dot_general(a, b, dims, precision=precision,
                              preferred_element_type=jnp.float32)
 

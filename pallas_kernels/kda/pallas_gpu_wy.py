@@ -62,8 +62,9 @@ ms for the masked whole-chunk kernels and 4.19 ms for the XLA step (one H100, on
 operator 4.60 ms against jax-linear-attention's 2.52 in the same run. Registers (pip Triton,
 block 32): scores 247, no spill; pair 255 with 40 B of stack; the inverse 255 with 224 B.
 
-Precision: `precision` (DEFAULT = TF32 for bf16 inputs, HIGHEST for fp32) for the score, W, U
-and gradient products; `hi` (3×TF32 on the GPU, true fp32 in interpret mode and for fp32 inputs)
+Precision: `precision` (DEFAULT = TF32 for bf16 inputs, HIGHEST for fp32; or BF16_OPERANDS,
+bf16 operands, for all but the diagonal tiles' products, `_diag`) for the score, W, U and
+gradient products; `hi` (3×TF32 on the GPU, true fp32 in interpret mode and for fp32 inputs)
 for the inverse, its derivative and the reverse cumulative sum. Accumulation is fp32.
 Shapes: K, V powers of two ≥ 16 (the wrapper pads), T a multiple of C (likewise).
 """
@@ -77,7 +78,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.pallas_gpu_kernels import _dot
+from pallas_kernels.kda.pallas_gpu_kernels import BF16_OPERANDS, _dot
 from pallas_kernels.kda.tiles import SAVE_NAME, SUB
 
 f32 = jnp.float32
@@ -209,6 +210,12 @@ class _TileGate:
     return jnp.exp((self.tp[b] + btw)[None, :] - self.Lx[b])
 
 
+def _diag(prec):
+  """The precision of the diagonal tiles' products: their operands carry the e^(±Lx)
+  factors (up to e^(15|g_min|)) whose products cancel, so BF16_OPERANDS keeps TF32 there."""
+  return jax.lax.Precision.DEFAULT if prec == BF16_OPERANDS else prec
+
+
 def _tile(c):
   """The rows of 16-row tile c (a static slice)."""
   return slice(c * SUB, (c + 1) * SUB)
@@ -289,8 +296,9 @@ def _fwd_scores_kernel(*refs, n, BK, scale, prec, segs):
       lq = q_ref[_tile(a), ks].astype(f32) * qf
       for b in range(a + 1):
         rk = k_ref[_tile(b), ks].astype(f32) * t.kf(a, b)
-        Sk[b] = Sk[b] + _dot(lk, rk, prec, tb=True)
-        Sq[b] = Sq[b] + _dot(lq, rk, prec, tb=True)
+        p = _diag(prec) if b == a else prec
+        Sk[b] = Sk[b] + _dot(lk, rk, p, tb=True)
+        Sq[b] = Sq[b] + _dot(lq, rk, p, tb=True)
     for b in range(n):
       if b > a:
         aqk_ref[_tile(a), _tile(b)] = zero.astype(aqk_ref.dtype)
@@ -461,14 +469,16 @@ def _bwd_pair_kernel(*refs, n, scale, prec, hi, segs):
     P = R = Z = dbk = None
     for b in range(i + 1):
       kk = k(b) * t.kf(i, b)
-      p, r = _dot(dsq(i, b), kk, prec), _dot(dsk_ref[_tile(i), _tile(b)], kk, prec)
+      pr = _diag(prec) if b == i else prec
+      p, r = _dot(dsq(i, b), kk, pr), _dot(dsk_ref[_tile(i), _tile(b)], kk, pr)
       P, R = (p, r) if P is None else (P + p, R + r)
     qf = t.qf(i)
     P, R = qf * P, qf * R
     for a in range(i, n):
       qf_a = t.qf(a)
-      z = t.kf(a, i) * (_dot(dsq(a, i), q(a) * qf_a, prec, ta=True)
-                        + _dot(dsk_ref[_tile(a), _tile(i)], k(a) * qf_a, prec, ta=True))
+      pr = _diag(prec) if a == i else prec
+      z = t.kf(a, i) * (_dot(dsq(a, i), q(a) * qf_a, pr, ta=True)
+                        + _dot(dsk_ref[_tile(a), _tile(i)], k(a) * qf_a, pr, ta=True))
       w = _dot(x_ref[_tile(a), _tile(i)], dw_ref[_tile(a), :].astype(f32), prec, ta=True)
       Z, dbk = (z, w) if Z is None else (Z + z, dbk + w)
     gam, ed, kd = factors(i)

@@ -21,6 +21,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.kda import api, chunk_kda, pallas_gpu, pallas_gpu_intra, pallas_gpu_wy
 from pallas_kernels.kda import xla as kda_xla
+from pallas_kernels.kda.pallas_gpu_kernels import BF16_OPERANDS
 import kda_testing as kt  # tests/pallas_kernels/kda_testing.py
 from tests import jaxpr_testlib
 
@@ -57,6 +58,15 @@ CASES = [
      dict(gate_lower_bound=-5.0), True, True),
     ("T77_K96_V48_segments_C32", (2, 77, 1, 96, 48), BF16, "bounded",
      dict(gate_lower_bound=-5.0, chunk_size=32, intra="wy"), True, True),
+    # bf16 operands in the kernels' products (the diagonal tiles' excepted: their e^(±75)
+    # factors cancel; rounding them to bf16 put dg at 0.24 in the saturated case)
+    ("T100_bf16_dense_h0_bf16_operands", (1, 100, 2, 64, 64), BF16, "bounded",
+     dict(gate_lower_bound=-5.0, intra="wy", precision=BF16_OPERANDS), True, False),
+    ("T77_K96_V48_segments_C32_bf16_operands", (2, 77, 1, 96, 48), BF16, "bounded",
+     dict(gate_lower_bound=-5.0, chunk_size=32, intra="wy", precision=BF16_OPERANDS), True,
+     True),
+    ("T140_K128_bf16_saturated_bf16_operands", (1, 140, 1, 128, 128), BF16, "saturated",
+     dict(gate_lower_bound=-5.0, intra="wy", precision=BF16_OPERANDS), True, False),
     ("T64_saturated_K128_C16_fp32", (1, 64, 1, 128, 128), F32, "saturated",
      dict(gate_lower_bound=-5.0, chunk_size=16, intra="wy"), True, False),
     ("T70_unbounded_safe_fp32_segments", (1, 70, 2, 64, 64), F32, "unbounded", dict(), True,
@@ -390,6 +400,16 @@ def test_auto_intra_is_wy_for_bf16_where_it_applies_else_xla():
       np.testing.assert_array_equal(auto, run(dtype, bound, picked), err_msg=f"{dtype} {bound}")
       if other:  # and the two paths do differ (in the last bits), so the check has teeth
         assert not np.array_equal(auto, run(dtype, bound, other))
+
+
+def test_bf16_operands_change_the_products():
+  """precision=BF16_OPERANDS is not DEFAULT under another name: the outputs and gradients differ
+  (in their last bits; test_matches_reference's *_bf16_operands cases bound the difference)."""
+  inp = kt.make_inputs(5, 1, 80, 1, 32, 32, dtype=BF16, initial_state=True)
+  runs = [kt.run_with_grads(_kernel_fn(gate_lower_bound=-5.0, intra="wy", precision=p), inp)
+          for p in (None, BF16_OPERANDS)]
+  a, b = (jax.tree.leaves(r) for r in runs)
+  assert all(not np.array_equal(x, y) for x, y in zip(a, b))
 
 
 @pytest.mark.skipif(not ON_GPU, reason="needs a CUDA GPU (the real Triton kernels, T=1024)")
