@@ -98,11 +98,16 @@ def main(argv=None) -> int:
   import os  # pylint: disable=import-outside-toplevel
   from experiments.base import enable_compilation_cache  # pylint: disable=import-outside-toplevel
   from sparse_lm.rl.trainer import run  # pylint: disable=import-outside-toplevel
+  from sparse_lm.train.checkpoint import ConfigMismatchError  # pylint: disable=import-outside-toplevel
   workdir = args.workdir or f"runs/rl_{args.preset}"
   enable_compilation_cache(os.environ.get("SPARSE_LM_XLA_CACHE") or
                            os.path.join(workdir, "xla_cache"))
   log = functools.partial(print, flush=True)  # lines reach a redirected log at once
-  out = run(cfg, workdir, log=log, progress=not args.no_progress and sys.stdout.isatty())
+  try:
+    out = run(cfg, workdir, log=log, progress=not args.no_progress and sys.stdout.isatty())
+  except ConfigMismatchError as e:  # resuming a workdir written under other settings
+    print(f"{parser.prog}: error: {e}", file=sys.stderr)
+    return 2
   print(json.dumps({"sft": out["sft"], "grpo": out["grpo"]}))
   return 0
 

@@ -31,12 +31,14 @@ from flax import nnx
 from sparse_lm.config import get_preset
 from sparse_lm.rl import envs as envs_lib
 from sparse_lm.rl import grpo, rollout
-from sparse_lm.train.checkpoint import Checkpointer
+from sparse_lm.train.checkpoint import Checkpointer, ConfigMismatchError, differences, to_json
 from sparse_lm.train.metrics import MetricsWriter
 from sparse_lm.train.optimizer import OptimizerConfig, make_optimizer, wsd_schedule
 from sparse_lm.train.state import TrainState, split_model
 
 EVAL_SEED_OFFSET = 1_000_003  # the held-out task stream
+# RLConfig fields a resumed phase may change: what is evaluated and how often it is saved.
+RESUMABLE_CHANGES = ("eval_tasks", "eval_every", "checkpoint_every")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -167,10 +169,34 @@ def _fresh_state(model, optim: OptimizerConfig, steps: int, seed: int):
   return graphdef, tx, state
 
 
-def _restore(ckpt: Checkpointer, state: TrainState):
+def _restore(ckpt: Checkpointer, state: TrainState, check_meta=None):
   abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                          sharding=a.sharding), state)
-  return ckpt.restore_latest(abstract)
+  return ckpt.restore_latest(abstract, check_meta)
+
+
+def check_resume(meta: dict, cfg: RLConfig, phase: str) -> None:
+  """Refuse to resume a phase whose checkpoint was written under another RLConfig.
+
+  `meta["rl"]` is the config the checkpoint was saved with (`to_json`; checkpoints of older
+  runs have none and are not checked). Fields outside RESUMABLE_CHANGES change what the
+  resumed steps draw or optimise (env, seed, lengths, batch, optimiser, GRPO settings, the
+  model), so a run that continued under them would be neither the old run nor a new one.
+
+  Raises:
+    ConfigMismatchError: the configs differ outside RESUMABLE_CHANGES (the message lists
+      "field: saved vs now" and the two ways on).
+  """
+  saved = meta.get("rl")
+  if not saved:
+    return
+  diff = {k: v for k, v in differences(saved, to_json(cfg)).items()
+          if k.split(".")[0] not in RESUMABLE_CHANGES}
+  if diff:
+    listing = "; ".join(f"{k}: {a!r} (saved) vs {b!r} (now)" for k, (a, b) in diff.items())
+    raise ConfigMismatchError(
+        f"[{phase}] the checkpoint at step {meta.get('step')} was written with another RL "
+        f"config: {listing}. Run with the saved settings to resume, or use a new --workdir.")
 
 
 def pretraining_stages(init_from: str) -> list[pathlib.Path]:
@@ -246,7 +272,8 @@ class _Phase:
     self.graphdef, self.tx, self.state = _fresh_state(model, optim, steps, cfg.seed)
     self.schedule = wsd_schedule(optim, steps)
     self.ckpt = Checkpointer(workdir / name / "checkpoints", async_save=False)
-    restored = _restore(self.ckpt, self.state)
+    self.meta = {"phase": name, "rl": to_json(cfg)}
+    restored = _restore(self.ckpt, self.state, lambda m: check_resume(m, cfg, name))
     if restored is not None:
       self.state = restored[0]
     self.writer = MetricsWriter(workdir / name / "tb")
@@ -258,7 +285,7 @@ class _Phase:
     self.state = state
     self.bar.update(step + 1, info)
     if (step + 1) % self.every == 0 or step + 1 == self.steps:
-      self.ckpt.save(state, data_state={"step": step + 1}, meta={"phase": self.name},
+      self.ckpt.save(state, data_state={"step": step + 1}, meta=self.meta,
                      final=step + 1 == self.steps)
 
   def close(self):

@@ -1,4 +1,5 @@
-"""The RL trainer: config errors name the field; an interrupted SFT phase resumes exactly."""
+"""The RL trainer: config errors name the field; an interrupted SFT phase resumes exactly; a
+phase does not resume under another config."""
 
 import dataclasses
 import shutil
@@ -12,6 +13,7 @@ from experiments.agentic_rl import PRESETS, apply_sets
 from sparse_lm.config import get_preset
 from sparse_lm.model.transformer import Transformer
 from sparse_lm.rl import trainer
+from sparse_lm.train import checkpoint as ckpt_lib
 
 
 def test_config_errors_name_the_field():
@@ -100,3 +102,30 @@ def test_sft_resumes_exactly(tmp_path):
   for x, y in zip(jax.tree.leaves(nnx.state(full, nnx.Param)),
                   jax.tree.leaves(nnx.state(resumed, nnx.Param))):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+
+
+def test_resume_under_another_config_is_refused_naming_the_fields(tmp_path, monkeypatch, capsys):
+  layers = (("num_layers", 3), ("mla_every", 2))
+  cfg = dataclasses.replace(PRESETS["tiny"], model_overrides=layers, sft_steps=1,
+                            sft_batch=2, checkpoint_every=1, seq_len=48)
+  model_cfg = get_preset("tiny", **dict(layers))
+  tok = trainer._tokenizer(cfg, tmp_path, model_cfg.vocab_size)
+  model = lambda: Transformer(model_cfg, rngs=nnx.Rngs(0))
+  trainer.run_sft(cfg, tmp_path, model(), tok)
+  other = dataclasses.replace(cfg, seed=3, sft_batch=4)
+  with pytest.raises(ckpt_lib.ConfigMismatchError) as e:
+    trainer.run_sft(other, tmp_path, model(), tok)
+  msg = str(e.value)
+  assert "[sft]" in msg and "seed: 0 (saved) vs 3 (now)" in msg
+  assert "sft_batch: 2 (saved) vs 4 (now)" in msg and "new --workdir" in msg
+  # what is evaluated and how often it is saved may change: the finished phase is restored
+  trainer.run_sft(dataclasses.replace(cfg, eval_tasks=7, eval_every=2, checkpoint_every=5),
+                  tmp_path, model(), tok)
+  # the CLI prints the message and exits 2 (no traceback)
+  from experiments import agentic_rl, base
+  def refuse(*a, **k):
+    raise ckpt_lib.ConfigMismatchError(msg)
+  monkeypatch.setattr(trainer, "run", refuse)
+  monkeypatch.setattr(base, "enable_compilation_cache", lambda directory: None)
+  assert agentic_rl.main(["--preset=tiny", f"--workdir={tmp_path}", "--no-progress"]) == 2
+  assert "seed: 0 (saved) vs 3 (now)" in capsys.readouterr().err
