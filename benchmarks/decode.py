@@ -1,4 +1,4 @@
-"""Prefill throughput and decode step time of the inference engine, beside the bandwidth floor.
+r"""Prefill throughput and decode step time of the inference engine, beside the bandwidth floor.
 
     python -m benchmarks.decode                          # small preset, batch 1/8/64 x 8K/64K
     python -m benchmarks.decode --preset tiny --batches 1,2 --contexts 256 --prefill-chunk 64 \

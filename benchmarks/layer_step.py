@@ -1,4 +1,4 @@
-"""Time one decoder layer's forward + backward as the train step runs it: a quick loop for
+r"""Time one decoder layer's forward + backward as the train step runs it: a quick loop for
 kernel work on a GPU, where the whole `small` step takes 4 minutes to compile.
 
     python -m benchmarks.layer_step --mixer kda                 # small preset, 8 x 8192 tokens
@@ -35,7 +35,7 @@ GIB = 2**30
 
 
 def main(argv=None) -> None:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0].replace("\n", " "))
   p.add_argument("--preset", default="small", choices=("tiny", "small", "full"))
   p.add_argument("--mixer", default="kda", choices=("kda", "mla"))
   p.add_argument("--ffn", default="moe", choices=("moe", "dense"))

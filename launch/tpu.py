@@ -130,8 +130,9 @@ def run_commands(pod: Pod, command: list[str], run_name: str,
                MEGASCALE_PORT=str(MEGASCALE_PORT))
     exports = " ".join(f"{k}={shlex.quote(v) if not v.startswith('$') else v}"
                        for k, v in sorted(e.items()))
-    py = " ".join(shlex.quote(c) for c in command)
-    py = py.replace("python ", "~/venv/bin/python ", 1) if command[0] == "python" else py
+    # `python` / `python3` run the setup's venv (unquoted: ~ must expand on the worker)
+    head = "~/venv/bin/python" if command[0] in ("python", "python3") else shlex.quote(command[0])
+    py = " ".join([head] + [shlex.quote(c) for c in command[1:]])
     remote = (f"cd {REMOTE_DIR} && mkdir -p logs && "
               f"{'env ' + exports + ' ' if exports else ''}nohup {py} > {log} 2>&1 < /dev/null &")
     cmds.append(ssh(pod, node, remote))
@@ -200,6 +201,10 @@ def main(argv=None) -> int:
     elif a.action == "setup":
       cmds = setup_commands(pod)
     elif a.action == "run":
+      bad = [kv for kv in a.env if "=" not in kv or not kv.split("=", 1)[0]]
+      if bad:
+        raise ValueError(f"--env {bad[0]!r}: expected KEY=VALUE (e.g. --env "
+                         "XLA_FLAGS=--xla_dump_to=/tmp/dump)")
       env = dict(kv.split("=", 1) for kv in a.env)
       cmds = run_commands(pod, command, a.run_name, env)
     elif a.action == "tail":

@@ -325,13 +325,22 @@ def main(argv=None) -> int:
                  "core (default 2 when 2+ cores are available, else 1: in this process)")
   p.add_argument("--from-results", action="store_true", help="rewrite the report only")
   args = p.parse_args(argv)
-  names = [n for n in args.only.split(",") if n] or list(BY_NAME)
+  names = [n.strip() for n in args.only.split(",") if n.strip()]
+  if args.only and not names:
+    p.error(f"--only={args.only!r} names no ablation; choose from {', '.join(BY_NAME)} "
+            "(or leave --only out to run them all)")
+  names = names or list(BY_NAME)
   unknown = [n for n in names if n not in BY_NAME]
   if unknown:
     p.error(f"--only: unknown ablation(s) {unknown}; choose from {', '.join(BY_NAME)}")
   if args.jobs is not None and args.jobs < 1:
     p.error(f"--jobs={args.jobs}: at least 1")
-  seeds = tuple(int(s) for s in args.seeds.split(","))
+  try:
+    seeds = tuple(int(s) for s in args.seeds.split(",") if s.strip())
+  except ValueError:
+    p.error(f"--seeds={args.seeds!r}: expected comma-separated integers, e.g. --seeds 0,1")
+  if len(set(seeds)) != len(seeds):
+    p.error(f"--seeds={args.seeds!r}: a seed is repeated")
   if len(seeds) < 2 and args.preset != "smoke":
     p.error(f"--seeds={args.seeds}: at least 2 seeds (the tables report a spread over seeds)")
   docs = pathlib.Path(args.docs)

@@ -71,3 +71,18 @@ def test_one_ablation_runs_a_worker_reuses_it_and_the_report_table_comes_from_it
   text = (docs / "ablations.md").read_text()
   assert "| gated MLA | 1.2500 ± 0.0000 | 2.5000 ± 0.0000 |" in text, text
   assert "| 1.2500 | 3.7500 |" in text and "| depth 1 | 1.00 | 0.25 |" in text, text
+
+
+@pytest.mark.parametrize("argv,needle", [
+    (["--only", ","], "names no ablation"),
+    (["--only", "gate,nope"], "unknown ablation"),
+    (["--seeds", "a,b"], "comma-separated integers"),
+    (["--seeds", "1,1"], "a seed is repeated"),
+    (["--seeds", "0"], "at least 2 seeds"),
+])
+def test_bad_arguments_stop_with_the_flag_named(argv, needle, tmp_path, capsys):
+  with pytest.raises(SystemExit) as e:
+    report.main(argv + [f"--docs={tmp_path}", f"--workdir={tmp_path}/w"])
+  assert e.value.code == 2
+  assert needle in capsys.readouterr().err
+  assert not (tmp_path / "w").exists()

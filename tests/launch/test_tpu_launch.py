@@ -78,6 +78,22 @@ def test_run_without_command_is_an_error(capsys):
     tpu.main(["run", *POD, "--dry-run"])
 
 
+@pytest.mark.parametrize("bad", ["XLA_FLAGS", "=1"])
+def test_run_env_without_key_and_value_names_the_flag(capsys, bad):
+  with pytest.raises(SystemExit) as e:
+    tpu.main(["run", *POD, "--dry-run", "--env", bad, "--", "python", "-m", "x"])
+  assert e.value.code == 2
+  assert f"--env '{bad}': expected KEY=VALUE" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("head,expected", [("python", "~/venv/bin/python -m x 'a b'"),
+                                           ("python3", "~/venv/bin/python -m x 'a b'"),
+                                           ("bash", "bash -m x 'a b'")])
+def test_run_uses_the_setup_venvs_python(capsys, head, expected):
+  out = "\n".join(dry(capsys, "run", cmd=(head, "-m", "x", "a b")))
+  assert f"nohup {expected} > logs/run.log" in out
+
+
 @pytest.mark.parametrize("env,kind", [
     ({}, None),
     ({"TPU_WORKER_HOSTNAMES": "h0"}, None),
