@@ -33,6 +33,12 @@ TOL_BF16 = dict(o=5e-3, final_state=5e-3, q=8e-3, k=8e-3, v=8e-3, initial_state=
 TOL_FP32 = dict(o=1e-5, final_state=1e-5, q=1e-5, k=1e-5, v=1e-5, initial_state=1e-5,
                 g=1e-4, beta=1e-4)
 
+# Two programs of the same fp32 math compiled differently (a remat policy against full remat):
+# on the CPU they agree to 1e-6; XLA:GPU fuses and orders each program's reductions on its own,
+# so there the same math differs by a few ulps times the reductions' length (1.3e-6 absolute
+# on one of 5,120 gradient entries of the save_kda test, an H100, 2026-12-06).
+SAME_MATH_TOL = (dict(rtol=1e-5, atol=1e-5) if jax.default_backend() == "gpu"
+                 else dict(rtol=1e-6, atol=1e-6))
 GRAD_ARGS = ("q", "k", "v", "g", "beta", "initial_state")
 
 
