@@ -250,7 +250,9 @@ def chunk_kda_pallas_gpu(
       bf16 (fp32 accumulation; bf16 tensor-core MMA as fla's kernels use), except the
       diagonal tiles' score products and the triangular inverse; XLA's matmuls at DEFAULT.
       Within the §2.5 bf16 bounds in its three test cases (interpret mode, against the fp64
-      reference: o ≤ 3.3e-3, dq dk ≤ 3.9e-3, dg dβ ≤ 4.5e-3).
+      reference: o ≤ 3.3e-3, dq dk ≤ 3.9e-3, dg dβ ≤ 4.5e-3; on an H100 the saturated
+      case's dg was 1.4e-2 of 2e-2). fwd+bwd on an H100 (2026-12-06, docs/benchmarks.md):
+      the same at T = 8K, 4-6% faster at 32K, 64K and B=8 H=8 T=8K; not the default.
     block_v: value columns per state-pass program (a power of two; capped at the padded V).
     fused: with dense diagonal tiles and fp32/bf16 inputs, run the intra-chunk work as one
       fused Triton kernel per chunk, forward and backward (pallas_gpu_intra.py). Off by
