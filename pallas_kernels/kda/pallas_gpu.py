@@ -32,7 +32,9 @@ step on an H200, docs/benchmarks.md).
 
 Precision: `precision=None` runs the matmuls of steps 1-3 at DEFAULT (TF32 tensor cores on
 NVIDIA) for bf16 inputs and HIGHEST (true fp32) for fp32/fp64 inputs; the triangular inverse is
-always HIGHEST (3×TF32 inside the wy kernels on a GPU). `precision=BF16_OPERANDS` (opt-in)
+always HIGHEST (3×TF32 inside the wy kernels on a GPU), and so are the wy kernels' diagonal
+16 × 16 tiles (their e^(±75) products cancel in ∂g: at TF32 the saturated gate's dg was 2.8e-2
+of the 2e-2 bound on an H100; pallas_gpu_wy._diag). `precision=BF16_OPERANDS` (opt-in)
 rounds the kernels' operands to bf16 instead of TF32's 10-bit mantissa (chunk_kda_pallas_gpu). Accumulation and the running state are
 fp32. Storage (`store_dtype`): bf16 q, k, v are read as bf16 and promoted to fp32 once (the
 same values); with bf16 q, k and v the arrays passed between steps 1, 2 and 3 (W, U, Kd,
@@ -248,11 +250,13 @@ def chunk_kda_pallas_gpu(
     precision: matmul precision of all steps; None = DEFAULT for bf16 inputs, else HIGHEST.
       `pallas_gpu_kernels.BF16_OPERANDS`: the Pallas kernels' products on operands rounded to
       bf16 (fp32 accumulation; bf16 tensor-core MMA as fla's kernels use), except the
-      diagonal tiles' score products and the triangular inverse; XLA's matmuls at DEFAULT.
+      diagonal tiles' products and the triangular inverse (both at 3×TF32); XLA's matmuls at
+      DEFAULT.
       Within the §2.5 bf16 bounds in its three test cases (interpret mode, against the fp64
       reference: o ≤ 3.3e-3, dq dk ≤ 3.9e-3, dg dβ ≤ 4.5e-3; on an H100 the saturated
-      case's dg was 1.4e-2 of 2e-2). fwd+bwd on an H100 (2026-12-06, docs/benchmarks.md):
-      the same at T = 8K, 4-6% faster at 32K, 64K and B=8 H=8 T=8K; not the default.
+      case's dg was 1.4e-2 of 2e-2 with TF32 diagonal tiles). fwd+bwd on an H100 (2026-12-06,
+      docs/benchmarks.md, with TF32 diagonal tiles): the same at T = 8K, 4-6% faster at 32K,
+      64K and B=8 H=8 T=8K; not the default.
     block_v: value columns per state-pass program (a power of two; capped at the padded V).
     fused: with dense diagonal tiles and fp32/bf16 inputs, run the intra-chunk work as one
       fused Triton kernel per chunk, forward and backward (pallas_gpu_intra.py). Off by

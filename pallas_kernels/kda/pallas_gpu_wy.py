@@ -63,9 +63,11 @@ operator 4.60 ms against jax-linear-attention's 2.52 in the same run. Registers 
 block 32): scores 247, no spill; pair 255 with 40 B of stack; the inverse 255 with 224 B.
 
 Precision: `precision` (DEFAULT = TF32 for bf16 inputs, HIGHEST for fp32; or BF16_OPERANDS,
-bf16 operands, for all but the diagonal tiles' products, `_diag`) for the score, W, U and
-gradient products; `hi` (3×TF32 on the GPU, true fp32 in interpret mode and for fp32 inputs)
-for the inverse, its derivative and the reverse cumulative sum. Accumulation is fp32.
+bf16 operands) for the off-diagonal score products, W, U and the gradient products; `hi`
+(3×TF32 on the GPU, true fp32 in interpret mode and for fp32 inputs) for the diagonal 16 × 16
+tiles' score products and their gradient terms (`_diag`: TF32 there failed the saturated
+gate's dg bound on an H100), the inverse, its derivative and the reverse cumulative sum.
+Accumulation is fp32.
 Shapes: K, V powers of two ≥ 16 (the wrapper pads), T a multiple of C (likewise).
 """
 
@@ -210,10 +212,13 @@ class _TileGate:
     return jnp.exp((self.tp[b] + btw)[None, :] - self.Lx[b])
 
 
-def _diag(prec):
-  """The precision of the diagonal tiles' products: their operands carry the e^(±Lx)
-  factors (up to e^(15|g_min|)) whose products cancel, so BF16_OPERANDS keeps TF32 there."""
-  return jax.lax.Precision.DEFAULT if prec == BF16_OPERANDS else prec
+def _diag(prec, hi):
+  """The precision of the diagonal tiles' products: `hi` (3×TF32 on a GPU) unless `prec` is
+  already HIGHEST. Their operands carry the e^(±Lx) factors (up to e^(15|g_min|)) whose
+  products cancel in ∂g: at g = −5 everywhere (bf16 inputs, an H100, 2026-12-06) TF32 there
+  put dg at 2.8e-2 (default precision) and 1.4e-2 (bf16 operands elsewhere) against the 2e-2
+  bound; true fp32 (interpret mode) 3e-3; bf16 operands there 0.12-0.24."""
+  return prec if prec == HI else hi
 
 
 def _tile(c):
@@ -273,7 +278,7 @@ def _last(x):
 # block, reading X from (A).
 
 
-def _fwd_scores_kernel(*refs, n, BK, scale, prec, segs):
+def _fwd_scores_kernel(*refs, n, BK, scale, prec, hi, segs):
   """Grid (B·H, N). S_k and A_qk of one chunk by 16-row tiles: for query tile a, the blocks
   (a, b ≤ a) as [16, BK] × [BK, 16] products summed over the key-channel blocks (the
   exponents of `_TileGate`); the blocks above the diagonal are written as zeros. Refs: q, k,
@@ -296,7 +301,7 @@ def _fwd_scores_kernel(*refs, n, BK, scale, prec, segs):
       lq = q_ref[_tile(a), ks].astype(f32) * qf
       for b in range(a + 1):
         rk = k_ref[_tile(b), ks].astype(f32) * t.kf(a, b)
-        p = _diag(prec) if b == a else prec
+        p = _diag(prec, hi) if b == a else prec
         Sk[b] = Sk[b] + _dot(lk, rk, p, tb=True)
         Sq[b] = Sq[b] + _dot(lq, rk, p, tb=True)
     for b in range(n):
@@ -469,14 +474,14 @@ def _bwd_pair_kernel(*refs, n, scale, prec, hi, segs):
     P = R = Z = dbk = None
     for b in range(i + 1):
       kk = k(b) * t.kf(i, b)
-      pr = _diag(prec) if b == i else prec
+      pr = _diag(prec, hi) if b == i else prec
       p, r = _dot(dsq(i, b), kk, pr), _dot(dsk_ref[_tile(i), _tile(b)], kk, pr)
       P, R = (p, r) if P is None else (P + p, R + r)
     qf = t.qf(i)
     P, R = qf * P, qf * R
     for a in range(i, n):
       qf_a = t.qf(a)
-      pr = _diag(prec) if a == i else prec
+      pr = _diag(prec, hi) if a == i else prec
       z = t.kf(a, i) * (_dot(dsq(a, i), q(a) * qf_a, pr, ta=True)
                         + _dot(dsk_ref[_tile(a), _tile(i)], k(a) * qf_a, pr, ta=True))
       w = _dot(x_ref[_tile(a), _tile(i)], dw_ref[_tile(a), :].astype(f32), prec, ta=True)
@@ -569,7 +574,7 @@ def _fwd_call(q, k, v, g, beta, masks, C, scale, precision, store, interpret, nu
     specs.append(_seq(C, H))
     args += (masks[0],)
   aqk, Sk = pl.pallas_call(
-      functools.partial(_fwd_scores_kernel, n=n, BK=BK, scale=scale, prec=precision,
+      functools.partial(_fwd_scores_kernel, n=n, BK=BK, scale=scale, prec=precision, hi=hi,
                         segs=segs),
       grid=(BH, N), in_specs=specs, out_specs=[_square(C)] * 2,
       out_shape=[sq(store), sq(f32)], compiler_params=params, interpret=interpret,

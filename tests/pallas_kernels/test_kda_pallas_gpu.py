@@ -405,6 +405,43 @@ def test_auto_intra_is_wy_for_bf16_where_it_applies_else_xla():
         assert not np.array_equal(auto, run(dtype, bound, other))
 
 
+def _tf32(x):
+  """x rounded to TF32 (10 explicit mantissa bits, round to nearest): what a GPU's TF32
+  tensor-core product sees of an fp32 operand."""
+  bits = jax.lax.bitcast_convert_type(x.astype(F32), jnp.uint32)
+  bits = (bits + jnp.uint32(0x1000)) & jnp.uint32(0xFFFFE000)
+  return jax.lax.bitcast_convert_type(bits, F32)
+
+
+@pytest.mark.skipif(ON_GPU, reason="emulates TF32 in interpret mode; on a GPU the real TF32 "
+                    "products run in test_matches_reference[T140_K128_bf16_saturated]")
+@pytest.mark.parametrize("precision", [None, BF16_OPERANDS])
+def test_tf32_products_keep_the_saturated_gate_within_the_contract(monkeypatch, precision):
+  """On a GPU the kernels' DEFAULT products are TF32; on the CPU they are fp32. With every
+  product at TF32 (emulated here), the saturated gate's dg was 2.8e-2 (3.0e-2 on an H100,
+  2026-12-06) against the 2e-2 bound: the diagonal tiles' e^(±75) products cancel in ∂g. The
+  kernels run those at `hi` (3×TF32 on a GPU), which this emulation leaves exact."""
+  from pallas_kernels.kda import pallas_gpu_kernels  # pylint: disable=g-import-not-at-top
+  dot = pallas_gpu_kernels._dot
+
+  def tf32_dot(a, b, prec, ta=False, tb=False):
+    if prec == jax.lax.Precision.DEFAULT:
+      return dot(_tf32(a), _tf32(b), jax.lax.Precision.HIGHEST, ta, tb)
+    return dot(a, b, prec, ta, tb)
+
+  monkeypatch.setattr(pallas_gpu_kernels, "_dot", tf32_dot)
+  monkeypatch.setattr(pallas_gpu_wy, "_dot", tf32_dot)
+  label = "T140_K128_bf16_saturated"
+  inp = kt.make_inputs(zlib.crc32(label.encode()) % 1000, 1, 140, 1, 128, 128, dtype=BF16,
+                       gate="saturated", initial_state=True)
+  fn = jax.jit(functools.partial(pallas_gpu.chunk_kda_pallas_gpu, gate_lower_bound=-5.0,
+                                 intra="wy", precision=precision, interpret=True),
+               static_argnames=("output_final_state",))
+  errs = kt.check_against_reference(kt.reference_fp64(inp), kt.run_with_grads(fn, inp),
+                                    kt.TOL_BF16, label=label)
+  print(precision, {n: f"{e:.1e}" for n, e in errs.items()})
+
+
 def test_bf16_operands_change_the_products():
   """precision=BF16_OPERANDS is not DEFAULT under another name: the outputs and gradients differ
   (in their last bits; test_matches_reference's *_bf16_operands cases bound the difference)."""
