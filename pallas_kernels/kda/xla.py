@@ -133,7 +133,10 @@ def _pairwise_scores(q, k, g, *, diag: str, precision, matmul_cumsum: bool = Fal
 
   if diag == "dense":
     kd = k * jnp.exp(-Pf)  # positive exponents: the point of the lower-bounded gate
-    dq_, dk_ = (_mm(x, jnp.swapaxes(kd, -1, -2), precision) for x in (qt, kt))
+    # HIGHEST whatever `precision`: the e^(±Pf) factors (up to e^(15 |g_min|)) cancel in ∂g,
+    # and TF32 products here failed the saturated gate's dg bound on a GPU (pallas_gpu_wy._diag)
+    hi = jax.lax.Precision.HIGHEST
+    dq_, dk_ = (_mm(x, jnp.swapaxes(kd, -1, -2), hi) for x in (qt, kt))
     Dq, Dk = jnp.where(tri, dq_, 0.0), jnp.where(tri, dk_, 0.0)  # [..., a, i, j]
   else:
     Dq, Dk = _diag_safe(q, k, g, tri)

@@ -420,7 +420,9 @@ def test_tf32_products_keep_the_saturated_gate_within_the_contract(monkeypatch, 
   """On a GPU the kernels' DEFAULT products are TF32; on the CPU they are fp32. With every
   product at TF32 (emulated here), the saturated gate's dg was 2.8e-2 (3.0e-2 on an H100,
   2026-12-06) against the 2e-2 bound: the diagonal tiles' e^(±75) products cancel in ∂g. The
-  kernels run those at `hi` (3×TF32 on a GPU), which this emulation leaves exact."""
+  kernels run those at `hi` (3×TF32 on a GPU), which this emulation leaves exact. (The XLA
+  intra-chunk step runs its diagonal tiles at HIGHEST for the same reason; the emulation does
+  not reach it: rounding by bit casts has no gradient.)"""
   from pallas_kernels.kda import pallas_gpu_kernels  # pylint: disable=g-import-not-at-top
   dot = pallas_gpu_kernels._dot
 
