@@ -31,7 +31,8 @@ from flax import nnx
 from sparse_lm.config import get_preset
 from sparse_lm.rl import envs as envs_lib
 from sparse_lm.rl import grpo, rollout
-from sparse_lm.train.checkpoint import Checkpointer, ConfigMismatchError, differences, to_json
+from sparse_lm.train.checkpoint import (Checkpointer, ConfigMismatchError, differences, listing,
+                                       to_json)
 from sparse_lm.train.metrics import MetricsWriter
 from sparse_lm.train.optimizer import OptimizerConfig, make_optimizer, wsd_schedule
 from sparse_lm.train.state import TrainState, split_model
@@ -193,10 +194,10 @@ def check_resume(meta: dict, cfg: RLConfig, phase: str) -> None:
   diff = {k: v for k, v in differences(saved, to_json(cfg)).items()
           if k.split(".")[0] not in RESUMABLE_CHANGES}
   if diff:
-    listing = "; ".join(f"{k}: {a!r} (saved) vs {b!r} (now)" for k, (a, b) in diff.items())
     raise ConfigMismatchError(
         f"[{phase}] the checkpoint at step {meta.get('step')} was written with another RL "
-        f"config: {listing}. Run with the saved settings to resume, or use a new --workdir.")
+        f"config: {listing(diff)}. Run with the saved settings to resume, or use a new "
+        "--workdir.")
 
 
 def pretraining_stages(init_from: str) -> list[pathlib.Path]:

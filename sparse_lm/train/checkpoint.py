@@ -315,7 +315,7 @@ def check_model(meta: dict[str, Any], model_cfg: ModelConfig, name: str
               f"{model_cfg.name!r} (--preset={saved_preset} resumes it); ")
     raise ConfigMismatchError(
         f"[{name}] {head}the model config differs from the checkpoint at step "
-        f"{meta.get('step')}: " + _listing(diff) + ". A checkpoint cannot be resumed as "
+        f"{meta.get('step')}: " + listing(diff) + ". A checkpoint cannot be resumed as "
         "another model: use a new workdir (--workdir=...), or run with the checkpoint's model "
         "settings.")
   return notes
@@ -347,14 +347,15 @@ def check_resume(meta: dict[str, Any], stage: StageConfig, *,
   if blocking and not allow_config_change:
     raise ConfigMismatchError(
         f"[{stage.name}] resuming from {where} with a stage config that changes the "
-        "optimisation: " + _listing(blocking) + ". Run with the saved settings to resume "
+        "optimisation: " + listing(blocking) + ". Run with the saved settings to resume "
         "as it was, pass --allow-config-change (run(..., allow_config_change=True)) to "
         "continue with the new ones, or use a new workdir to start afresh.")
   changes = {**blocking, **benign, **model_notes}
   return [f"{k}: {a!r} -> {b!r}" for k, (a, b) in changes.items()]
 
 
-def _listing(diff: dict[str, tuple[Any, Any]]) -> str:
+def listing(diff: dict[str, tuple[Any, Any]]) -> str:
+  """`differences`' result as "key: saved (saved) vs current (now); ..." for an error message."""
   return "; ".join(f"{k}: {a!r} (saved) vs {b!r} (now)" for k, (a, b) in diff.items())
 
 
