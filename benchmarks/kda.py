@@ -18,7 +18,8 @@ cannot run here):
   pallas_gpu_wy  pallas_gpu with intra="wy": the intra-chunk kernels of pallas_gpu_wy.py
   pallas_gpu_hi  the same with precision=HIGHEST (true fp32 matmuls)
   pallas_gpu_bf16  pallas_gpu with precision=BF16_OPERANDS: the kernels' products on bf16
-              operands (fp32 accumulation) instead of TF32, the diagonal tiles' excepted
+              operands (fp32 accumulation) instead of TF32 (the diagonal tiles and the
+              inverse at 3xTF32 either way)
   pallas_gpu_f32store  pallas_gpu with store_dtype=float32: fp32 intermediates between its
               steps (its default stores them in bf16 for bf16 inputs since 2026-12-02)
   jla         jax-linear-attention's Mosaic GPU KDA (linear_attention("kda", impl="mosaic_gpu"))

@@ -35,8 +35,8 @@ NVIDIA) for bf16 inputs and HIGHEST (true fp32) for fp32/fp64 inputs; the triang
 always HIGHEST (3×TF32 inside the wy kernels on a GPU), and so are the wy kernels' diagonal
 16 × 16 tiles (their e^(±75) products cancel in ∂g: at TF32 the saturated gate's dg was 2.8e-2
 of the 2e-2 bound on an H100; pallas_gpu_wy._diag). `precision=BF16_OPERANDS` (opt-in)
-rounds the kernels' operands to bf16 instead of TF32's 10-bit mantissa (chunk_kda_pallas_gpu). Accumulation and the running state are
-fp32. Storage (`store_dtype`): bf16 q, k, v are read as bf16 and promoted to fp32 once (the
+rounds the kernels' other operands to bf16 instead of TF32's 10-bit mantissa
+(chunk_kda_pallas_gpu). Accumulation and the running state are fp32. Storage (`store_dtype`): bf16 q, k, v are read as bf16 and promoted to fp32 once (the
 same values); with bf16 q, k and v the arrays passed between steps 1, 2 and 3 (W, U, Kd,
 Q ⊙ Γ, A_qk, H_n, V') and their cotangents are stored in bf16, as fla and
 jax-linear-attention store theirs; otherwise fp32.

@@ -80,7 +80,7 @@ import jax.numpy as jnp
 from jax.ad_checkpoint import checkpoint_name
 from jax.experimental import pallas as pl
 
-from pallas_kernels.kda.pallas_gpu_kernels import BF16_OPERANDS, _dot
+from pallas_kernels.kda.pallas_gpu_kernels import _dot
 from pallas_kernels.kda.tiles import SAVE_NAME, SUB
 
 f32 = jnp.float32
