@@ -3,6 +3,7 @@ backward pass recomputes)."""
 
 from __future__ import annotations
 
+import re
 from typing import Callable
 
 import jax
@@ -12,6 +13,17 @@ import jax.extend
 def kernel_name(eqn) -> str | None:
   """A pallas_call's kernel name; None for any other equation."""
   return str(eqn.params["name"]) if eqn.primitive.name == "pallas_call" else None
+
+
+def kernel_site(eqn) -> str | None:
+  """kernel_name, with the per-tile calls of one kernel counted once: "name_t0" is "name",
+  "name_t1", "name_t2", ... are None (pallas_gpu_wy runs some kernels as one call per 16-row
+  tile, named <kernel>_t<tile>)."""
+  name = kernel_name(eqn)
+  m = None if name is None else re.fullmatch(r"(.*)_t(\d+)", name)
+  if m is None:
+    return name
+  return m.group(1) if m.group(2) == "0" else None
 
 
 def primitive_named(*names: str) -> Callable:

@@ -12,11 +12,11 @@ Structure (C-token chunks, N = T / C of them, every equation as in xla.py's docs
      sub-tiles, X = (I + A_kk)⁻¹, W, U, Q ⊙ Γ, Kd = (K ⊙ e^(G_C − G) ⊙ m_C)ᵀ and the chunk
      decay. `intra="wy"` (what "auto" picks for the lower-bounded gate's dense diagonal tiles
      and bf16 inputs; "wy" also runs fp32): pallas_gpu_wy.py, Pallas kernels reading q, k,
-     v, g, β in their [B, T, H, ·] layout (forward: scores by 16 × 16 tiles, the inverse per
-     chunk, then W, U, Q ⊙ Γ, Kd per chunk and channel block; backward: dX per chunk, then
-     the pairwise chain rule by 16-row tiles per chunk and channel block); the intra-chunk
-     step fwd+bwd 2.94 against 4.19 ms for the XLA step on an H100 (2026-12-05,
-     docs/benchmarks.md). `intra="xla"` (what "auto" picks otherwise): xla._intra_chunk as
+     v, g, β in their [B, T, H, ·] layout (forward: scores and the inverse by 16-row tiles,
+     one call per tile, then W, U, Q ⊙ Γ, Kd per chunk and channel block; backward: dX per
+     chunk, then the pairwise chain rule by 16-row tiles per chunk and channel block); the
+     intra-chunk step fwd+bwd 2.94 against 4.19 ms for the XLA step on an H100 (2026-12-05,
+     docs/benchmarks.md; before the scores' per-tile calls). `intra="xla"` (what "auto" picks otherwise): xla._intra_chunk as
      batched XLA ops differentiated by autodiff, with the inverse by
      `blocked_unit_lower_inverse` and the in-chunk cumulative sums as triangular matmuls
      (xla.tri_cumsum, not XLA's O(C²) reduce-window cumsum).
@@ -32,9 +32,10 @@ step on an H200, docs/benchmarks.md).
 
 Precision: `precision=None` runs the matmuls of steps 1-3 at DEFAULT (TF32 tensor cores on
 NVIDIA) for bf16 inputs and HIGHEST (true fp32) for fp32/fp64 inputs; the triangular inverse is
-always HIGHEST (3×TF32 inside the wy kernels on a GPU), and so are the wy kernels' diagonal
-16 × 16 tiles (their e^(±75) products cancel in ∂g: at TF32 the saturated gate's dg was 2.8e-2
-of the 2e-2 bound on an H100; pallas_gpu_wy._diag). `precision=BF16_OPERANDS` (opt-in)
+always HIGHEST (3×TF32 inside the wy kernels on a GPU), and so are the diagonal 16 × 16 tiles
+of the wy kernels' pairwise backward (their e^(±75) products cancel in ∂g: at TF32 the
+saturated gate's dg was 2.8e-2 of the 2e-2 bound on an H100; pallas_gpu_wy._diag); the
+forward's diagonal score tiles are TF32 (pallas_gpu_wy._diag_scores). `precision=BF16_OPERANDS` (opt-in)
 rounds the kernels' other operands to bf16 instead of TF32's 10-bit mantissa
 (chunk_kda_pallas_gpu). Accumulation and the running state are fp32. Storage (`store_dtype`): bf16 q, k, v are read as bf16 and promoted to fp32 once (the
 same values); with bf16 q, k and v the arrays passed between steps 1, 2 and 3 (W, U, Kd,
@@ -250,11 +251,12 @@ def chunk_kda_pallas_gpu(
     precision: matmul precision of all steps; None = DEFAULT for bf16 inputs, else HIGHEST.
       `pallas_gpu_kernels.BF16_OPERANDS`: the Pallas kernels' products on operands rounded to
       bf16 (fp32 accumulation; bf16 tensor-core MMA as fla's kernels use), except the
-      diagonal tiles' products and the triangular inverse (both at 3×TF32); XLA's matmuls at
-      DEFAULT.
+      diagonal tiles' products (TF32 in the forward's scores, 3×TF32 in the backward) and the
+      triangular inverse (3×TF32); XLA's matmuls at DEFAULT.
       Within the §2.5 bf16 bounds in its three test cases (interpret mode, against the fp64
       reference: o ≤ 3.3e-3, dq dk ≤ 3.9e-3, dg dβ ≤ 4.5e-3; on an H100 the saturated
-      case's dg was 1.4e-2 of 2e-2 with TF32 diagonal tiles). fwd+bwd on an H100 (2026-12-06,
+      case's dg was 1.4e-2 of 2e-2 with TF32 diagonal tiles, 2.9e-3 with the backward's at
+      3×TF32). fwd+bwd on an H100 (2026-12-06,
       docs/benchmarks.md, with TF32 diagonal tiles): the same at T = 8K, 4-6% faster at 32K,
       64K and B=8 H=8 T=8K; not the default.
     block_v: value columns per state-pass program (a power of two; capped at the padded V).

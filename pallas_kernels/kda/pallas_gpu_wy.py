@@ -5,11 +5,13 @@ Source: Kimi Linear (arXiv 2510.26692) §3; ARCHITECTURE.md §2.4 (the equations
 safety). The same outputs as `xla._intra_chunk` (W, U, Q ⊙ Γ · scale, A_qk, Kdᵀ, the chunk
 decay), for the lower-bounded gate ("dense" diagonal tiles) only; `pallas_gpu.py` calls it.
 
-Five kernels, 4 warps each. q, k, v, g, β are read in the caller's [B, T, H, ·] layout (no
-transposes).
+Four kernels, 4 warps each; the first runs as one call per 16-row query tile a (n = C / 16
+calls, named `kda_wy_fwd_scores_t0` ... `_t{n-1}`, each writing its tile's rows; call a
+reads the rows of X that the calls before it wrote). q, k, v, g, β are read in the caller's
+[B, T, H, ·] layout (no transposes).
 
-  forward  `kda_wy_fwd_scores`  grid B·H × N:       S_k, A_qk by 16 × 16 tile products
-           `kda_wy_fwd_inverse` grid B·H × N:       X = (I + β S_k)⁻¹ (whole-chunk products)
+  forward  `kda_wy_fwd_scores`  grid B·H × N:       rows of tile a of S_k, A_qk (16 × 16 tile
+                                                    products) and X = (I + β S_k)⁻¹ (call a)
            `kda_wy_fwd_wu`      grid B·H × N × nb:  W, Q ⊙ Γ, Kd, d of key block j; U of
                                                     value block j (reads X)
   backward `kda_wy_bwd_dx`      grid B·H × N:       dX, ∂A, ∂V, U's part of ∂β (reads X, S_k)
@@ -22,7 +24,12 @@ whole-chunk kernels of the twentieth session ran at one 8-warp block per SM); th
 the pairwise backward work on 16-row tiles read from the refs, because their earlier form
 (n = C/16 masked whole-chunk products, [C, C] and [C, BK] fp32 values live together) used
 255 registers and spilled 448 B / 2,752 B per thread (pip Triton, block 32) and took
-0.92 / 1.68 ms of the 4.42 ms fwd+bwd at B=1, H=16, T=8K on an H200 (2026-12-05).
+0.92 / 1.68 ms of the 4.42 ms fwd+bwd at B=1, H=16, T=8K on an H200 (2026-12-05). The
+scores run as one call per tile, with the inverse folded in, since 2026-12-06: on an H100 at
+that shape the four calls took 0.55 ms where the whole-chunk scores program (247 registers)
+and the inverse kernel (whole-chunk products, 255 registers and 224 B of stack) took
+0.61 + 0.33 ms. The same split of the pairwise backward (one call per tile i, each with the
+n + 1 blocks that meet tile i) was slower: 1.88 ms against 1.36 for one program per chunk.
 
 The math:
 
@@ -37,10 +44,11 @@ The math:
     S_k likewise with k on the query side; every exponent is a direct sum of g over a token
     range or a sum of such (tile totals tot_c, their part after the first row tp_c), never a
     difference of whole-chunk cumulative sums.
-  * X = (I + A_kk)⁻¹ without a row-serial loop: blocked forward substitution whose steps are
-    whole-chunk products (4 × 4 diagonal blocks by (I + L)(I + L²), then block rows of 4 and
-    of 16 rows, 14 products at C = 64; `_inverse`). Row i of every product reads rows ≤ i
-    only (the others are exact zeros), so the result is causal bit for bit.
+  * X = (I + A_kk)⁻¹ by forward substitution over 16-row tiles (`_x_rows`): the diagonal
+    block X[a, a] = (I + A[a, a])⁻¹ (`_inverse`: 4 × 4 blocks by (I + L)(I + L²), then block
+    rows of 4), and X[a, b] = −X[a, a] Σ_{b≤c<a} A[a, c] X[c, b] from the earlier tile rows.
+    Row i of every product reads rows ≤ i only (the others are exact zeros), so the result
+    is causal bit for bit.
   * W = X (β ⊙ K ⊙ Γ), U = X (β ⊙ V), Q ⊙ Γ · scale, Kdᵀ = (K ⊙ e^(G_C − G) ⊙ m_C)ᵀ,
     d = e^(G_C) m0_C, Γ = e^G ⊙ m0.
 
@@ -55,18 +63,18 @@ The backward reads X and S_k from the forward and applies the chain rule:
     ∂g = reverse cumulative sum of ∂G in the chunk (+ ∂G_C on every row): inside each tile
     by a [16, 16] triangular product, across tiles by a carried column sum.
 
-Status (docs/benchmarks.md, 2026-12-05, H100s): exact (the XLA intra-chunk step's outputs and
+Status (docs/benchmarks.md, 2026-12-06, H100s): exact (the XLA intra-chunk step's outputs and
 gradients to 1e-5 in fp32 interpret mode; the kernels against the XLA step on the GPU too).
-The intra-chunk step alone, fwd+bwd at B=1, H=16, T=8K, K=V=128, bf16: 2.94 ms against 3.66
-ms for the masked whole-chunk kernels and 4.19 ms for the XLA step (one H100, one run); the
-operator 4.60 ms against jax-linear-attention's 2.52 in the same run. Registers (pip Triton,
-block 32): scores 247, no spill; pair 255 with 40 B of stack; the inverse 255 with 224 B.
+The operator, fwd+bwd at B=1, H=16, T=8K, K=V=128, bf16: 4.29 ms against
+jax-linear-attention's 2.25 in the same run (one H100). Registers (pip Triton, block 32):
+the scores calls 92 / 170 / 188 / 201, no spill; pair 255 with 88 B of stack.
 
 Precision: `precision` (DEFAULT = TF32 for bf16 inputs, HIGHEST for fp32; or BF16_OPERANDS,
-bf16 operands) for the off-diagonal score products, W, U and the gradient products; `hi`
-(3×TF32 on the GPU, true fp32 in interpret mode and for fp32 inputs) for the diagonal 16 × 16
-tiles' score products and their gradient terms (`_diag`: TF32 there failed the saturated
-gate's dg bound on an H100), the inverse, its derivative and the reverse cumulative sum.
+bf16 operands) for the off-diagonal score products, W, U and the gradient products; DEFAULT
+(TF32) for the forward's diagonal 16 × 16 score tiles (`_diag_scores`); `hi` (3×TF32 on the
+GPU, true fp32 in interpret mode and for fp32 inputs) for the diagonal tiles' gradient terms
+in the pairwise backward (`_diag`: TF32 there failed the saturated gate's dg bound on an
+H100), the inverse (`_x_rows`), its derivative and the reverse cumulative sum.
 Accumulation is fp32.
 Shapes: K, V powers of two ≥ 16 (the wrapper pads), T a multiple of C (likewise).
 """
@@ -213,12 +221,21 @@ class _TileGate:
 
 
 def _diag(prec, hi):
-  """The precision of the diagonal tiles' products: `hi` (3×TF32 on a GPU) unless `prec` is
-  already HIGHEST. Their operands carry the e^(±Lx) factors (up to e^(15|g_min|)) whose
-  products cancel in ∂g: at g = −5 everywhere (bf16 inputs, an H100, 2026-12-06) TF32 there
-  put dg at 2.8e-2 (default precision) and 1.4e-2 (bf16 operands elsewhere) against the 2e-2
-  bound; true fp32 (interpret mode) 3e-3; bf16 operands there 0.12-0.24."""
+  """The precision of the pairwise backward's diagonal-tile products: `hi` (3×TF32 on a GPU)
+  unless `prec` is already HIGHEST. Their operands carry the e^(±Lx) factors (up to
+  e^(15|g_min|)) whose products cancel in ∂g: at g = −5 everywhere (bf16 inputs, an H100,
+  2026-12-06) TF32 there put dg at 2.8e-2 (default precision) and 1.4e-2 (bf16 operands
+  elsewhere) against the 2e-2 bound (3×TF32 there: 4.1e-3 and 2.9e-3 on an H100); true fp32
+  (interpret mode) 3e-3; bf16 operands there 0.12-0.24."""
   return prec if prec == HI else hi
+
+
+def _diag_scores(prec):
+  """The precision of the forward's diagonal-tile score products (S_k, A_qk): TF32 (DEFAULT)
+  unless `prec` is HIGHEST. There TF32 keeps the saturated gate inside the contract (emulated
+  in `test_tf32_products_keep_the_saturated_gate_within_the_contract`: dg 4.1e-3, as with
+  3×TF32), and bf16 operands do not (`BF16_OPERANDS`: o at 4.0e-3 against the 5e-3 bound)."""
+  return prec if prec == HI else jax.lax.Precision.DEFAULT
 
 
 def _tile(c):
@@ -256,6 +273,40 @@ def _inverse(A, n, hi):
   return X
 
 
+def _x_rows(A, x_prev, a, hi):
+  """Tile row a of X = (I + A)⁻¹ (A strictly lower triangular, [C, C] fp32, C = 16 n), by
+  forward substitution over 16-row tiles: X[a, a] = (I + A[a, a])⁻¹ (`_inverse` of the
+  16 × 16 block) and, for b < a, X[a, b] = −X[a, a] Σ_{b≤c<a} A[a, c] X[c, b].
+
+  A: the blocks A[a, b] for b ≤ a, a list of [16, 16] values; x_prev(c, b): the block X[c, b]
+  of an earlier tile row c < a (read from where the earlier rows were written). Returns the
+  blocks X[a, b] for b ≤ a ([16, 16] each; the blocks b > a are zero). Products at `hi`.
+  Row i of every product reads rows ≤ i of its right operand only (the others meet exact
+  zeros): causal bit for bit."""
+  xaa = _inverse(A[a], 1, hi)
+  out = []
+  for b in range(a):
+    r = None
+    for c in range(b, a):
+      p = _dot(A[c], x_prev(c, b), hi)
+      r = p if r is None else r + p
+    out.append(-_dot(xaa, r, hi))
+  return out + [xaa]
+
+
+def tile_inverse(A, hi=HI):
+  """(I + A)⁻¹ of a strictly lower-triangular [C, C] fp32 A (C a multiple of 16) by 16-row
+  tiles (`_x_rows`, row a after rows < a), outside a kernel: what the scores kernel's calls
+  compute one tile row each. For tests."""
+  n = A.shape[0] // SUB
+  rows = []
+  for a in range(n):
+    blocks = [A[_tile(a), _tile(b)] for b in range(a + 1)]
+    rows.append(_x_rows(blocks, lambda c, b: rows[c][b], a, hi))
+  z = jnp.zeros((SUB, SUB), A.dtype)
+  return jnp.concatenate([jnp.concatenate(r + [z] * (n - len(r)), axis=1) for r in rows], 0)
+
+
 def _mask(C, segs, doc_ref, strict):
   """[C, C] bool: j < i (strict) or j ≤ i, and the same document. Built where it is used (a
   mask kept live across the kernel costs registers)."""
@@ -274,57 +325,67 @@ def _last(x):
 
 
 # ---------------------------------------------------------------------------------------------
-# Forward: (A) scores and inverse per chunk; (B) W, Q ⊙ Γ, Kd, d and U per chunk and channel
-# block, reading X from (A).
+# Forward: (A) scores and inverse by tile rows; (B) W, Q ⊙ Γ, Kd, d and U per chunk and
+# channel block, reading X from (A).
 
 
-def _fwd_scores_kernel(*refs, n, BK, scale, prec, hi, segs):
-  """Grid (B·H, N). S_k and A_qk of one chunk by 16-row tiles: for query tile a, the blocks
+def _fwd_scores_kernel(*refs, a, n, BK, scale, prec, hi, segs):
+  """Grid (B·H, N); one call per query tile a. Rows of tile a of S_k and A_qk: the blocks
   (a, b ≤ a) as [16, BK] × [BK, 16] products summed over the key-channel blocks (the
-  exponents of `_TileGate`); the blocks above the diagonal are written as zeros. Refs: q, k,
-  g [C, Kp] (, doc [C]) -> A_qk [C, C] (store dtype; causal, same document), S_k [C, C] fp32
-  (strictly lower, same document). The inverse runs in `_fwd_inverse_kernel`."""
+  exponents of `_TileGate`), zeros in the blocks b > a; and rows of tile a of
+  X = (I + β S_k)⁻¹ (`_x_rows`, reading X's rows of the earlier tiles, which the earlier calls
+  wrote). Refs: q, k, g [C, Kp], β [C] (, doc [C]), and for a > 0 the outputs of the call for
+  tile a − 1 (aliased; X [C, C] is read) -> A_qk [16, C] (store dtype; causal, same
+  document), S_k [16, C] fp32 (strictly lower, same document), X [16, C] fp32.
+
+  One call per tile rather than one program walking the chunk's n tiles, and the inverse
+  here rather than in its own whole-chunk kernel: 0.55 ms against 0.61 + 0.33 ms at B=1,
+  H=16, T=8K, K=128 (an H100, 2026-12-06; module docstring). The calls' work grows with a."""
+  x_in = refs[-4] if a else None  # calls a > 0: ..., A_qk, S_k, X (aliased), A_qk, S_k, X
+  refs = refs[:-6] + refs[-3:] if a else refs
+  *refs, x_ref = refs
   if segs:
-    q_ref, k_ref, g_ref, doc_ref, aqk_ref, sk_ref = refs
+    q_ref, k_ref, g_ref, b_ref, doc_ref, aqk_ref, sk_ref = refs
   else:
-    q_ref, k_ref, g_ref, aqk_ref, sk_ref = refs
+    q_ref, k_ref, g_ref, b_ref, aqk_ref, sk_ref = refs
   Kp = q_ref.shape[1]
   ii, jj = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
   zero = jnp.zeros((SUB, SUB), f32)
-  for a in range(n):
-    Sk, Sq = [zero] * (a + 1), [zero] * (a + 1)
-    for kb in range(Kp // BK):
-      ks = slice(kb * BK, (kb + 1) * BK)
-      t = _TileGate(g_ref, a + 1, ks)
-      qf = t.qf(a)
-      lk = k_ref[_tile(a), ks].astype(f32) * qf
-      lq = q_ref[_tile(a), ks].astype(f32) * qf
-      for b in range(a + 1):
-        rk = k_ref[_tile(b), ks].astype(f32) * t.kf(a, b)
-        p = _diag(prec, hi) if b == a else prec
-        Sk[b] = Sk[b] + _dot(lk, rk, p, tb=True)
-        Sq[b] = Sq[b] + _dot(lq, rk, p, tb=True)
-    for b in range(n):
-      if b > a:
-        aqk_ref[_tile(a), _tile(b)] = zero.astype(aqk_ref.dtype)
-        sk_ref[_tile(a), _tile(b)] = zero
-        continue
-      keep_q = ii >= jj if a == b else None
-      keep_k = ii > jj if a == b else None
-      if segs:
-        same = doc_ref[_tile(a)][:, None] == doc_ref[_tile(b)][None, :]
-        keep_q = same if keep_q is None else keep_q & same
-        keep_k = same if keep_k is None else keep_k & same
-      sq, sk = scale * Sq[b], Sk[b]
-      if keep_q is not None:
-        sq, sk = jnp.where(keep_q, sq, 0.0), jnp.where(keep_k, sk, 0.0)
-      aqk_ref[_tile(a), _tile(b)] = sq.astype(aqk_ref.dtype)
-      sk_ref[_tile(a), _tile(b)] = sk
-
-
-def _fwd_inverse_kernel(sk_ref, b_ref, x_ref, *, n, hi):
-  """Grid (B·H, N). X = (I + β ⊙ S_k)⁻¹ of one chunk from the stored S_k [C, C] (`_inverse`)."""
-  x_ref[...] = _inverse(b_ref[...].astype(f32)[:, None] * sk_ref[...], n, hi)
+  Sk, Sq = [zero] * (a + 1), [zero] * (a + 1)
+  for kb in range(Kp // BK):
+    ks = slice(kb * BK, (kb + 1) * BK)
+    t = _TileGate(g_ref, a + 1, ks)
+    qf = t.qf(a)
+    lk = k_ref[_tile(a), ks].astype(f32) * qf
+    lq = q_ref[_tile(a), ks].astype(f32) * qf
+    for b in range(a + 1):
+      rk = k_ref[_tile(b), ks].astype(f32) * t.kf(a, b)
+      p = _diag_scores(prec) if b == a else prec
+      Sk[b] = Sk[b] + _dot(lk, rk, p, tb=True)
+      Sq[b] = Sq[b] + _dot(lq, rk, p, tb=True)
+  for b in range(n):
+    if b > a:
+      aqk_ref[:, _tile(b)] = zero.astype(aqk_ref.dtype)
+      sk_ref[:, _tile(b)] = zero
+      x_ref[:, _tile(b)] = zero
+      continue
+    keep_q = ii >= jj if a == b else None
+    keep_k = ii > jj if a == b else None
+    if segs:
+      same = doc_ref[_tile(a)][:, None] == doc_ref[_tile(b)][None, :]
+      keep_q = same if keep_q is None else keep_q & same
+      keep_k = same if keep_k is None else keep_k & same
+    sq, sk = scale * Sq[b], Sk[b]
+    if keep_q is not None:
+      sq, sk = jnp.where(keep_q, sq, 0.0), jnp.where(keep_k, sk, 0.0)
+    aqk_ref[:, _tile(b)] = sq.astype(aqk_ref.dtype)
+    sk_ref[:, _tile(b)] = sk
+    Sk[b] = sk
+  beta = b_ref[_tile(a)].astype(f32)[:, None]
+  X = _x_rows([beta * Sk[b] for b in range(a + 1)], lambda c, b: x_in[_tile(c), _tile(b)], a,
+              hi)
+  for b in range(a + 1):
+    x_ref[:, _tile(b)] = X[b]
 
 
 def _chunk_factors(t, m0_ref, ml_ref):
@@ -569,20 +630,22 @@ def _fwd_call(q, k, v, g, beta, masks, C, scale, precision, store, interpret, nu
   BH, N, n = B * H, Tp // C, C // SUB
   nk, nv = Kp // BK, Vp // BV
   sq = lambda d: jax.ShapeDtypeStruct((BH, N, C, C), d)
-  specs, args = [_tok(C, H, Kp)] * 3, (q, k, g)
+  specs, args = [_tok(C, H, Kp)] * 3 + [_tok_vec(C, H)], (q, k, g, beta)
   if segs:
     specs.append(_seq(C, H))
     args += (masks[0],)
-  aqk, Sk = pl.pallas_call(
-      functools.partial(_fwd_scores_kernel, n=n, BK=BK, scale=scale, prec=precision, hi=hi,
-                        segs=segs),
-      grid=(BH, N), in_specs=specs, out_specs=[_square(C)] * 2,
-      out_shape=[sq(store), sq(f32)], compiler_params=params, interpret=interpret,
-      name="kda_wy_fwd_scores")(*args)
-  X = pl.pallas_call(
-      functools.partial(_fwd_inverse_kernel, n=n, hi=hi), grid=(BH, N),
-      in_specs=[_square(C), _tok_vec(C, H)], out_specs=_square(C), out_shape=sq(f32),
-      compiler_params=params, interpret=interpret, name="kda_wy_fwd_inverse")(Sk, beta)
+  outs = ()
+  for a in range(n):  # one call per query tile a, each writing that tile's rows
+    rows = pl.BlockSpec((None, None, SUB, C), lambda i, c, a=a: (i, c, a, 0))
+    outs = pl.pallas_call(
+        functools.partial(_fwd_scores_kernel, a=a, n=n, BK=BK, scale=scale, prec=precision,
+                          hi=hi, segs=segs),
+        grid=(BH, N), in_specs=specs + ([rows, rows, _square(C)] if a else []),
+        out_specs=[rows] * 3, out_shape=[sq(store), sq(f32), sq(f32)],
+        input_output_aliases={len(args) + m: m for m in range(len(outs))},
+        compiler_params=params, interpret=interpret, name=f"kda_wy_fwd_scores_t{a}")(
+            *args, *outs)
+  aqk, Sk, X = outs
 
   nb = max(nk, nv)
   specs = [_tok(C, H, BK, nk), _tok(C, H, BK, nk), _tok(C, H, BV, nv), _tok(C, H, BK, nk),

@@ -294,10 +294,13 @@ def test_wy_kernels_match_the_xla_intra_chunk(C, segments, V, block_k):
     assert err <= 1e-5, name
 
 
-def test_wy_inverse_matches_a_solve_on_hard_matrices():
-  """`pallas_gpu_wy._inverse` (blocked forward substitution as whole-chunk products) against
-  numpy's fp64 inverse, also where a doubling product Σ L^m loses digits: near-identical keys
-  (A close to a strictly lower matrix of ones), and a random A whose inverse reaches 400."""
+@pytest.mark.parametrize("form", ["chunk", "tile"])
+def test_wy_inverse_matches_a_solve_on_hard_matrices(form):
+  """`pallas_gpu_wy._inverse` (blocked forward substitution as whole-chunk products) and
+  `tile_inverse` (forward substitution by 16-row tiles, `_inverse` on the diagonal blocks:
+  what the scores kernel's calls compute) against numpy's fp64 inverse, also where a doubling
+  product Σ L^m loses digits: near-identical keys (A close to a strictly lower matrix of ones),
+  and a random A whose inverse reaches 400."""
   rng = np.random.default_rng(12)
   hi = jax.lax.Precision.HIGHEST
   for C in (16, 32, 64):
@@ -306,7 +309,9 @@ def test_wy_inverse_matches_a_solve_on_hard_matrices():
              "ones_0.9": np.tril(np.full((C, C), 0.9), -1),
              "random_0.5": np.tril(rng.normal(size=(C, C)) * 0.5, -1)}
     for name, A in cases.items():
-      X = jax.jit(lambda a: pallas_gpu_wy._inverse(a, C // 16, hi))(jnp.asarray(A, F32))
+      inv = ((lambda a: pallas_gpu_wy._inverse(a, C // 16, hi)) if form == "chunk"
+             else (lambda a: pallas_gpu_wy.tile_inverse(a, hi)))
+      X = jax.jit(inv)(jnp.asarray(A, F32))
       err = kt.rel_rmse(np.linalg.inv(np.eye(C) + A), X)
       print(C, name, f"{err:.1e}")
       assert err <= 1e-6, (C, name)
@@ -420,7 +425,8 @@ def test_tf32_products_keep_the_saturated_gate_within_the_contract(monkeypatch, 
   """On a GPU the kernels' DEFAULT products are TF32; on the CPU they are fp32. With every
   product at TF32 (emulated here), the saturated gate's dg was 2.8e-2 (3.0e-2 on an H100,
   2026-12-06) against the 2e-2 bound: the diagonal tiles' e^(±75) products cancel in ∂g. The
-  kernels run those at `hi` (3×TF32 on a GPU), which this emulation leaves exact. (The XLA
+  pairwise backward runs those at `hi` (3×TF32 on a GPU), which this emulation leaves exact;
+  the forward's diagonal score tiles stay TF32 (DEFAULT, emulated here). (The XLA
   intra-chunk step runs its diagonal tiles at HIGHEST for the same reason; the emulation does
   not reach it: rounding by bit casts has no gradient.)"""
   from pallas_kernels.kda import pallas_gpu_kernels  # pylint: disable=g-import-not-at-top
@@ -496,11 +502,11 @@ def test_save_kda_policy_keeps_the_forward_kernels_out_of_the_recompute(intra):
     f = jax.checkpoint(layer, policy=slm_nn.remat_policy(policy_name))
     step = jax.value_and_grad(lambda *a: jnp.sum(f(*a) * w), argnums=tuple(range(5)))
     args = [d[n] for n in NAMES]
-    kernels = jaxpr_testlib.live_calls(jax.make_jaxpr(step)(*args), jaxpr_testlib.kernel_name)
+    kernels = jaxpr_testlib.live_calls(jax.make_jaxpr(step)(*args), jaxpr_testlib.kernel_site)
     return jax.jit(step)(*args), kernels
 
   ((l_full, g_full), k_full), ((l_save, g_save), k_save) = run("full"), run("save_kda")
-  fwd = ["kda_state_fwd"] + (["kda_wy_fwd_scores", "kda_wy_fwd_inverse", "kda_wy_fwd_wu"]
+  fwd = ["kda_state_fwd"] + (["kda_wy_fwd_scores", "kda_wy_fwd_wu"]
                              if intra == "wy" else [])
   bwd = ["kda_state_bwd"] + (["kda_wy_bwd_dx", "kda_wy_bwd_pair"] if intra == "wy" else [])
   assert sorted(set(k_full)) == sorted(set(k_save)) == sorted(fwd + bwd), (k_full, k_save)
