@@ -133,8 +133,10 @@ def _pairwise_scores(q, k, g, *, diag: str, precision, matmul_cumsum: bool = Fal
 
   if diag == "dense":
     kd = k * jnp.exp(-Pf)  # positive exponents: the point of the lower-bounded gate
-    # HIGHEST whatever `precision`: the e^(±Pf) factors (up to e^(15 |g_min|)) cancel in ∂g,
-    # and TF32 products here failed the saturated gate's dg bound on a GPU (pallas_gpu_wy._diag)
+    # HIGHEST whatever `precision`: the e^(±Pf) factors (up to e^(15 |g_min|)) cancel in ∂g.
+    # TF32 there (emulated on the CPU, the other products TF32 too) put the saturated gate's
+    # dg at 1.46e-2 against 5.3e-3 (bound 2e-2; the wy kernels' TF32 diagonal tiles: 2.8e-2
+    # on an H100, pallas_gpu_wy._diag); test_tf32_products_of_the_xla_intra_step_and_...
     hi = jax.lax.Precision.HIGHEST
     dq_, dk_ = (_mm(x, jnp.swapaxes(kd, -1, -2), hi) for x in (qt, kt))
     Dq, Dk = jnp.where(tri, dq_, 0.0), jnp.where(tri, dk_, 0.0)  # [..., a, i, j]

@@ -450,6 +450,64 @@ def test_tf32_products_keep_the_saturated_gate_within_the_contract(monkeypatch, 
   print(precision, {n: f"{e:.1e}" for n, e in errs.items()})
 
 
+@jax.custom_vjp
+def _tf32_matmul(a, b):
+  """a @ b as a GPU's TF32 product: operands rounded to TF32, exact products, fp32 sums; its
+  gradient's two products likewise (the cotangent and the other operand rounded)."""
+  return jnp.matmul(_tf32(a), _tf32(b), precision=jax.lax.Precision.HIGHEST)
+
+
+def _tf32_matmul_fwd(a, b):
+  return _tf32_matmul(a, b), (a, b)
+
+
+def _tf32_matmul_bwd(res, ct):
+  a, b = res
+  exact = lambda x, y: jnp.matmul(x, y, precision=jax.lax.Precision.HIGHEST)
+  _, vjp = jax.vjp(exact, _tf32(a), _tf32(b))
+  return vjp(_tf32(ct))
+
+
+_tf32_matmul.defvjp(_tf32_matmul_fwd, _tf32_matmul_bwd)
+
+
+@pytest.mark.skipif(ON_GPU, reason="emulates TF32 on the CPU; on a GPU the real TF32 products "
+                    "run in test_matches_reference[T100_bf16_dense_h0_xla_intra]")
+def test_tf32_products_of_the_xla_intra_step_and_its_highest_diagonal_tiles(monkeypatch):
+  """The XLA intra-chunk step (`intra="xla"`, opt-in for bf16 inputs) runs its DEFAULT
+  products as TF32 on a GPU. With those emulated here (forward and backward products:
+  `_tf32_matmul` in place of `xla._mm` at DEFAULT), the saturated gate is within the bf16
+  contract, and the dense diagonal tiles' products, which run at HIGHEST, are what keeps dg
+  well inside it: with them at TF32 too, dg is 1.46e-2 against 5.3e-3 (the 2e-2 bound; the
+  wy kernels' TF32 diagonal tiles put it at 2.8e-2 on an H100). Fails if the diagonal tiles
+  lose their HIGHEST (the two runs would be the same)."""
+  mm = kda_xla._mm
+  hi = jax.lax.Precision.HIGHEST
+  label = "T140_K128_bf16_saturated"
+  inp = kt.make_inputs(zlib.crc32(label.encode()) % 1000, 1, 140, 1, 128, 128, dtype=BF16,
+                       gate="saturated", initial_state=True)
+  ref = kt.reference_fp64(inp)
+
+  def run(diag_tf32):
+    def tf32_mm(a, b, precision):
+      if diag_tf32 and precision == hi:
+        precision = None  # the diagonal tiles' products (the only HIGHEST ones here)
+      if precision in (None, jax.lax.Precision.DEFAULT):
+        return _tf32_matmul(a, b)
+      return mm(a, b, precision)
+
+    monkeypatch.setattr(kda_xla, "_mm", tf32_mm)
+    fn = jax.jit(functools.partial(pallas_gpu.chunk_kda_pallas_gpu, gate_lower_bound=-5.0,
+                                   intra="xla", interpret=True),
+                 static_argnames=("output_final_state",))
+    return kt.run_with_grads(fn, inp)
+
+  errs = kt.check_against_reference(ref, run(False), kt.TOL_BF16, label=label)
+  dg_tf32 = kt.rel_rmse(ref[2]["g"], run(True)[2]["g"])
+  print({n: f"{e:.1e}" for n, e in errs.items()}, f"dg with TF32 diagonal tiles {dg_tf32:.2e}")
+  assert dg_tf32 > 2 * errs["g"]
+
+
 def test_bf16_operands_change_the_products():
   """precision=BF16_OPERANDS is not DEFAULT under another name: the outputs and gradients differ
   (in their last bits; test_matches_reference's *_bf16_operands cases bound the difference)."""
