@@ -15,15 +15,14 @@ def kernel_name(eqn) -> str | None:
   return str(eqn.params["name"]) if eqn.primitive.name == "pallas_call" else None
 
 
-def kernel_site(eqn) -> str | None:
-  """kernel_name, with the per-tile calls of one kernel counted once: "name_t0" is "name",
-  "name_t1", "name_t2", ... are None (pallas_gpu_wy runs some kernels as one call per 16-row
-  tile, named <kernel>_t<tile>)."""
-  name = kernel_name(eqn)
-  m = None if name is None else re.fullmatch(r"(.*)_t(\d+)", name)
-  if m is None:
-    return name
-  return m.group(1) if m.group(2) == "0" else None
+def tile_calls(names, family: str) -> list[str]:
+  """The names of a kernel that runs as one call per 16-row tile (pallas_gpu_wy names them
+  <family>_t0, <family>_t1, ...) among `names`, in tile order; raises AssertionError unless
+  they are _t0 ... _t{n-1}, n >= 1 (n = chunk size / 16)."""
+  tiles = sorted({x for x in names if re.fullmatch(re.escape(family) + r"_t\d+", x)},
+                 key=lambda x: int(x.rsplit("_t", 1)[1]))
+  assert tiles and tiles == [f"{family}_t{i}" for i in range(len(tiles))], tiles
+  return tiles
 
 
 def primitive_named(*names: str) -> Callable:

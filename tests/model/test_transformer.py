@@ -272,7 +272,6 @@ def test_save_kda_runs_each_kda_forward_kernel_once_through_the_whole_model():
   once per KDA call site, where "full" runs it twice; the backward kernels once either way.
   Traced only (make_jaxpr): nothing is compiled, so the GPU kernels need no GPU here."""
   from tests import jaxpr_testlib  # pylint: disable=g-import-not-at-top
-  fwd = ("kda_wy_fwd_scores", "kda_wy_fwd_wu", "kda_state_fwd")
   bwd = ("kda_wy_bwd_dx", "kda_wy_bwd_pair", "kda_state_bwd")
   tok = jnp.asarray(np.random.default_rng(9).integers(0, 512, (1, 64)), jnp.int32)
   counts = {}
@@ -287,7 +286,9 @@ def test_save_kda_runs_each_kda_forward_kernel_once_through_the_whole_model():
       return jnp.sum(jnp.square(logits.astype(jnp.float32)))
 
     kernels = jaxpr_testlib.live_calls(jax.make_jaxpr(jax.value_and_grad(loss))(state),
-                                       jaxpr_testlib.kernel_site)
+                                       jaxpr_testlib.kernel_name)
+    fwd = tuple(jaxpr_testlib.tile_calls(kernels, "kda_wy_fwd_scores")) + (
+        "kda_wy_fwd_wu", "kda_state_fwd")  # the scores: one call per 16-row tile
     counts[policy] = {n: kernels.count(n) for n in fwd + bwd}
   sites = counts["save_kda"]["kda_wy_bwd_pair"]
   assert sites >= 2, counts  # the head's KDA layers and the scanned group's, one site each
