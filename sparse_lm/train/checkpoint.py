@@ -115,6 +115,8 @@ class Checkpointer:
       RuntimeError: checkpoints exist but none of them can be read.
     """
     steps = sorted(self._mgr.all_steps(), reverse=True)
+    if steps:  # before any read: a failed read's others can report before its error is caught
+      _quiet_abandoned_reads()
     errors, unreadable = [], []
     for step in steps:
       try:
@@ -132,7 +134,6 @@ class Checkpointer:
           return restored.state, dict(restored.data or {}), meta
         except Exception as e:  # pylint: disable=broad-except  (any read failure: corrupt)
           failure = e
-      _quiet_abandoned_reads()
       why = str(failure).split("\n")[0].split(" [tensorstore_spec")[0][:300]
       msg = (f"checkpoint {self.directory / str(step)} cannot be restored "
              f"({type(failure).__name__}: {why}); falling back to the previous one")
@@ -176,6 +177,9 @@ _QUIET = []
 
 def _quiet_abandoned_reads() -> None:
   """Silence the late errors of a failed restore's other reads, for the rest of the process.
+  Installed before the first read of `Checkpointer.restore_latest` (installed only once a
+  read had failed, the first reads to report could come before it: 2 of 4 runs of the test's
+  script printed tracebacks, 2026-12-06).
 
   When one array of a checkpoint cannot be read, orbax's restore raises while its other
   reads (one per array) are still in flight; as they finish, each reports into an event loop
