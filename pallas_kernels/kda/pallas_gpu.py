@@ -16,8 +16,9 @@ Structure (C-token chunks, N = T / C of them, every equation as in xla.py's docs
      one call per tile, then W, U, Q ⊙ Γ, Kd per chunk and channel block; backward: dX per
      chunk, then the pairwise chain rule by 16-row tiles per chunk and channel block); the
      intra-chunk step fwd+bwd 2.94 against 4.19 ms for the XLA step on an H100 (2026-12-05,
-     docs/benchmarks.md; before the scores' per-tile calls). `intra="xla"` (what "auto" picks otherwise): xla._intra_chunk as
-     batched XLA ops differentiated by autodiff, with the inverse by
+     docs/benchmarks.md; before the scores' per-tile calls). `intra="xla"` (what "auto"
+     picks otherwise): xla._intra_chunk as batched XLA ops differentiated by autodiff, with
+     the inverse by
      `blocked_unit_lower_inverse` and the in-chunk cumulative sums as triangular matmuls
      (xla.tri_cumsum, not XLA's O(C²) reduce-window cumsum).
   2. state pass, sequential over chunks only (pallas_gpu_kernels.py, custom VJP): the states H_n
@@ -35,9 +36,10 @@ NVIDIA) for bf16 inputs and HIGHEST (true fp32) for fp32/fp64 inputs; the triang
 always HIGHEST (3×TF32 inside the wy kernels on a GPU), and so are the diagonal 16 × 16 tiles
 of the wy kernels' pairwise backward (their e^(±75) products cancel in ∂g: at TF32 the
 saturated gate's dg was 2.8e-2 of the 2e-2 bound on an H100; pallas_gpu_wy._diag); the
-forward's diagonal score tiles are TF32 (pallas_gpu_wy._diag_scores). `precision=BF16_OPERANDS` (opt-in)
-rounds the kernels' other operands to bf16 instead of TF32's 10-bit mantissa
-(chunk_kda_pallas_gpu). Accumulation and the running state are fp32. Storage (`store_dtype`): bf16 q, k, v are read as bf16 and promoted to fp32 once (the
+forward's diagonal score tiles are TF32 (pallas_gpu_wy._diag_scores).
+`precision=BF16_OPERANDS` (opt-in) rounds the kernels' other operands to bf16 instead of
+TF32's 10-bit mantissa (chunk_kda_pallas_gpu). Accumulation and the running state are fp32.
+Storage (`store_dtype`): bf16 q, k, v are read as bf16 and promoted to fp32 once (the
 same values); with bf16 q, k and v the arrays passed between steps 1, 2 and 3 (W, U, Kd,
 Q ⊙ Γ, A_qk, H_n, V') and their cotangents are stored in bf16, as fla and
 jax-linear-attention store theirs; otherwise fp32.

@@ -297,7 +297,9 @@ def _x_rows(A, x_prev, a, hi):
 def tile_inverse(A, hi=HI):
   """(I + A)⁻¹ of a strictly lower-triangular [C, C] fp32 A (C a multiple of 16) by 16-row
   tiles (`_x_rows`, row a after rows < a), outside a kernel: what the scores kernel's calls
-  compute one tile row each. For tests."""
+  compute one tile row each (for tests). Returns [C, C] fp32, unit lower triangular; `hi`:
+  the products' precision. Raises nothing of its own. Source: forward substitution by
+  blocks; ARCHITECTURE.md §2.4 (X = (I + A_kk)⁻¹)."""
   n = A.shape[0] // SUB
   rows = []
   for a in range(n):

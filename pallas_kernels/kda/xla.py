@@ -136,7 +136,8 @@ def _pairwise_scores(q, k, g, *, diag: str, precision, matmul_cumsum: bool = Fal
     # HIGHEST whatever `precision`: the e^(±Pf) factors (up to e^(15 |g_min|)) cancel in ∂g.
     # TF32 there (emulated on the CPU, the other products TF32 too) put the saturated gate's
     # dg at 1.46e-2 against 5.3e-3 (bound 2e-2; the wy kernels' TF32 diagonal tiles: 2.8e-2
-    # on an H100, pallas_gpu_wy._diag); test_tf32_products_of_the_xla_intra_step_and_...
+    # on an H100, pallas_gpu_wy._diag). Test: tests/pallas_kernels/test_kda_pallas_gpu.py::
+    # test_tf32_products_of_the_xla_intra_step_and_its_highest_diagonal_tiles.
     hi = jax.lax.Precision.HIGHEST
     dq_, dk_ = (_mm(x, jnp.swapaxes(kd, -1, -2), hi) for x in (qt, kt))
     Dq, Dk = jnp.where(tri, dq_, 0.0), jnp.where(tri, dk_, 0.0)  # [..., a, i, j]
