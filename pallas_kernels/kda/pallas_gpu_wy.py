@@ -245,7 +245,9 @@ def _tile(c):
 
 def _inverse(A, n, hi):
   """(I + A)⁻¹ of a strictly lower-triangular [C, C] fp32 A, C = 16 n: blocked forward
-  substitution on whole-chunk products (module docstring).
+  substitution on whole-chunk products. The kernels call it on the 16 × 16 diagonal blocks
+  only (n = 1, `_x_rows`); C = 32 and 64 remain for its test (the whole-chunk inverse kernel
+  that used them was folded into the scores' tile calls on 2026-12-06).
 
   The 4 × 4 diagonal blocks first, as (I + L)(I + L²) = Σ_{m<4} L^m with L = −A on those
   blocks; then, for block sizes s = 4 and 16, block row j of every (4 s)-block at once:
