@@ -87,10 +87,28 @@ def live_calls(closed_jaxpr, label: Callable) -> list[str]:
                if u and isinstance(v, jax.extend.core.Var)}
     return out, [v in need for v in jaxpr.invars]
 
+  def scan_counts(eqn):
+    # jax <= 0.10 names the counts (num_consts, num_carry); jax 0.11 gives flat trees instead:
+    # ft_in = (consts, carry, xs), ft_out = (carry, ys), one leaf per operand or result.
+    if "num_consts" in eqn.params:
+      return eqn.params["num_consts"], eqn.params["num_carry"]
+    def group_sizes(ft):
+      for attr in ("trees", "elts"):  # a tuple of flat trees (FTTuple)
+        if hasattr(ft, attr):
+          return [len(g) for g in getattr(ft, attr)]
+      tree = getattr(ft, "treedef", None) or ft.tree  # one flat pytree (its PyTreeDef)
+      return [c.num_leaves for c in tree.children()]
+    ins, outs = group_sizes(eqn.params["ft_in"]), group_sizes(eqn.params["ft_out"])
+    if len(ins) != 3 or sum(ins) != len(eqn.invars) or len(outs) != 2 or outs[0] != ins[1]:
+      raise ValueError(f"scan's ft_in {ins} / ft_out {outs} (group sizes) do not read as "
+                       f"(consts, carry, xs) / (carry, ys) for {len(eqn.invars)} operands: "
+                       "teach tests/jaxpr_testlib.scan_counts this jax's scan")
+    return ins[0], ins[1]
+
   def live_scan(eqn, body, used):
     # body: (consts, carry, xs) -> (carry, ys). A carry output is needed if the scan's result
     # is read or the next iteration reads that carry: iterate to a fixed point.
-    n_consts, n_carry = eqn.params["num_consts"], eqn.params["num_carry"]
+    n_consts, n_carry = scan_counts(eqn)
     carry_used = list(used[:n_carry])
     while True:
       names, used_in = live(body, carry_used + list(used[n_carry:]))
