@@ -201,6 +201,12 @@ def verdict(record: dict[str, Any]) -> str:
                                        if set(others) - set(resolved) else "") + ".")
 
 
+def _num(x, spec: str, unit: str = "") -> str:
+  """A recorded number as text; "not sampled" where the run recorded none (None: e.g. no load
+  sample in a run shorter than the sampling interval)."""
+  return "not sampled" if x is None else f"{x:{spec}}{unit}"
+
+
 def write_report(results: dict[str, Any], docs: pathlib.Path) -> str:
   """Rewrite docs/ablations.md (and its plots) from `results` ({name: record}); returns it."""
   from experiments.ablations.run import extra_tables, summarize  # pylint: disable=g-import-not-at-top
@@ -213,9 +219,10 @@ def write_report(results: dict[str, Any], docs: pathlib.Path) -> str:
   for whole in meta.get("_runs", []):
     par = ""
     if whole.get("jobs", 1) > 1:
-      par = (f"; {whole['jobs']} worker processes, 1-minute load average {whole['load_mean']:.1f} "
-             f"mean and {whole['load_max']:.1f} max over the run, largest worker's peak "
-             f"resident memory {whole['worker_peak_rss_gb']:.2f} GB")
+      par = (f"; {whole['jobs']} worker processes, 1-minute load average "
+             f"{_num(whole.get('load_mean'), '.1f')} mean and "
+             f"{_num(whole.get('load_max'), '.1f')} max over the run, largest worker's peak "
+             f"resident memory {_num(whole.get('worker_peak_rss_gb'), '.2f', ' GB')}")
     lines += [f"Invocation: `{whole['command']}`, ended {whole['date']}, commit "
               f"`{whole['commit']}`, {whole['seconds']:.0f} s wall inside Python, load average "
               f"{whole['load_start']:.1f} at the start and {whole['load_end']:.1f} at the end "

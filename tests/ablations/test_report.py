@@ -71,6 +71,17 @@ def test_one_ablation_runs_a_worker_reuses_it_and_the_report_table_comes_from_it
   text = (docs / "ablations.md").read_text()
   assert "| gated MLA | 1.2500 ± 0.0000 | 2.5000 ± 0.0000 |" in text, text
   assert "| 1.2500 | 3.7500 |" in text and "| depth 1 | 1.00 | 0.25 |" in text, text
+  # A parallel invocation too short for a load sample (recorded as None) still renders, on this
+  # and every later run.
+  meta = {"_runs": [{"command": "python -m experiments.ablations.report --jobs 2",
+                     "date": "2026-12-06", "commit": "abc1234", "seconds": 4.2,
+                     "load_start": 0.5, "load_end": 0.7, "load_mean": None, "load_max": None,
+                     "jobs": 2, "worker_peak_rss_gb": 1.25, "machine": "2 cores"}]}
+  (docs / "ablations" / "results.json").write_text(json.dumps({"length": rec, "_meta": meta}))
+  assert report.main(["--from-results", f"--docs={docs}"]) == 0
+  text = (docs / "ablations.md").read_text()
+  assert ("2 worker processes, 1-minute load average not sampled mean and not sampled max "
+          "over the run, largest worker's peak resident memory 1.25 GB") in text, text
 
 
 @pytest.mark.parametrize("argv,needle", [
