@@ -287,6 +287,13 @@ def main(argv=None) -> None:
   args = ap.parse_args(argv)
   if args.cmd == "export" and args.quantize and args.layout == "kimi_linear":
     b.error("--quantize needs --layout kimi_k3 (Kimi-Linear stores bf16 experts)")
+  if args.cmd == "export" and pathlib.Path(args.out).exists() and not pathlib.Path(
+      args.out).is_dir():
+    b.error(f"--out {args.out} is a file: give a directory (new or existing) for the HF "
+            "checkpoint")
+  if args.cmd == "import" and not (pathlib.Path(args.hf_dir) / "config.json").is_file():
+    a.error(f"--hf_dir {args.hf_dir}: no config.json there: give the directory of an HF "
+            "checkpoint (config.json, *.safetensors, the tokenizer files)")
   try:  # a missing directory or a model the layout cannot hold: a message, status 2
     if args.cmd == "import":
       out = import_to_workdir(args.hf_dir, args.workdir, dtype=args.dtype)

@@ -164,7 +164,7 @@ def test_init_from_takes_the_import_directory_itself_and_names_what_a_wrong_path
 
 def test_cli_errors_are_one_line_with_status_2(tmp_path, capsys):
   """The interop CLI's errors (missing directories, a non-HF directory, --quantize with the
-  kimi_linear layout) exit with argparse's status 2 and the message, no traceback; the
+  kimi_linear layout, --out an existing file) exit with argparse's status 2 and the message, no traceback; the
   refused export writes nothing. A Kimi-Linear model exports as kimi_linear by default."""
   from sparse_lm.interop import hf
   from sparse_lm.interop import hf_config
@@ -177,6 +177,9 @@ def test_cli_errors_are_one_line_with_status_2(tmp_path, capsys):
        str(tmp_path / "none")),
       (["export", "--workdir", str(w), "--out", str(tmp_path / "o2"), "--quantize",
         "--layout", "kimi_linear"], "--quantize needs --layout kimi_k3"),
+      (["export", "--workdir", str(w), "--out", str(KIMI_LINEAR / "config.json")],
+       "is a file: give a directory"),
+      (["import", "--hf_dir", str(w), "--workdir", str(tmp_path / "x")], "no config.json"),
   ]
   for argv, want in cases:
     with pytest.raises(SystemExit) as e:
