@@ -98,7 +98,8 @@ def main(argv=None) -> int:
   import os  # pylint: disable=import-outside-toplevel
   from experiments.base import enable_compilation_cache  # pylint: disable=import-outside-toplevel
   from sparse_lm.rl.trainer import run  # pylint: disable=import-outside-toplevel
-  from sparse_lm.train.checkpoint import ConfigMismatchError  # pylint: disable=import-outside-toplevel
+  from sparse_lm.train.checkpoint import (  # pylint: disable=import-outside-toplevel
+      ConfigMismatchError, UnreadableCheckpointError)
   workdir = args.workdir or f"runs/rl_{args.preset}"
   enable_compilation_cache(os.environ.get("SPARSE_LM_XLA_CACHE") or
                            os.path.join(workdir, "xla_cache"))
@@ -108,6 +109,9 @@ def main(argv=None) -> int:
   except ConfigMismatchError as e:  # resuming a workdir written under other settings
     print(f"{parser.prog}: error: {e}", file=sys.stderr)
     return 2
+  except UnreadableCheckpointError as e:  # every checkpoint of a stage is corrupt
+    print(f"{parser.prog}: error: {e}", file=sys.stderr)
+    return 1
   print(json.dumps({"sft": out["sft"], "grpo": out["grpo"]}))
   return 0
 

@@ -245,6 +245,7 @@ def main(stages: Mapping[str, StageConfig], argv: Sequence[str] | None = None) -
   from sparse_lm.distributed import maybe_initialize
   maybe_initialize()  # jax.distributed on pods / Slurm / mpirun; nothing on one host
   # pylint: disable=g-import-not-at-top  (after the CLI is validated: --help stays fast)
+  from sparse_lm.train.checkpoint import UnreadableCheckpointError
   from sparse_lm.train.loop import NonFiniteLossError, run
   from sparse_lm.train.workdir import WorkdirLockedError
   enable_compilation_cache(os.environ.get("SPARSE_LM_XLA_CACHE") or
@@ -254,7 +255,8 @@ def main(stages: Mapping[str, StageConfig], argv: Sequence[str] | None = None) -
         alerts=metrics_lib.Alerts(max_mean_load=args.warn_max_mean_load,
                                   dead_frac=args.warn_dead_frac, drop_rate=args.warn_drop_rate),
         allow_config_change=args.allow_config_change)
-  except (NonFiniteLossError, FileNotFoundError, ValueError, WorkdirLockedError) as e:
+  except (NonFiniteLossError, FileNotFoundError, ValueError, WorkdirLockedError,
+          UnreadableCheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     return 1
   return 0  # a preempted run saved its state and said so; rerunning resumes it

@@ -86,6 +86,7 @@ def load_checkpoint(path: str | pathlib.Path, *, preset: str | None = None):
     FileNotFoundError: path is not a checkpoint step directory.
     ValueError: the checkpoint's preset differs from `preset`, or its arrays do not fit the
       model its config describes.
+    UnreadableCheckpointError (a RuntimeError): its files cannot be read (truncated, corrupt).
   """
   import jax
   import orbax.checkpoint as ocp
@@ -93,7 +94,17 @@ def load_checkpoint(path: str | pathlib.Path, *, preset: str | None = None):
 
   from sparse_lm.data import Tokenizer
   from sparse_lm.model import Transformer
+  from sparse_lm.train import checkpoint as ckpt_lib
   from sparse_lm.train.checkpoint import stage_from_json
+
+  def read(what, args):
+    try:
+      return getattr(mgr.restore(step, args=args), what)
+    except Exception as e:  # pylint: disable=broad-except  (any read failure: corrupt files)
+      why = str(e).split("\n")[0].split(" [tensorstore_spec")[0][:300]
+      raise ckpt_lib.UnreadableCheckpointError(
+          f"--checkpoint {path}: its {what} cannot be read ({type(e).__name__}: {why}); "
+          "pass another step, or --workdir to take the newest readable one") from None
 
   path = pathlib.Path(path).absolute()
   if path.name.isdigit() and not path.is_dir():
@@ -107,13 +118,14 @@ def load_checkpoint(path: str | pathlib.Path, *, preset: str | None = None):
                             "<workdir>/<stage>/checkpoints/<step>")
   mgr = ocp.CheckpointManager(path.parent)
   step = int(path.name)
-  meta = mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
+  ckpt_lib.quiet_abandoned_reads()  # a failed read's other reads report late
+  meta = read("meta", ocp.args.Composite(meta=ocp.args.JsonRestore()))
   stage = meta["stage"]
   _check_preset(preset, stage["preset"], path)
   cfg = stage_from_json(stage).model_config()
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   graphdef, params, model_vars = nnx.split(abstract, nnx.Param, ...)
-  state = mgr.restore(step, args=ocp.args.Composite(state=ocp.args.StandardRestore())).state
+  state = read("state", ocp.args.Composite(state=ocp.args.StandardRestore()))
   mgr.close()
   def pure(tree):  # a restored Variable is {"value": array}
     if isinstance(tree, dict):
@@ -224,6 +236,9 @@ def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
     _flag_error(parser, e)
   if not args.interactive and not args.prompt:
     parser.error("--prompt is empty: give text to continue, or use --interactive")
+  if args.checkpoint and args.stage:
+    parser.error("--stage picks a stage of --workdir; --checkpoint names one step already: "
+                 "drop --stage")
   try:  # a checkpoint of another preset, or one that does not fit its config: status 2
     if args.checkpoint:
       model, tokenizer, meta = load_checkpoint(args.checkpoint, preset=args.preset)
@@ -287,8 +302,19 @@ def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
   return 0
 
 
-if __name__ == "__main__":
+def entry(argv=None) -> int | str:
+  """`main` as the command runs it: a missing workdir or checkpoint, or checkpoints that cannot
+  be read, return their message (sys.exit prints it and exits with status 1), no traceback."""
   try:
-    sys.exit(main())
+    return main(argv)
   except FileNotFoundError as e:  # a missing workdir / checkpoint: the message says what to do
-    sys.exit(f"python -m sparse_lm.generate: error: {e}")
+    return f"python -m sparse_lm.generate: error: {e}"
+  except RuntimeError as e:  # checkpoints that cannot be read: the message names them
+    from sparse_lm.train.checkpoint import UnreadableCheckpointError
+    if not isinstance(e, UnreadableCheckpointError):
+      raise
+    return f"python -m sparse_lm.generate: error: {e}"
+
+
+if __name__ == "__main__":
+  sys.exit(entry())

@@ -49,6 +49,11 @@ class TokenizerMismatchError(ValueError):
   """Resuming or initialising with a tokenizer other than the checkpoint's."""
 
 
+class UnreadableCheckpointError(RuntimeError):
+  """Checkpoints exist but none of them can be read (truncated, corrupt); the message names
+  each with its error. Nothing was moved."""
+
+
 class ConfigMismatchError(ValueError):
   """Resuming with a model or stage config other than the checkpoint's (not corruption)."""
 
@@ -112,13 +117,13 @@ class Checkpointer:
     `set_aside=False`, as a reader that does not train uses).
 
     Raises:
-      RuntimeError: checkpoints exist but none of them can be read.
+      UnreadableCheckpointError: checkpoints exist but none of them can be read.
     """
     steps = sorted(self._mgr.all_steps(), reverse=True)
     if steps:  # before any read: a failed read's others can report before its error is caught
-      _quiet_abandoned_reads()
+      quiet_abandoned_reads()
     errors, unreadable = [], []
-    for step in steps:
+    for i, step in enumerate(steps):
       try:
         meta = dict(self.read_meta(step))
       except Exception as e:  # pylint: disable=broad-except  (an unreadable meta is corrupt)
@@ -136,12 +141,17 @@ class Checkpointer:
           failure = e
       why = str(failure).split("\n")[0].split(" [tensorstore_spec")[0][:300]
       msg = (f"checkpoint {self.directory / str(step)} cannot be restored "
-             f"({type(failure).__name__}: {why}); falling back to the previous one")
+             f"({type(failure).__name__}: {why}); "
+             + ("falling back to the previous one" if i + 1 < len(steps) else
+                "no older checkpoint"))
       warnings.warn(msg, RuntimeWarning, stacklevel=2)
       errors.append(msg)
       unreadable.append(step)
     if steps:
-      raise RuntimeError(f"no readable checkpoint in {self.directory}:\n" + "\n".join(errors))
+      raise UnreadableCheckpointError(
+          f"no readable checkpoint in {self.directory} (nothing was moved):\n"
+          + "\n".join(errors) + f"\nIf the storage is fine, move {self.directory} aside to "
+          "start this stage over.")
     return None
 
   def _set_aside(self, steps: list[int]) -> None:
@@ -175,7 +185,7 @@ _READ_MARKS = ("orbax", "tensorstore", "OCDBT")
 _QUIET = []
 
 
-def _quiet_abandoned_reads() -> None:
+def quiet_abandoned_reads() -> None:
   """Silence the late errors of a failed restore's other reads, for the rest of the process.
   Installed before the first read of `Checkpointer.restore_latest` (installed only once a
   read had failed, the first reads to report could come before it: 2 of 4 runs of the test's

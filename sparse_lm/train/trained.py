@@ -19,7 +19,7 @@ from flax import nnx
 from sparse_lm import sharding as shd
 from sparse_lm.data import Tokenizer
 from sparse_lm.train.builder import build
-from sparse_lm.train.checkpoint import Checkpointer, stage_from_json
+from sparse_lm.train.checkpoint import Checkpointer, UnreadableCheckpointError, stage_from_json
 from sparse_lm.train.config import StageConfig
 
 
@@ -52,7 +52,7 @@ def load(workdir: str | pathlib.Path, stage: str | None = None, *,
   Raises:
     FileNotFoundError: no checkpoint of `stage` (or of any stage) in `workdir`; the message
       lists the stages there.
-    RuntimeError: checkpoints exist but none can be read.
+    UnreadableCheckpointError (a RuntimeError): checkpoints exist but none can be read.
   """
   workdir = pathlib.Path(workdir).absolute()
   stages = _stage_dirs(workdir) if workdir.is_dir() else []
@@ -74,7 +74,9 @@ def load(workdir: str | pathlib.Path, stage: str | None = None, *,
       except Exception:  # pylint: disable=broad-except  (unreadable: try the one before)
         continue
     if stage_cfg is None:
-      raise RuntimeError(f"no readable checkpoint in {ckpt.directory}")
+      raise UnreadableCheckpointError(
+          f"no readable checkpoint in {ckpt.directory}: every step's meta.json failed to "
+          "read")
     mesh = shd.make_mesh(shd.MeshLayout(), devices)
     parts = build(stage_cfg, mesh)
     with shd.use_mesh(mesh):

@@ -111,6 +111,19 @@ def test_missing_or_empty_data_path_lists_what_was_searched(tmp_path, capsys, ki
   assert code == 1 and "error:" in err and str(path) in err
 
 
+def test_unreadable_checkpoints_stop_with_the_message_not_a_traceback(tmp_path, capsys,
+                                                                      monkeypatch):
+  """Every checkpoint of the stage unreadable (Checkpointer.restore_latest's named error, its
+  own test in tests/train/test_train_units.py): status 1 and the message."""
+  from sparse_lm.train import checkpoint, loop
+
+  def run(*args, **kwargs):
+    raise checkpoint.UnreadableCheckpointError("no readable checkpoint in W (nothing was moved)")
+  monkeypatch.setattr(loop, "run", run)
+  code = base.main(stage_8k.STAGES, _argv(tmp_path / "run"))
+  assert code == 1 and "error: no readable checkpoint in W" in capsys.readouterr().err
+
+
 def test_binary_and_non_utf8_files_are_skipped_or_repaired(workdir, capsys):
   corpus = workdir / "corpus"
   corpus.mkdir()

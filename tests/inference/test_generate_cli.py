@@ -4,6 +4,7 @@ and the end-of-stage sample (train/sample.py) through the engine."""
 import io
 import os
 import re
+import shutil
 
 import jax
 import numpy as np
@@ -174,3 +175,27 @@ def test_cli_refusals_echo_nothing_and_a_full_session_ends_cleanly(workdir, monk
   with pytest.raises(SystemExit) as stop:
     cli.main(["--workdir", str(root), "--prompt", ""])
   assert stop.value.code == 2 and "--prompt is empty" in capsys.readouterr().err
+
+
+def test_unreadable_checkpoints_and_a_stray_stage_flag_are_one_message(workdir, tmp_path,
+                                                                        capsys):
+  """A corrupt checkpoint (its arrays truncated) through --checkpoint or --workdir, as the
+  command runs it (`entry`): one message naming the checkpoint, status 1, no traceback;
+  --stage beside --checkpoint: status 2."""
+  root = workdir[0]
+  corrupt = tmp_path / "run"
+  shutil.copytree(root / "stage_8k", corrupt / "stage_8k")
+  step_dir = corrupt / "stage_8k" / "checkpoints" / "3"
+  for f in (step_dir / "state").rglob("*"):
+    if f.is_file() and f.stat().st_size > 64 and "d" in f.parent.name:
+      f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # a truncated write
+  got = cli.entry(["--checkpoint", str(step_dir), "--prompt", "x"])
+  assert isinstance(got, str) and f"--checkpoint {step_dir}: its state cannot be read" in got
+  with pytest.warns(RuntimeWarning, match="no older checkpoint"):
+    got = cli.entry(["--workdir", str(corrupt), "--prompt", "x"])
+  assert isinstance(got, str) and "no readable checkpoint in" in got, got
+  assert "nothing was moved" in got and (step_dir.is_dir())  # a reader moves nothing
+  assert "Traceback" not in capsys.readouterr().err
+  with pytest.raises(SystemExit) as e:
+    cli.main(["--checkpoint", str(step_dir), "--stage", "stage_8k", "--prompt", "x"])
+  assert e.value.code == 2 and "drop --stage" in capsys.readouterr().err

@@ -87,6 +87,28 @@ def test_truncated_checkpoint_falls_back_to_previous(tmp_path: pathlib.Path):
   ck3.close()
 
 
+def test_the_only_checkpoint_unreadable_stops_and_moves_nothing(tmp_path: pathlib.Path):
+  """With no readable checkpoint to fall back to, restore_latest raises a named error that
+  says nothing was moved and how to start over; the checkpoint stays where it is."""
+  tx = make_optimizer(OptimizerConfig(), 10)
+  ck = ckpt_lib.Checkpointer(tmp_path / "ck", keep=3)
+  ck.save(_toy_state(1, tx), data_state={"pos": 1}, meta={})
+  ck.wait()
+  for f in (tmp_path / "ck" / "1" / "state").rglob("*"):
+    if f.is_file() and f.stat().st_size > 64 and "d" in f.parent.name:
+      f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # a truncated write
+  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
+                                                        sharding=x.sharding), _toy_state(0, tx))
+  ck2 = ckpt_lib.Checkpointer(tmp_path / "ck", keep=3)
+  with pytest.warns(RuntimeWarning, match="no older checkpoint"):
+    with pytest.raises(ckpt_lib.UnreadableCheckpointError,
+                       match=r"(?s)nothing was moved.*move .* aside to start this stage over"):
+      ck2.restore_latest(target)
+  assert ck2.all_steps() == [1] and not (tmp_path / ckpt_lib.UNREADABLE_DIR).exists()
+  ck.close()
+  ck2.close()
+
+
 def test_tokenizer_mismatch_is_an_error():
   ckpt_lib.check_tokenizer({"tokenizer": {"fingerprint": "abc"}}, "abc", "x")
   with pytest.raises(ckpt_lib.TokenizerMismatchError, match="abc.*def"):
