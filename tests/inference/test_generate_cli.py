@@ -20,6 +20,7 @@ from sparse_lm.train.builder import build
 from sparse_lm.train.checkpoint import Checkpointer, make_meta
 from sparse_lm.train.config import StageConfig
 from sparse_lm.train.state import split_model
+from tests import checkpoint_testlib
 
 WORDS = "def return class import lambda yield print value index list dict".split()
 
@@ -186,9 +187,7 @@ def test_unreadable_checkpoints_and_a_stray_stage_flag_are_one_message(workdir, 
   corrupt = tmp_path / "run"
   shutil.copytree(root / "stage_8k", corrupt / "stage_8k")
   step_dir = corrupt / "stage_8k" / "checkpoints" / "3"
-  for f in (step_dir / "state").rglob("*"):
-    if f.is_file() and f.stat().st_size > 64 and "d" in f.parent.name:
-      f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # a truncated write
+  checkpoint_testlib.truncate_arrays(step_dir)
   got = cli.entry(["--checkpoint", str(step_dir), "--prompt", "x"])
   assert isinstance(got, str) and f"--checkpoint {step_dir}: its state cannot be read" in got
   with pytest.warns(RuntimeWarning, match="no older checkpoint"):

@@ -17,6 +17,7 @@ from sparse_lm.config import get_preset
 from sparse_lm.train import checkpoint as ckpt_lib
 from sparse_lm.train.optimizer import OptimizerConfig, decay_mask, make_optimizer, wsd_schedule
 from sparse_lm.train.state import TrainState
+from tests import checkpoint_testlib
 
 
 def test_wsd_schedule_shape():
@@ -55,6 +56,12 @@ def _toy_state(seed: int, tx) -> TrainState:
                     opt_state=tx.init(params), rng=jax.random.PRNGKey(seed + 1))
 
 
+def _abstract(state: TrainState):
+  """The restore target of `state`: its shapes, dtypes and shardings."""
+  return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding),
+                      state)
+
+
 def test_truncated_checkpoint_falls_back_to_previous(tmp_path: pathlib.Path):
   tx = make_optimizer(OptimizerConfig(), 10)
   ck = ckpt_lib.Checkpointer(tmp_path / "ck", keep=3)
@@ -62,11 +69,8 @@ def test_truncated_checkpoint_falls_back_to_previous(tmp_path: pathlib.Path):
   for step in (1, 2):
     ck.save(_toy_state(step, tx), data_state={"pos": step}, meta=meta)
   ck.wait()
-  for f in (tmp_path / "ck" / "2" / "state").rglob("*"):
-    if f.is_file() and f.stat().st_size > 64 and "d" in f.parent.name:
-      f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # a truncated write
-  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                        sharding=x.sharding), _toy_state(0, tx))
+  checkpoint_testlib.truncate_arrays(tmp_path / "ck" / "2")
+  target = _abstract(_toy_state(0, tx))
   ck2 = ckpt_lib.Checkpointer(tmp_path / "ck", keep=3)
   with pytest.warns(RuntimeWarning, match="falling back to the previous one"):
     state, data_state, meta_out = ck2.restore_latest(target)
@@ -94,11 +98,8 @@ def test_the_only_checkpoint_unreadable_stops_and_moves_nothing(tmp_path: pathli
   ck = ckpt_lib.Checkpointer(tmp_path / "ck", keep=3)
   ck.save(_toy_state(1, tx), data_state={"pos": 1}, meta={})
   ck.wait()
-  for f in (tmp_path / "ck" / "1" / "state").rglob("*"):
-    if f.is_file() and f.stat().st_size > 64 and "d" in f.parent.name:
-      f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])  # a truncated write
-  target = jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype,
-                                                        sharding=x.sharding), _toy_state(0, tx))
+  checkpoint_testlib.truncate_arrays(tmp_path / "ck" / "1")
+  target = _abstract(_toy_state(0, tx))
   ck2 = ckpt_lib.Checkpointer(tmp_path / "ck", keep=3)
   with pytest.warns(RuntimeWarning, match="no older checkpoint"):
     with pytest.raises(ckpt_lib.UnreadableCheckpointError,
