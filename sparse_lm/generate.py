@@ -102,9 +102,8 @@ def load_checkpoint(path: str | pathlib.Path, *, preset: str | None = None):
       return getattr(mgr.restore(step, args=args), what)
     except Exception as e:  # pylint: disable=broad-except  (any read failure: corrupt files)
       mgr.close()
-      why = str(e).split("\n")[0].split(" [tensorstore_spec")[0][:300]
       raise ckpt_lib.UnreadableCheckpointError(
-          f"--checkpoint {path}: its {what} cannot be read ({type(e).__name__}: {why}); "
+          f"--checkpoint {path}: its {what} cannot be read ({ckpt_lib.read_failure(e)}); "
           "pass another step, or --workdir to take the newest readable one") from None
 
   path = pathlib.Path(path).absolute()

@@ -211,9 +211,13 @@ def import_to_workdir(hf_dir, workdir_path, *, dtype: str | None = None) -> path
   the checkpoint's tokenizer (tokenizer.json or tiktoken.model) when it ships one.
 
   Raises:
+    FileNotFoundError: no config.json in `hf_dir` (checked first: not an HF checkpoint).
     ValueError: the tokenizer has more ids than config.json's vocab_size, or its files are
       malformed (named); and load_pretrained's errors. Checked before the weights are read.
   """
+  if not (pathlib.Path(hf_dir) / "config.json").is_file():
+    raise FileNotFoundError(f"{hf_dir}: no config.json: give the directory of an HF "
+                            "checkpoint (config.json, *.safetensors, the tokenizer files)")
   tokenizer = workdir.checkpoint_tokenizer(hf_dir)
   model, cfg = load_pretrained(hf_dir, dtype=dtype)
   raw = json.loads((pathlib.Path(hf_dir) / "config.json").read_text())
@@ -291,9 +295,6 @@ def main(argv=None) -> None:
       args.out).is_dir():
     b.error(f"--out {args.out} is a file: give a directory (new or existing) for the HF "
             "checkpoint")
-  if args.cmd == "import" and not (pathlib.Path(args.hf_dir) / "config.json").is_file():
-    a.error(f"--hf_dir {args.hf_dir}: no config.json there: give the directory of an HF "
-            "checkpoint (config.json, *.safetensors, the tokenizer files)")
   try:  # a missing directory or a model the layout cannot hold: a message, status 2
     if args.cmd == "import":
       out = import_to_workdir(args.hf_dir, args.workdir, dtype=args.dtype)

@@ -139,9 +139,8 @@ class Checkpointer:
           return restored.state, dict(restored.data or {}), meta
         except Exception as e:  # pylint: disable=broad-except  (any read failure: corrupt)
           failure = e
-      why = str(failure).split("\n")[0].split(" [tensorstore_spec")[0][:300]
       msg = (f"checkpoint {self.directory / str(step)} cannot be restored "
-             f"({type(failure).__name__}: {why}); "
+             f"({read_failure(failure)}); "
              + ("falling back to the previous one" if i + 1 < len(steps) else
                 "no older checkpoint"))
       warnings.warn(msg, RuntimeWarning, stacklevel=2)
@@ -183,6 +182,13 @@ class _AbandonedReadFilter(logging.Filter):
 
 _READ_MARKS = ("orbax", "tensorstore", "OCDBT")
 _QUIET = []
+
+
+def read_failure(e: BaseException) -> str:
+  """A failed checkpoint read as one line: the error's type and the first line of its message
+  (without TensorStore's spec dump), at most 300 characters of it."""
+  why = str(e).split("\n")[0].split(" [tensorstore_spec")[0][:300]
+  return f"{type(e).__name__}: {why}"
 
 
 def quiet_abandoned_reads() -> None:
