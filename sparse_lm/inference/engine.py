@@ -42,6 +42,7 @@ from flax import nnx
 from sparse_lm import sharding as shd
 from sparse_lm.inference import cache as cache_lib
 from sparse_lm.inference import calls as calls_lib
+from sparse_lm.inference import fused
 from sparse_lm.inference.forward import DecoderStack
 from sparse_lm.inference.sampling import SamplingParams
 
@@ -138,7 +139,8 @@ class Engine:
       raise ValueError(f"Engine.load_weights: model config differs from the engine's in {diff} "
                        f"(model preset {model.cfg.name!r}, engine {self.cfg.name!r}); build a "
                        "new Engine for another model")
-    graphdef, state = nnx.split(DecoderStack(model))
+    kda_inputs = self.mesh is None and fused.decode_kernels(self.cfg)[0]
+    graphdef, state = nnx.split(DecoderStack(model, kda_inputs=kda_inputs))
     self._graphdef = graphdef
     if self.mesh is None:
       self._weights = calls_lib.compute_weights(state, self.cfg)

@@ -55,10 +55,13 @@ class DecoderStack(nnx.Module):
 
   Shares the embedding, head-group layers, last layer, final norm and LM head with `model`
   (no copy); the stacked groups are sliced into per-layer copies once, so a decode step reads
-  each layer's weights in place instead of slicing a stacked array every step.
+  each layer's weights in place instead of slicing a stacked array every step. kda_inputs=True
+  (the one-device engine with the fused decode kernels) also keeps each KDA layer's input
+  projections concatenated (`fused.kda_input_matrix`, a copy in the compute dtype): the fused
+  step's one input GEMM reads it.
   """
 
-  def __init__(self, model):
+  def __init__(self, model, *, kda_inputs: bool = False):
     self.cfg = model.cfg
     self.embed = model.embed
     layer_list = list(model.head.layers)
@@ -71,6 +74,12 @@ class DecoderStack(nnx.Module):
     layer_list += list(model.tail or ())  # KDA layers after the last whole group (48B)
     layer_list.append(model.last)
     self.layers = nnx.List(layer_list)
+    # The fused decode step's one input GEMM per KDA layer (fused.kda_input_matrix), built once
+    # here: a copy of those weights in the compute dtype, keyed by layer index.
+    self.kda_inputs = nnx.Dict({
+        str(i): nnx.Variable(fused.kda_input_matrix(layer.mixer.arrays(),
+                                                    jnp.dtype(self.cfg.dtype)))
+        for i, layer in enumerate(layer_list) if layer.mixer_kind == "kda"}) if kda_inputs else None
     self.final_query = model.final_query
     self.final_norm = model.final_norm
     self.lm_head = model.lm_head
@@ -338,10 +347,13 @@ def moe_decode(moe, x: jax.Array, valid: jax.Array, experts=None) -> jax.Array:
 
 
 def layer_cached(layer, stream: dict, cache: dict, *, opens: bool, start, valid, n_valid,
-                 kv_block: int, kernels=(False, False)) -> tuple[dict, dict]:
+                 kv_block: int, kernels=(False, False),
+                 kda_w_in: jax.Array | None = None) -> tuple[dict, dict]:
   """One DecoderLayer (transformer.py) from its cache: the same sub-layer order and AttnRes
   reads; MoE without capacity drops. kernels = (use, interpret) (`fused.decode_kernels`):
-  a decode step's AttnRes reads, KDA and routed experts through the fused Pallas kernels."""
+  a decode step's AttnRes reads, KDA and routed experts through the fused Pallas kernels;
+  kda_w_in: the KDA layer's prebuilt `fused.kda_input_matrix` for that path (else built in the
+  step)."""
   cfg = layer.cfg
   dtype = jnp.dtype(cfg.dtype)
   use = kernels[0] and valid.shape[1] == 1
@@ -355,7 +367,7 @@ def layer_cached(layer, stream: dict, cache: dict, *, opens: bool, start, valid,
     x = x.astype(dtype)
   if layer.mixer_kind == "kda" and use and fused.FUSE["kda"]:
     y, cache = fused.kda_step_fused(layer.mixer, x, cache, n_valid, pad=pad_rows,
-                                    rows=DECODE_MIN_ROWS, interpret=kernels[1])
+                                    rows=DECODE_MIN_ROWS, interpret=kernels[1], w_in=kda_w_in)
   elif layer.mixer_kind == "kda":
     y, cache = kda_cached(layer.mixer, x, cache, n_valid)
   else:
@@ -418,10 +430,12 @@ def forward_cached(stack: DecoderStack, tokens: jax.Array, cache: list[dict], st
   valid = jnp.arange(T)[None] < n_valid[:, None]
   stream = attnres.init_stream(cfg, stack.embed(tokens))
   new_cache = []
+  w_in = {} if stack.kda_inputs is None else stack.kda_inputs
   for i, (layer, c) in enumerate(zip(stack.layers, cache)):
     stream, c = layer_cached(layer, stream, c, opens=i % cfg.attnres_block_layers == 0,
                              start=start, valid=valid, n_valid=n_valid, kv_block=kv_block,
-                             kernels=kernels)
+                             kernels=kernels,
+                             kda_w_in=w_in[str(i)][...] if str(i) in w_in else None)
     new_cache.append(c)
   if kernels[0] and cfg.residual == "attnres_block" and fused.FUSE["attnres"]:
     h, _ = fused.stream_read(cfg, stream, stack.final_query[...], stack.final_norm,

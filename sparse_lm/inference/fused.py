@@ -5,8 +5,9 @@ A batch-1 decode step of the small preset ran ~750 XLA kernels of 1-4 us (docs/i
 norms, gates, AttnRes mixes, the conv update, routing glue. Here, per decoder layer:
   AttnRes  each sub-layer's read + pre-norm is one `attnres_mix` kernel; the attention
            output's add into the block sum is fused into the FFN's read.
-  KDA      the projections stay XLA GEMMs (on zero-padded rows, `forward.pad_rows`), read by
-           the kernel unsliced; conv update, SiLU, L2 norm, gate, beta, the delta-rule step
+  KDA      the input projections are one XLA GEMM (the weights concatenated once per load,
+           `kda_input_matrix`; on zero-padded rows, `forward.pad_rows`), read by the kernel
+           unsliced; conv update, SiLU, L2 norm, gate, beta, the delta-rule step
            and the gated output norm are one `kda_step` kernel; then W_o.
   MoE      `forward.moe_decode` (routing, projections) with the routed experts of a small
            batch reading their weights in place (`moe_experts`) instead of a gather and
@@ -65,26 +66,69 @@ def stream_read(cfg, stream: dict, query, norm, *, y=None, interpret: bool):
   return x[:, None], dict(stream, partial=partial[:, None], has_partial=has_partial)
 
 
+def kda_input_names(p: dict) -> tuple[str, ...]:
+  """The KDA weights that read the layer input, in the column order of `kda_input_matrix`."""
+  og = "w_og_down" if "w_og_down" in p else "w_og"
+  return ("w_q", "w_k", "w_v", og, "w_beta", "w_g_down")
+
+
+def kda_input_cols(p: dict) -> dict:
+  """{name: (first column, width)} of each weight of `kda_input_names` in the matrix."""
+  cols, at = {}, 0
+  for n in kda_input_names(p):
+    width = p[n].size // p[n].shape[0]
+    cols[n], at = (at, width), at + width
+  return cols
+
+
+def kda_input_matrix(p: dict, dtype) -> jax.Array:
+  """A KDA layer's input projections side by side, for one GEMM per decode step:
+  [W_q | W_k | W_v | W_og (or W_og_down) | W_beta | W_g_down] as [D, N] in `dtype`, each
+  weight's output axes flattened (head-major). p: KDA.arrays(). The engine builds it once per
+  weight load (`forward.DecoderStack(model, kda_inputs=True)`); built inside a step it would
+  be a copy of the weights every step."""
+  return jnp.concatenate([p[n].reshape(p[n].shape[0], -1).astype(dtype)
+                          for n in kda_input_names(p)], axis=1)
+
+
 def kda_step_fused(mixer, x: jax.Array, cache: dict, n_valid: jax.Array, *, pad, rows: int,
-                   interpret: bool, num_warps: int = 4) -> tuple[jax.Array, dict]:
-  """KDA at one token per row: x [B, 1, D] -> (y [B, 1, D], cache). The projections are XLA
-  GEMMs on at least `rows` rows (`pad` = forward.pad_rows), passed to `kda_step` unsliced."""
+                   interpret: bool, num_warps: int = 4,
+                   w_in: jax.Array | None = None) -> tuple[jax.Array, dict]:
+  """KDA at one token per row: x [B, 1, D] -> (y [B, 1, D], cache).
+
+  The input projections are one XLA GEMM, x [R, D] @ w_in [D, N] with fp32 accumulation, on at
+  least `rows` rows (`pad` = forward.pad_rows); `kda_step` reads q, k, v, beta (and the
+  full-rank output gate) from its fp32 result by column, unsliced. The low-rank gate's and
+  output gate's second factors are GEMMs of their slice of it. w_in: `kda_input_matrix(p,
+  cfg.dtype)`, built here when None (a copy of the weights: the engine passes it prebuilt).
+
+  Raises:
+    ValueError: w_in of another shape than this layer's kda_input_matrix.
+  """
   cfg = mixer.cfg
   dt = jnp.dtype(cfg.dtype)
   p = mixer.arrays()
   B = x.shape[0]
   xp = pad(x[:, 0], rows)  # [R, D]
+  if w_in is None:
+    w_in = kda_input_matrix(p, dt)
+  cols = kda_input_cols(p)
+  if w_in.shape != (xp.shape[1], sum(w for _, w in cols.values())):
+    raise ValueError(f"kda_step_fused: w_in {w_in.shape} is not this layer's "
+                     "kda_input_matrix; rebuild it from the layer's weights")
+  xw = jnp.dot(xp.astype(dt), w_in.astype(dt), preferred_element_type=F32)  # [R, N]
   proj = functools.partial(nn.project, dtype=dt)
-  xq = {n: proj(xp, p["w_" + n]) for n in ("q", "k", "v")}
-  z = proj(proj(xp, p["w_g_down"]), p["w_g_up"])
-  beta = proj(xp, p["w_beta"], out_dtype=F32)
+  piece = lambda n: jax.lax.slice_in_dim(xw, cols[n][0], cols[n][0] + cols[n][1], axis=1)
+  z = proj(piece("w_g_down").astype(dt), p["w_g_up"])
   if "w_og_down" in p:
-    og = proj(proj(xp, p["w_og_down"]), p["w_og_up"], out_dtype=F32)
+    og, og_col = proj(piece("w_og_down").astype(dt), p["w_og_up"], out_dtype=F32), 0
   else:
-    og = proj(xp, p["w_og"], out_dtype=F32)
+    og, og_col = xw, cols["w_og"][0]
   conv = {n: p["conv_" + n] for n in ("q", "k", "v")}
-  o, S, tails = kda_step(cache["S"], xq, cache["conv"], conv, z, p["A_log"], p["dt_bias"],
-                         beta, og, p["o_norm"], n_valid, scale=cfg.kda_head_dim ** -0.5,
+  o, S, tails = kda_step(cache["S"], xw, {"q": cols["w_q"][0], "k": cols["w_k"][0],
+                                          "v": cols["w_v"][0], "beta": cols["w_beta"][0]},
+                         cache["conv"], conv, z, p["A_log"], p["dt_bias"], og, p["o_norm"],
+                         n_valid, dtype=dt, og_col=og_col, scale=cfg.kda_head_dim ** -0.5,
                          gate_lower_bound=cfg.kda_gate_lower_bound, l2_eps=cfg.l2_norm_eps,
                          norm_eps=cfg.norm_eps, num_warps=num_warps, interpret=interpret)
   y = proj(o, p["w_o"], 2)[:B]

@@ -6,6 +6,8 @@ over decompressed keys): it shares no code with the cache path (forward.py), so 
 conv tail, position or absorbed weight shows up as a different token or log-prob.
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -14,6 +16,7 @@ from flax import nnx
 
 from sparse_lm.config import get_preset
 from sparse_lm.inference import Engine, SamplingParams, engine as engine_lib
+from sparse_lm.inference.forward import DecoderStack
 from sparse_lm.model import Transformer
 from tests.inference.engine_testlib import randomize_balancer_biases
 
@@ -70,6 +73,24 @@ def test_greedy_decode_equals_recompute(setup):
   outs = engine.generate(prompts, max_new_tokens=8, sampling=SamplingParams(temperature=0.0))
   for p, o in zip(prompts, outs):
     assert len(o.tokens) == 8 and o.finish_reason == "max_new_tokens"
+    _check_against_reference(reference, p, o)
+
+
+def test_the_fused_kernel_engine_equals_recompute(setup):
+  """The engine with the fused decode kernels (decode_backend="pallas": interpret mode on CPU,
+  Triton on a GPU), which prebuilds each KDA layer's input projections as one matrix: greedy
+  tokens and log-probs against the same full forward, the same weights."""
+  cfg, _, _, reference = setup
+  cfg_k = dataclasses.replace(cfg, decode_backend="pallas")
+  model = Transformer(cfg_k, rngs=nnx.Rngs(SEED))
+  randomize_balancer_biases(model, SEED + 1)  # the fixture's weights exactly
+  engine = Engine(model, max_length=MAX_LENGTH, max_batch=2, prefill_chunk=64, decode_steps=5)
+  n_kda = sum(layer.mixer_kind == "kda" for layer in DecoderStack(model).layers)
+  assert n_kda > 0 and len(engine._weights["kda_inputs"]) == n_kda
+  prompts = _prompts(cfg, (5, 70), SEED + 7)
+  outs = engine.generate(prompts, max_new_tokens=6, sampling=SamplingParams(temperature=0.0))
+  for p, o in zip(prompts, outs):
+    assert len(o.tokens) == 6
     _check_against_reference(reference, p, o)
 
 

@@ -18,7 +18,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pallas_kernels.decode import moe_experts
+from pallas_kernels.decode import kda_step, moe_experts
 from sparse_lm import nn
 from sparse_lm.config import get_preset
 from sparse_lm.inference import cache as cache_lib, forward as forward_lib, fused
@@ -158,3 +158,34 @@ def test_decode_backend_is_validated_and_auto_is_xla_on_cpu():
   if INTERPRET:
     assert fused.decode_kernels(get_preset("tiny")) == (False, False)
   assert fused.decode_kernels(get_preset("tiny", decode_backend="xla")) == (False, False)
+
+
+def test_kda_input_matrix_layout_and_bad_offsets_are_refused():
+  """The concatenated input projections hold each weight's columns where kda_input_cols says
+  (checked against the weights themselves), and the kernel and the step refuse offsets or a
+  matrix that do not fit, naming the argument."""
+  cfg = get_preset("tiny", kda_output_gate_rank=8)
+  graphdef, state = _kda_setup(cfg)
+  mixer = nnx.merge(graphdef, state)
+  p = mixer.arrays()
+  w_in = fused.kda_input_matrix(p, jnp.float32)
+  cols = fused.kda_input_cols(p)
+  assert list(cols) == ["w_q", "w_k", "w_v", "w_og_down", "w_beta", "w_g_down"]
+  assert w_in.shape == (cfg.d_model, sum(w for _, w in cols.values()))
+  for name, (at, width) in cols.items():
+    np.testing.assert_array_equal(np.asarray(w_in[:, at:at + width]),
+                                  np.asarray(p[name].reshape(cfg.d_model, -1)))
+  B = 1
+  cache = _randomize(cache_lib.init_cache(cfg, B, 16)[0], SEED + 2)
+  x = jax.random.normal(jax.random.key(SEED + 3), (B, 1, cfg.d_model))
+  with pytest.raises(ValueError, match="w_in .* is not this layer's kda_input_matrix"):
+    fused.kda_step_fused(mixer, x, cache, jnp.ones((B,), jnp.int32), pad=forward_lib.pad_rows,
+                         rows=2, interpret=True, w_in=w_in[:, :-1])
+  H, K = cache["S"].shape[1:3]
+  xw = jnp.zeros((2, w_in.shape[1]), jnp.float32)
+  bad = {"q": 0, "k": 0, "v": 0, "beta": w_in.shape[1] - H + 1}
+  with pytest.raises(ValueError, match=r"cols\['beta'\]=.* is outside xw"):
+    kda_step(cache["S"], xw, bad, cache["conv"], {n: cache["conv"][n][:1] for n in "qkv"},
+             jnp.zeros((2, H * K)), p["A_log"], p["dt_bias"], xw, p["o_norm"],
+             jnp.ones((B,), jnp.int32), dtype=jnp.float32, scale=1.0, gate_lower_bound=None,
+             l2_eps=1e-6, norm_eps=1e-6, interpret=True)
