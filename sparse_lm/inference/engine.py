@@ -139,8 +139,8 @@ class Engine:
       raise ValueError(f"Engine.load_weights: model config differs from the engine's in {diff} "
                        f"(model preset {model.cfg.name!r}, engine {self.cfg.name!r}); build a "
                        "new Engine for another model")
-    kda_inputs = self.mesh is None and fused.decode_kernels(self.cfg)[0]
-    graphdef, state = nnx.split(DecoderStack(model, kda_inputs=kda_inputs))
+    matrices = self.mesh is None and fused.decode_kernels(self.cfg)[0]
+    graphdef, state = nnx.split(DecoderStack(model, input_matrices=matrices))
     self._graphdef = graphdef
     if self.mesh is None:
       self._weights = calls_lib.compute_weights(state, self.cfg)

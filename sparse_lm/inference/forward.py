@@ -30,6 +30,7 @@ Pallas kernels instead (fused.py, cfg.decode_backend); this file's path is their
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 
 import jax
@@ -55,13 +56,14 @@ class DecoderStack(nnx.Module):
 
   Shares the embedding, head-group layers, last layer, final norm and LM head with `model`
   (no copy); the stacked groups are sliced into per-layer copies once, so a decode step reads
-  each layer's weights in place instead of slicing a stacked array every step. kda_inputs=True
-  (the one-device engine with the fused decode kernels) also keeps each KDA layer's input
-  projections concatenated (`fused.kda_input_matrix`, a copy in the compute dtype): the fused
-  step's one input GEMM reads it.
+  each layer's weights in place instead of slicing a stacked array every step.
+  input_matrices=True (the one-device engine with the fused decode kernels) also keeps each
+  KDA and MoE layer's input projections concatenated (`fused.kda_input_matrix`,
+  `fused.moe_input_matrix`: copies in the compute dtype), which the fused decode step reads
+  in one GEMM per layer.
   """
 
-  def __init__(self, model, *, kda_inputs: bool = False):
+  def __init__(self, model, *, input_matrices: bool = False):
     self.cfg = model.cfg
     self.embed = model.embed
     layer_list = list(model.head.layers)
@@ -74,12 +76,19 @@ class DecoderStack(nnx.Module):
     layer_list += list(model.tail or ())  # KDA layers after the last whole group (48B)
     layer_list.append(model.last)
     self.layers = nnx.List(layer_list)
-    # The fused decode step's one input GEMM per KDA layer (fused.kda_input_matrix), built once
-    # here: a copy of those weights in the compute dtype, keyed by layer index.
-    self.kda_inputs = nnx.Dict({
-        str(i): nnx.Variable(fused.kda_input_matrix(layer.mixer.arrays(),
-                                                    jnp.dtype(self.cfg.dtype)))
-        for i, layer in enumerate(layer_list) if layer.mixer_kind == "kda"}) if kda_inputs else None
+    # The fused decode step's one input GEMM per KDA layer and per MoE layer
+    # (fused.kda_input_matrix, fused.moe_input_matrix), built once here: copies of those
+    # weights in the compute dtype, keyed by layer index.
+    kda_in = moe_in = None
+    if input_matrices:
+      dt = jnp.dtype(self.cfg.dtype)
+      kda_in = nnx.Dict({
+          str(i): nnx.Variable(fused.kda_input_matrix(layer.mixer.arrays(), dt))
+          for i, layer in enumerate(layer_list) if layer.mixer_kind == "kda"})
+      moe = {str(i): fused.moe_input_matrix(layer.ffn, dt)
+             for i, layer in enumerate(layer_list) if not layer.dense_ffn}
+      moe_in = nnx.Dict({i: nnx.Variable(w) for i, w in moe.items() if w is not None})
+    self.kda_inputs, self.moe_inputs = kda_in, moe_in
     self.final_query = model.final_query
     self.final_norm = model.final_norm
     self.lm_head = model.lm_head
@@ -307,14 +316,22 @@ def gathered_experts(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
   return jnp.sum((w * out).reshape(N, k, -1), axis=1)
 
 
-def moe_decode(moe, x: jax.Array, valid: jax.Array, experts=None) -> jax.Array:
+def moe_decode(moe, x: jax.Array, valid: jax.Array, experts=None,
+               w_in: jax.Array | None = None) -> jax.Array:
   """A LatentMoE (sparse_lm.moe.latent_moe, ARCHITECTURE §5) at inference: the frozen biases
   route, nothing is dropped, no statistics. x [B, T, D] in the compute dtype, valid [B, T]
   bool -> y [B, T, D]. The routed experts run as `gathered_experts` when N k <= E x
   GATHER_MAX_ASSIGNMENTS_PER_EXPERT, else every expert on every token (`dense_reference`).
   With fewer than DECODE_MIN_ROWS tokens the projections run on zero-padded rows (`pad_rows`).
   experts(z, ids, gates) -> u replaces `gathered_experts` when given (the Pallas kernel,
-  `fused.routed_experts`; z may carry the zero rows of the padding past n)."""
+  `fused.routed_experts`; z may carry the zero rows of the padding past n). w_in:
+  `fused.moe_input_matrix(moe, compute dtype)`: the latent down-projection and the shared
+  expert's gate and up as one GEMM (fp32 accumulation, each piece rounded to the compute
+  dtype as its own product would be).
+
+  Raises:
+    ValueError: w_in of another shape than the layer's moe_input_matrix.
+  """
   B, T, D = x.shape
   n, E, k = B * T, moe.num_experts, moe.experts_per_token
   dt = jnp.dtype(moe.compute_dtype)
@@ -325,7 +342,19 @@ def moe_decode(moe, x: jax.Array, valid: jax.Array, experts=None) -> jax.Array:
   routing = router_lib.route(scores, moe.balancer_bias[...], k, moe.route_scale,
                              cutoff=moe.qb_cutoff)
   ids = jnp.where(valid.reshape(n, 1), routing.expert_ids, E)
-  z_rows = jnp.dot(xp, moe.w_down[...].astype(dt)) if moe.latent else xp  # [max(n, rows), L]
+  shared_gu = None
+  if w_in is not None:
+    widths = [w.shape[1] for w in fused.moe_input_weights(moe)]
+    if w_in.shape != (D, sum(widths)):
+      raise ValueError(f"moe_decode: w_in {w_in.shape} is not this layer's moe_input_matrix "
+                       f"({D}, {sum(widths)}); rebuild it from the layer's weights")
+    xw = jnp.dot(xp, w_in.astype(dt), preferred_element_type=jnp.float32)
+    pieces = jnp.split(xw, list(itertools.accumulate(widths))[:-1], axis=1)
+    pieces = [a.astype(dt) for a in pieces]
+    z_rows = pieces.pop(0) if moe.latent else xp
+    shared_gu = pieces if moe.shared is not None else None
+  else:
+    z_rows = jnp.dot(xp, moe.w_down[...].astype(dt)) if moe.latent else xp  # [max(n, rows), L]
   z = z_rows[:n]
   if n * k <= E * GATHER_MAX_ASSIGNMENTS_PER_EXPERT and experts is not None:
     u = experts(z_rows, ids, routing.gates)  # reads rows < n only: no slice kernel
@@ -341,19 +370,24 @@ def moe_decode(moe, x: jax.Array, valid: jax.Array, experts=None) -> jax.Array:
   else:
     y = u.astype(dt)
   y = y.reshape(B, T, D)
-  if moe.shared is not None:
+  if shared_gu is not None:  # moe.shared's SiTU-GLU from its pre-activations
+    h = situ_activation(*shared_gu, moe.shared.beta1, moe.shared.beta2, out_dtype=dt)
+    y = y + jnp.dot(h, moe.shared.w_down[...].astype(dt))[:n].reshape(B, T, D)
+  elif moe.shared is not None:
     y = y + moe.shared(xp[:, None])[:n].reshape(B, T, D)
   return y.astype(x.dtype)
 
 
 def layer_cached(layer, stream: dict, cache: dict, *, opens: bool, start, valid, n_valid,
                  kv_block: int, kernels=(False, False),
-                 kda_w_in: jax.Array | None = None) -> tuple[dict, dict]:
+                 kda_w_in: jax.Array | None = None,
+                 moe_w_in: jax.Array | None = None) -> tuple[dict, dict]:
   """One DecoderLayer (transformer.py) from its cache: the same sub-layer order and AttnRes
   reads; MoE without capacity drops. kernels = (use, interpret) (`fused.decode_kernels`):
   a decode step's AttnRes reads, KDA and routed experts through the fused Pallas kernels;
   kda_w_in: the KDA layer's prebuilt `fused.kda_input_matrix` for that path (else built in the
-  step)."""
+  step); moe_w_in: the MoE layer's `fused.moe_input_matrix` for a decode step (else its
+  projections run one by one)."""
   cfg = layer.cfg
   dtype = jnp.dtype(cfg.dtype)
   use = kernels[0] and valid.shape[1] == 1
@@ -384,7 +418,7 @@ def layer_cached(layer, stream: dict, cache: dict, *, opens: bool, start, valid,
   elif x.shape[1] == 1 and DECODE_MOE == "moe_decode":
     experts = (functools.partial(fused.routed_experts, layer.ffn, interpret=kernels[1])
                if use and fused.FUSE["moe"] else None)
-    y = moe_decode(layer.ffn, x, valid, experts)
+    y = moe_decode(layer.ffn, x, valid, experts, w_in=moe_w_in)
   else:
     y = moe_prefill(layer.ffn, x, valid)
   return attnres.add_output(cfg, stream, y), cache
@@ -430,12 +464,14 @@ def forward_cached(stack: DecoderStack, tokens: jax.Array, cache: list[dict], st
   valid = jnp.arange(T)[None] < n_valid[:, None]
   stream = attnres.init_stream(cfg, stack.embed(tokens))
   new_cache = []
-  w_in = {} if stack.kda_inputs is None else stack.kda_inputs
+  kda_in = {} if stack.kda_inputs is None else stack.kda_inputs
+  moe_in = {} if stack.moe_inputs is None or T != 1 else stack.moe_inputs
   for i, (layer, c) in enumerate(zip(stack.layers, cache)):
     stream, c = layer_cached(layer, stream, c, opens=i % cfg.attnres_block_layers == 0,
                              start=start, valid=valid, n_valid=n_valid, kv_block=kv_block,
                              kernels=kernels,
-                             kda_w_in=w_in[str(i)][...] if str(i) in w_in else None)
+                             kda_w_in=kda_in[str(i)][...] if str(i) in kda_in else None,
+                             moe_w_in=moe_in[str(i)][...] if str(i) in moe_in else None)
     new_cache.append(c)
   if kernels[0] and cfg.residual == "attnres_block" and fused.FUSE["attnres"]:
     h, _ = fused.stream_read(cfg, stream, stack.final_query[...], stack.final_norm,

@@ -9,9 +9,10 @@ norms, gates, AttnRes mixes, the conv update, routing glue. Here, per decoder la
            `kda_input_matrix`; on zero-padded rows, `forward.pad_rows`), read by the kernel
            unsliced; conv update, SiLU, L2 norm, gate, beta, the delta-rule step
            and the gated output norm are one `kda_step` kernel; then W_o.
-  MoE      `forward.moe_decode` (routing, projections) with the routed experts of a small
-           batch reading their weights in place (`moe_experts`) instead of a gather and
-           batched matmuls.
+  MoE      `forward.moe_decode` (routing, projections; the latent down-projection and the
+           shared expert's gate and up as one GEMM, `moe_input_matrix`) with the routed
+           experts of a small batch reading their weights in place (`moe_experts`) instead
+           of a gather and batched matmuls.
   MLA      unchanged (`forward.mla_cached`).
 `decode_kernels(cfg)` says whether the engine uses this path: cfg.decode_backend "pallas"
 (interpret mode off the GPU: the tests), "xla" (never), "auto" (on a GPU when the shapes are
@@ -85,7 +86,7 @@ def kda_input_matrix(p: dict, dtype) -> jax.Array:
   """A KDA layer's input projections side by side, for one GEMM per decode step:
   [W_q | W_k | W_v | W_og (or W_og_down) | W_beta | W_g_down] as [D, N] in `dtype`, each
   weight's output axes flattened (head-major). p: KDA.arrays(). The engine builds it once per
-  weight load (`forward.DecoderStack(model, kda_inputs=True)`); built inside a step it would
+  weight load (`forward.DecoderStack(model, input_matrices=True)`); built inside a step it would
   be a copy of the weights every step."""
   return jnp.concatenate([p[n].reshape(p[n].shape[0], -1).astype(dtype)
                           for n in kda_input_names(p)], axis=1)
@@ -133,6 +134,23 @@ def kda_step_fused(mixer, x: jax.Array, cache: dict, n_valid: jax.Array, *, pad,
                          norm_eps=cfg.norm_eps, num_warps=num_warps, interpret=interpret)
   y = proj(o, p["w_o"], 2)[:B]
   return y[:, None], {"conv": tails, "S": S}
+
+
+def moe_input_weights(moe) -> list[jax.Array]:
+  """The LatentMoE weights that read the layer input besides the router (fp32, its own
+  product): [w_down (latent), shared w_gate, shared w_up], those the layer has."""
+  ws = [moe.w_down[...]] if moe.latent else []
+  if moe.shared is not None:
+    ws += [moe.shared.w_gate[...], moe.shared.w_up[...]]
+  return ws
+
+
+def moe_input_matrix(moe, dtype) -> jax.Array | None:
+  """[w_down | shared w_gate | shared w_up] as [D, N] in `dtype`, for one GEMM per decode
+  step (`forward.moe_decode(..., w_in=...)`); None when the layer has fewer than two of them.
+  Built once per weight load (`forward.DecoderStack(model, input_matrices=True)`)."""
+  ws = moe_input_weights(moe)
+  return jnp.concatenate([w.astype(dtype) for w in ws], axis=1) if len(ws) > 1 else None
 
 
 def routed_experts(moe, z, ids, gates, *, interpret: bool) -> jax.Array:

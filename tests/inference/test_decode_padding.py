@@ -1,8 +1,8 @@
 """A batch-1 decode step with its projections on zero-padded rows (forward.pad_rows, the GPU
 fast path) against the same step without padding (DECODE_MIN_ROWS = 0), and the same step
 through the fused Pallas kernels (decode_backend="pallas": interpret mode on CPU, compiled on a
-GPU; sparse_lm/inference/fused.py, with the KDA input projections prebuilt as one matrix, as the
-engine holds them) against the padded one, from a random cache: random conv
+GPU; sparse_lm/inference/fused.py, with the KDA and MoE input projections prebuilt as one matrix
+per layer, as the engine holds them) against the padded one, from a random cache: random conv
 tails, KDA states and latent cache entries (never zeros). tiny preset, fp32, random weights.
 The unpadded step is itself checked against the full forward pass in test_engine.py; each
 kernel alone in test_fused_decode.py."""
@@ -50,8 +50,9 @@ def test_padded_and_fused_decode_steps_equal_unpadded(monkeypatch):
   model.cfg = dataclasses.replace(cfg, decode_backend="pallas")
   assert fused.decode_kernels(model.cfg)[0]
   # the engine's stack: each KDA layer's input projections prebuilt as one matrix
-  pallas_stack = forward_lib.DecoderStack(model, kda_inputs=True)
+  pallas_stack = forward_lib.DecoderStack(model, input_matrices=True)
   assert list(pallas_stack.kda_inputs.keys()) == ["0"]  # layer 0 is the one KDA layer
+  assert list(pallas_stack.moe_inputs.keys()) == ["1", "2"]  # the MoE layers (latent, shared)
   outs["pallas"] = step(*nnx.split(pallas_stack))
   ref_logits = outs[0][0]
   assert float(jnp.std(ref_logits)) > 1e-2

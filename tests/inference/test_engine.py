@@ -78,15 +78,18 @@ def test_greedy_decode_equals_recompute(setup):
 
 def test_the_fused_kernel_engine_equals_recompute(setup):
   """The engine with the fused decode kernels (decode_backend="pallas": interpret mode on CPU,
-  Triton on a GPU), which prebuilds each KDA layer's input projections as one matrix: greedy
-  tokens and log-probs against the same full forward, the same weights."""
+  Triton on a GPU), which prebuilds each KDA and MoE layer's input projections as one matrix:
+  greedy tokens and log-probs against the same full forward, the same weights."""
   cfg, _, _, reference = setup
   cfg_k = dataclasses.replace(cfg, decode_backend="pallas")
   model = Transformer(cfg_k, rngs=nnx.Rngs(SEED))
   randomize_balancer_biases(model, SEED + 1)  # the fixture's weights exactly
   engine = Engine(model, max_length=MAX_LENGTH, max_batch=2, prefill_chunk=64, decode_steps=5)
-  n_kda = sum(layer.mixer_kind == "kda" for layer in DecoderStack(model).layers)
+  layers = DecoderStack(model).layers
+  n_kda, n_moe = (sum(layer.mixer_kind == "kda" for layer in layers),
+                  sum(not layer.dense_ffn for layer in layers))
   assert n_kda > 0 and len(engine._weights["kda_inputs"]) == n_kda
+  assert n_moe > 0 and len(engine._weights["moe_inputs"]) == n_moe
   prompts = _prompts(cfg, (5, 70), SEED + 7)
   outs = engine.generate(prompts, max_new_tokens=6, sampling=SamplingParams(temperature=0.0))
   for p, o in zip(prompts, outs):
