@@ -248,16 +248,17 @@ def latent_attention(q_lat: jax.Array, q_rope: jax.Array, c_kv: jax.Array, k_rop
   return (acc / l[..., None]).transpose(0, 2, 1, 3)
 
 
-def mla_cached(mixer, x: jax.Array, cache: dict, start: jax.Array, *,
-               kv_block: int) -> tuple[jax.Array, dict]:
+def mla_cached(mixer, x: jax.Array, cache: dict, start: jax.Array, *, kv_block: int,
+               xp: jax.Array | None = None) -> tuple[jax.Array, dict]:
   """Gated MLA over T new tokens per row: writes their latents at start[b] + t and attends
   causally over the cache. x [B, T, D] -> (y [B, T, D], cache). Writes past the allocated
-  cache are dropped (the engine never asks for them)."""
+  cache are dropped (the engine never asks for them). xp: x with its decode padding rows
+  already appended ([R, T, D], `fused.stream_read(..., rows=...)`), else padded here."""
   cfg = mixer.cfg
   dtype = jnp.dtype(cfg.dtype)
   B, T, _ = x.shape
   rows = DECODE_MIN_ROWS if T == 1 else 0  # see pad_rows
-  xp = pad_rows(x, rows)
+  xp = pad_rows(x, rows) if xp is None else xp
   q = mixer.query(xp)[:B].astype(jnp.float32)
   c_kv, k_rope = jax.tree.map(lambda a: a[:B], mixer.latent(xp))
   pos = start[:, None] + jnp.arange(T)[None]
@@ -317,7 +318,7 @@ def gathered_experts(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
 
 
 def moe_decode(moe, x: jax.Array, valid: jax.Array, experts=None,
-               w_in: jax.Array | None = None) -> jax.Array:
+               w_in: jax.Array | None = None, xp: jax.Array | None = None) -> jax.Array:
   """A LatentMoE (sparse_lm.moe.latent_moe, ARCHITECTURE §5) at inference: the frozen biases
   route, nothing is dropped, no statistics. x [B, T, D] in the compute dtype, valid [B, T]
   bool -> y [B, T, D]. The routed experts run as `gathered_experts` when N k <= E x
@@ -327,7 +328,8 @@ def moe_decode(moe, x: jax.Array, valid: jax.Array, experts=None,
   `fused.routed_experts`; z may carry the zero rows of the padding past n). w_in:
   `fused.moe_input_matrix(moe, compute dtype)`: the latent down-projection and the shared
   expert's gate and up as one GEMM (fp32 accumulation, each piece rounded to the compute
-  dtype as its own product would be).
+  dtype as its own product would be). xp: x's B T rows already padded, [R, D] in the compute
+  dtype (`fused.stream_read(..., rows=...)`), else padded here.
 
   Raises:
     ValueError: w_in of another shape than the layer's moe_input_matrix.
@@ -337,7 +339,7 @@ def moe_decode(moe, x: jax.Array, valid: jax.Array, experts=None,
   dt = jnp.dtype(moe.compute_dtype)
   rows = DECODE_MIN_ROWS
   xf = x.reshape(n, D)
-  xp = pad_rows(xf.astype(dt), rows)  # [max(n, rows), D]
+  xp = pad_rows(xf.astype(dt), rows) if xp is None else xp.astype(dt)  # [max(n, rows), D]
   scores = router_lib.router_scores(xf, moe.router[...])
   routing = router_lib.route(scores, moe.balancer_bias[...], k, moe.route_scale,
                              cutoff=moe.qb_cutoff)
@@ -393,32 +395,38 @@ def layer_cached(layer, stream: dict, cache: dict, *, opens: bool, start, valid,
   use = kernels[0] and valid.shape[1] == 1
   fuse_res = use and cfg.residual == "attnres_block" and fused.FUSE["attnres"]
   stream = attnres.open_block(cfg, stream, opens)
+  B = valid.shape[0]
+  xp = None  # the sub-layer input with the GEMMs' zero rows, from the fused read
   if fuse_res:
     x, stream = fused.stream_read(cfg, stream, layer.attn_query[...], layer.attn_norm,
-                                  interpret=kernels[1])
+                                  interpret=kernels[1], rows=DECODE_MIN_ROWS)
+    x, xp = x[:B], x[:, 0]
   else:
     x = layer.attn_norm(attnres.sublayer_input(cfg, stream, layer.attn_query[...]))
     x = x.astype(dtype)
   if layer.mixer_kind == "kda" and use and fused.FUSE["kda"]:
     y, cache = fused.kda_step_fused(layer.mixer, x, cache, n_valid, pad=pad_rows,
-                                    rows=DECODE_MIN_ROWS, interpret=kernels[1], w_in=kda_w_in)
+                                    rows=DECODE_MIN_ROWS, interpret=kernels[1], w_in=kda_w_in,
+                                    xp=xp)
   elif layer.mixer_kind == "kda":
     y, cache = kda_cached(layer.mixer, x, cache, n_valid)
   else:
-    y, cache = mla_cached(layer.mixer, x, cache, start, kv_block=kv_block)
+    y, cache = mla_cached(layer.mixer, x, cache, start, kv_block=kv_block,
+                          xp=None if xp is None else xp[:, None])
   if fuse_res:
     x, stream = fused.stream_read(cfg, stream, layer.ffn_query[...], layer.ffn_norm, y=y,
-                                  interpret=kernels[1])
+                                  interpret=kernels[1], rows=DECODE_MIN_ROWS)
+    x, xp = x[:B], x[:, 0]
   else:
     stream = attnres.add_output(cfg, stream, y)
     x = layer.ffn_norm(attnres.sublayer_input(cfg, stream, layer.ffn_query[...])).astype(dtype)
   if layer.dense_ffn:
     rows = DECODE_MIN_ROWS if x.shape[1] == 1 else 0
-    y = layer.ffn(pad_rows(x, rows))[:x.shape[0]]
+    y = layer.ffn(pad_rows(x, rows) if xp is None else xp[:, None])[:x.shape[0]]
   elif x.shape[1] == 1 and DECODE_MOE == "moe_decode":
     experts = (functools.partial(fused.routed_experts, layer.ffn, interpret=kernels[1])
                if use and fused.FUSE["moe"] else None)
-    y = moe_decode(layer.ffn, x, valid, experts, w_in=moe_w_in)
+    y = moe_decode(layer.ffn, x, valid, experts, w_in=moe_w_in, xp=xp)
   else:
     y = moe_prefill(layer.ffn, x, valid)
   return attnres.add_output(cfg, stream, y), cache

@@ -54,16 +54,18 @@ def decode_kernels(cfg) -> tuple[bool, bool]:
   return True, not gpu
 
 
-def stream_read(cfg, stream: dict, query, norm, *, y=None, interpret: bool):
-  """The sub-layer input RMSNorm(AttnRes(stream)) [B, 1, D] in cfg.dtype, adding y [B, 1, D]
-  into the block sum first when given; returns (x, stream). Block AttnRes only."""
+def stream_read(cfg, stream: dict, query, norm, *, y=None, interpret: bool, rows: int = 0):
+  """The sub-layer input RMSNorm(AttnRes(stream)) [R, 1, D] in cfg.dtype, adding y [B, 1, D]
+  into the block sum first when given; returns (x, stream). R = max(B, rows): the rows past B
+  are zeros (the padded rows of the sub-layer's GEMMs, `forward.pad_rows`, written by the
+  kernel). Block AttnRes only."""
   stack = stream["stack"][:, :, 0]  # [N, B, D]
   valid = jnp.arange(stack.shape[0]) < stream["count"]
   has_partial = stream["has_partial"] if y is None else jnp.ones((), bool)
   x, partial = attnres_mix(stack, valid, stream["partial"][:, 0], has_partial, query,
                            norm.scale[...], y=None if y is None else y[:, 0],
                            mix_eps=cfg.norm_eps, norm_eps=norm.eps,
-                           dtype=jnp.dtype(cfg.dtype), interpret=interpret)
+                           dtype=jnp.dtype(cfg.dtype), rows=rows, interpret=interpret)
   return x[:, None], dict(stream, partial=partial[:, None], has_partial=has_partial)
 
 
@@ -93,8 +95,8 @@ def kda_input_matrix(p: dict, dtype) -> jax.Array:
 
 
 def kda_step_fused(mixer, x: jax.Array, cache: dict, n_valid: jax.Array, *, pad, rows: int,
-                   interpret: bool, num_warps: int = 4,
-                   w_in: jax.Array | None = None) -> tuple[jax.Array, dict]:
+                   interpret: bool, num_warps: int = 4, w_in: jax.Array | None = None,
+                   xp: jax.Array | None = None) -> tuple[jax.Array, dict]:
   """KDA at one token per row: x [B, 1, D] -> (y [B, 1, D], cache).
 
   The input projections are one XLA GEMM, x [R, D] @ w_in [D, N] with fp32 accumulation, on at
@@ -102,6 +104,7 @@ def kda_step_fused(mixer, x: jax.Array, cache: dict, n_valid: jax.Array, *, pad,
   full-rank output gate) from its fp32 result by column, unsliced. The low-rank gate's and
   output gate's second factors are GEMMs of their slice of it. w_in: `kda_input_matrix(p,
   cfg.dtype)`, built here when None (a copy of the weights: the engine passes it prebuilt).
+  xp: x's rows already padded, [R, D] (`stream_read(..., rows=rows)`), else pad(x[:, 0], rows).
 
   Raises:
     ValueError: w_in of another shape than this layer's kda_input_matrix.
@@ -110,7 +113,7 @@ def kda_step_fused(mixer, x: jax.Array, cache: dict, n_valid: jax.Array, *, pad,
   dt = jnp.dtype(cfg.dtype)
   p = mixer.arrays()
   B = x.shape[0]
-  xp = pad(x[:, 0], rows)  # [R, D]
+  xp = pad(x[:, 0], rows) if xp is None else xp  # [R, D]
   if w_in is None:
     w_in = kda_input_matrix(p, dt)
   cols = kda_input_cols(p)

@@ -119,6 +119,14 @@ def test_attnres_mix_kernel_equals_stream_read():
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
   np.testing.assert_allclose(np.asarray(got_stream["partial"]),
                              np.asarray(ref_stream["partial"]), **TOL)
+  # with the next GEMMs' padding rows written by the kernel: the same rows, then zeros
+  padded, padded_stream = fused.stream_read(cfg, stream, query, norm, y=y, interpret=INTERPRET,
+                                            rows=B + 2)
+  assert padded.shape == (B + 2, 1, D)
+  np.testing.assert_array_equal(np.asarray(padded[:B]), np.asarray(got))
+  np.testing.assert_array_equal(np.asarray(padded[B:]), np.zeros((2, 1, D)))
+  np.testing.assert_array_equal(np.asarray(padded_stream["partial"]),
+                                np.asarray(got_stream["partial"]))
 
 
 @pytest.mark.parametrize("activation", ["swiglu", "situ_bf16_dot"])
