@@ -25,8 +25,8 @@ for the small preset) is built with max_length = L and B slots, and:
            a whole prompt of L tokens costs about (L / P) x their mean, so
            tokens/s = B L / ((L / P) x mean).
 --fused-ablate: the decode step with each part of the fused Pallas path (sparse_lm/inference/
-fused.FUSE: AttnRes reads, KDA step, routed experts, split-K projections) switched from its
-default in turn, then all off.
+fused.FUSE: AttnRes reads, KDA step, routed experts, routing in the experts kernel) switched
+from its default in turn, then all off.
 --profile DIR (first configuration only): a jax.profiler trace of one decode call, one
 single step, and one single step with the model's own MoE (the engine's decode path before
 `moe_decode`), each summarised as its top device ops by total time.
@@ -41,6 +41,7 @@ import glob
 import gzip
 import json
 import os
+import re
 import statistics
 import time
 
@@ -120,6 +121,14 @@ def top_ops(trace_dir: str, n: int = 12) -> str:
         count[e["name"]] += 1
     lines.append(f"  {where}: {sum(total.values()) / 1e3:.3f} ms in {sum(count.values())} "
                  f"events on {sorted(names[p] for p in pids)}")
+    if where == "device":
+      kinds, kind_count = collections.Counter(), collections.Counter()
+      for name, us in total.items():
+        kind = re.sub(r"([._]\d+)+$", "", name)
+        kinds[kind] += us
+        kind_count[kind] += count[name]
+      lines.append("  by kind (names without their numbers): " + "; ".join(
+          f"{kind} {kind_count[kind]} x {us / 1e3:.3f} ms" for kind, us in kinds.most_common(n)))
     first = {}
     for e in events:
       if e.get("ph") == "X" and e["pid"] in pids:

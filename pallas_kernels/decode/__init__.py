@@ -12,7 +12,8 @@ than its bytes. These kernels fuse a layer's small ops; XLA keeps the projection
                   sub-layer's pre-norm, optionally adding the previous sub-layer's output into
                   the running block sum first.
   moe_experts     the routed experts of a small batch reading the chosen experts' weights in
-                  place (no gather copy): SiTU-GLU per (assignment, hidden block), §5.
+                  place (no gather copy): SiTU-GLU per (assignment, hidden block), §5;
+                  `moe_experts_routed` also takes each token's top k and gates (§5, §6).
 
 Each takes `interpret=True` to run on CPU (tests/inference/test_fused_decode.py compares each
 with the pure-JAX decode path of `sparse_lm.inference.forward`). Shapes: feature sizes (K, V,
@@ -26,6 +27,6 @@ from __future__ import annotations
 from pallas_kernels.decode.attnres_mix import attnres_mix
 from pallas_kernels.decode.common import is_pow2, on_gpu
 from pallas_kernels.decode.kda_step import kda_step
-from pallas_kernels.decode.moe_experts import moe_experts
+from pallas_kernels.decode.moe_experts import moe_experts, moe_experts_routed
 
-__all__ = ["attnres_mix", "kda_step", "moe_experts", "is_pow2", "on_gpu"]
+__all__ = ["attnres_mix", "kda_step", "moe_experts", "moe_experts_routed", "is_pow2", "on_gpu"]

@@ -10,6 +10,11 @@ For assignment a (token n = a // k, expert e = ids[a]) and hidden block J_j of B
 One program per (a, j): the expert's weights are read where they lie (the expert index is a
 load inside the kernel), no gather copy. `moe_experts` sums the partials over j, rounds to the
 compute dtype (the matmul output of the pure-JAX path) and combines with the gates.
+
+`moe_experts_routed` also routes (§5, §6 step 2: top-k of s + b, gates s_sel / sum s_sel x
+route_scale): each program takes its token's top k from the router scores itself (k passes of
+max and lowest index, the order and tie rule of `jax.lax.top_k`) and writes its gate, so the
+routing's top-k sort and the gate kernels of the XLA path are gone from the decode step.
 """
 
 from __future__ import annotations
@@ -30,8 +35,44 @@ def _sigmoid(x):
 def _kernel(z_ref, ids_ref, wg_ref, wu_ref, wd_ref, out_ref, *, k, BF, BL, beta1, beta2, dtype,
             use_dot):
   a, j = pl.program_id(0), pl.program_id(1)
-  e = ids_ref[a]
+  _expert_block(z_ref, a // k, ids_ref[a], j, wg_ref, wu_ref, wd_ref, out_ref, a=a, BF=BF,
+                BL=BL, beta1=beta1, beta2=beta2, dtype=dtype, use_dot=use_dot)
+
+
+def _top_k_slot(s, bias, k: int, r):
+  """Expert id and unbiased score of slot r (traced, 0 <= r < k) of the top k of s + bias,
+  and the sum of the k selected scores. s, bias: [E] fp32. Selection as jax.lax.top_k:
+  largest first, ties to the lowest index."""
+  E = s.shape[0]
+  iota = jax.lax.broadcasted_iota(jnp.int32, (E,), 0)
+  z = s + bias
+  e, s_r, total = jnp.int32(0), jnp.float32(0), jnp.float32(0)
+  for t in range(k):
+    idx = jnp.min(jnp.where(z == jnp.max(z), iota, E))
+    hit = iota == idx
+    s_t = jnp.sum(jnp.where(hit, s, 0.0))
+    total = total + s_t
+    e = jnp.where(r == t, idx, e)
+    s_r = jnp.where(r == t, s_t, s_r)
+    z = jnp.where(hit, -jnp.inf, z)
+  return e, s_r, total
+
+
+def _routed_kernel(z_ref, s_ref, b_ref, valid_ref, wg_ref, wu_ref, wd_ref, out_ref, gate_ref, *,
+                   k, route_scale, BF, BL, beta1, beta2, dtype, use_dot):
+  a, j = pl.program_id(0), pl.program_id(1)
   n = a // k
+  e, s_r, total = _top_k_slot(s_ref[n, :], b_ref[:], k, a % k)
+  gate = s_r / jnp.maximum(total, jnp.finfo(jnp.float32).tiny) * route_scale
+  gate = jnp.where(valid_ref[n] != 0, gate, 0.0)
+  gate_ref[a, j, :] = jnp.full((gate_ref.shape[-1],), gate, jnp.float32)
+  _expert_block(z_ref, n, e, j, wg_ref, wu_ref, wd_ref, out_ref, a=a, BF=BF, BL=BL,
+                beta1=beta1, beta2=beta2, dtype=dtype, use_dot=use_dot)
+
+
+def _expert_block(z_ref, n, e, j, wg_ref, wu_ref, wd_ref, out_ref, *, a, BF, BL, beta1, beta2,
+                  dtype, use_dot):
+  """partial[a, j] = h W_down[e][J_j, :] for token n's latent row (module docstring)."""
   L = z_ref.shape[-1]
   f32 = jnp.float32
   fs = pl.ds(j * BF, BF)
@@ -110,3 +151,63 @@ def moe_experts(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
   out = jnp.sum(partial, axis=1).astype(dtype).astype(jnp.float32)  # [A, L]
   w = jnp.where(expert_ids < E, gates.astype(jnp.float32), 0.0).reshape(N * k, 1)
   return jnp.sum((w * out).reshape(N, k, L), axis=1)
+
+
+def moe_experts_routed(z: jax.Array, scores: jax.Array, bias: jax.Array, valid: jax.Array,
+                       params: dict[str, jax.Array], *, k: int, route_scale: float,
+                       beta1: float | None, beta2: float | None, block_f: int = 32,
+                       num_warps: int = 4, use_dot: bool = False,
+                       interpret: bool = False) -> jax.Array:
+  """Routing and the routed experts in one kernel (module docstring): u = sum over token n's
+  top k experts e of gate_e E_e(z_n), the top k of scores + bias, gate_e = s_e / (sum of the
+  k selected s) x route_scale (0 for an invalid token).
+
+  Same result as `sparse_lm.moe.router.route` (default cutoff: the cutoff does not enter the
+  output) followed by `moe_experts` with the invalid tokens' ids set to the sentinel E; the
+  selection follows `jax.lax.top_k` (largest first, ties to the lowest index).
+
+  Args:
+    z: [N', L] latent activations in the compute dtype, N' >= N (rows past N are not read).
+    scores: [N, E] fp32 router scores s (sigmoid, ARCHITECTURE §5).
+    bias: [E] fp32 balancing bias b (Quantile Balancing, §6).
+    valid: [N] bool or int; False / 0: the token's gates are 0.
+    params: {"w_gate", "w_up": [E, L, F], "w_down": [E, F, L]} in the compute dtype.
+    k: experts per token, 1 <= k <= E. route_scale: multiplies the normalised gates.
+    beta1, beta2, block_f, num_warps, use_dot, interpret: as `moe_experts`.
+
+  Returns:
+    u [N, L] fp32.
+
+  Raises:
+    ValueError: k outside [1, E], scores / bias / valid shapes that do not match, block_f
+      does not divide F, or (GPU) L, E or block_f not a power of two >= 16.
+  """
+  E, L, F = params["w_gate"].shape
+  N = scores.shape[0]
+  if scores.shape != (N, E) or bias.shape != (E,) or valid.shape != (N,):
+    raise ValueError(f"moe_experts_routed: scores {scores.shape}, bias {bias.shape}, valid "
+                     f"{valid.shape} must be [N, E], [E], [N] with E={E} experts")
+  if not 1 <= k <= E:
+    raise ValueError(f"moe_experts_routed: k={k} experts per token must be in [1, E={E}]")
+  BF = min(block_f, F)
+  if F % BF:
+    raise ValueError(f"moe_experts_routed: block_f={block_f} must divide expert_hidden F={F}")
+  if not interpret and not (is_pow2(L) and is_pow2(BF) and is_pow2(E)):
+    raise ValueError(f"moe_experts_routed: L={L}, E={E} and block_f={BF} must be powers of "
+                     "two >= 16 on the GPU")
+  BL = min(L, 128)
+  dtype = z.dtype
+  use_dot = use_dot and params["w_gate"].dtype != jnp.float32
+  kernel = functools.partial(_routed_kernel, k=k, route_scale=float(route_scale), BF=BF, BL=BL,
+                             beta1=beta1, beta2=beta2, dtype=dtype, use_dot=use_dot)
+  A, J = N * k, F // BF
+  partial, gate = pl.pallas_call(
+      kernel, grid=(A, J),
+      out_shape=(jax.ShapeDtypeStruct((A, J, L), jnp.float32),
+                 jax.ShapeDtypeStruct((A, J, 16), jnp.float32)),
+      compiler_params=compiler_params(interpret, num_warps=num_warps),
+      interpret=interpret, name="moe_decode_routed_experts")(
+          z, scores.astype(jnp.float32), bias.astype(jnp.float32), valid.astype(jnp.int32),
+          params["w_gate"], params["w_up"], params["w_down"])
+  out = jnp.sum(partial, axis=1).astype(dtype).astype(jnp.float32)  # [A, L]
+  return jnp.sum((gate[:, 0, :1] * out).reshape(N, k, L), axis=1)

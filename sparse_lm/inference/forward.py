@@ -318,7 +318,8 @@ def gathered_experts(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
 
 
 def moe_decode(moe, x: jax.Array, valid: jax.Array, experts=None,
-               w_in: jax.Array | None = None, xp: jax.Array | None = None) -> jax.Array:
+               w_in: jax.Array | None = None, xp: jax.Array | None = None,
+               routed_experts=None) -> jax.Array:
   """A LatentMoE (sparse_lm.moe.latent_moe, ARCHITECTURE §5) at inference: the frozen biases
   route, nothing is dropped, no statistics. x [B, T, D] in the compute dtype, valid [B, T]
   bool -> y [B, T, D]. The routed experts run as `gathered_experts` when N k <= E x
@@ -329,7 +330,10 @@ def moe_decode(moe, x: jax.Array, valid: jax.Array, experts=None,
   `fused.moe_input_matrix(moe, compute dtype)`: the latent down-projection and the shared
   expert's gate and up as one GEMM (fp32 accumulation, each piece rounded to the compute
   dtype as its own product would be). xp: x's B T rows already padded, [R, D] in the compute
-  dtype (`fused.stream_read(..., rows=...)`), else padded here.
+  dtype (`fused.stream_read(..., rows=...)`), else padded here. routed_experts(z, scores,
+  valid) -> u: routing and the routed experts in one call (`fused.routed_experts_routing`,
+  scores [n, E] fp32 sigmoid scores, valid [n]); replaces both route() and `experts` when
+  given and the batch is small enough to gather.
 
   Raises:
     ValueError: w_in of another shape than the layer's moe_input_matrix.
@@ -341,9 +345,11 @@ def moe_decode(moe, x: jax.Array, valid: jax.Array, experts=None,
   xf = x.reshape(n, D)
   xp = pad_rows(xf.astype(dt), rows) if xp is None else xp.astype(dt)  # [max(n, rows), D]
   scores = router_lib.router_scores(xf, moe.router[...])
-  routing = router_lib.route(scores, moe.balancer_bias[...], k, moe.route_scale,
-                             cutoff=moe.qb_cutoff)
-  ids = jnp.where(valid.reshape(n, 1), routing.expert_ids, E)
+  small = n * k <= E * GATHER_MAX_ASSIGNMENTS_PER_EXPERT
+  if not (small and routed_experts is not None):
+    routing = router_lib.route(scores, moe.balancer_bias[...], k, moe.route_scale,
+                               cutoff=moe.qb_cutoff)
+    ids = jnp.where(valid.reshape(n, 1), routing.expert_ids, E)
   shared_gu = None
   if w_in is not None:
     widths = [w.shape[1] for w in fused.moe_input_weights(moe)]
@@ -358,9 +364,11 @@ def moe_decode(moe, x: jax.Array, valid: jax.Array, experts=None,
   else:
     z_rows = jnp.dot(xp, moe.w_down[...].astype(dt)) if moe.latent else xp  # [max(n, rows), L]
   z = z_rows[:n]
-  if n * k <= E * GATHER_MAX_ASSIGNMENTS_PER_EXPERT and experts is not None:
+  if small and routed_experts is not None:
+    u = routed_experts(z_rows, scores, valid.reshape(n))  # reads rows < n only
+  elif small and experts is not None:
     u = experts(z_rows, ids, routing.gates)  # reads rows < n only: no slice kernel
-  elif n * k <= E * GATHER_MAX_ASSIGNMENTS_PER_EXPERT:
+  elif small:
     u = gathered_experts(z, ids, routing.gates, moe.expert_params(), beta1=moe.beta1,
                          beta2=moe.beta2, min_rows=rows)
   else:
@@ -426,7 +434,10 @@ def layer_cached(layer, stream: dict, cache: dict, *, opens: bool, start, valid,
   elif x.shape[1] == 1 and DECODE_MOE == "moe_decode":
     experts = (functools.partial(fused.routed_experts, layer.ffn, interpret=kernels[1])
                if use and fused.FUSE["moe"] else None)
-    y = moe_decode(layer.ffn, x, valid, experts, w_in=moe_w_in, xp=xp)
+    routed = (functools.partial(fused.routed_experts_routing, layer.ffn, interpret=kernels[1])
+              if experts is not None and fused.routing_in_kernel(layer.ffn, kernels[1])
+              else None)
+    y = moe_decode(layer.ffn, x, valid, experts, w_in=moe_w_in, xp=xp, routed_experts=routed)
   else:
     y = moe_prefill(layer.ffn, x, valid)
   return attnres.add_output(cfg, stream, y), cache

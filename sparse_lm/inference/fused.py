@@ -12,7 +12,8 @@ norms, gates, AttnRes mixes, the conv update, routing glue. Here, per decoder la
   MoE      `forward.moe_decode` (routing, projections; the latent down-projection and the
            shared expert's gate and up as one GEMM, `moe_input_matrix`) with the routed
            experts of a small batch reading their weights in place (`moe_experts`) instead
-           of a gather and batched matmuls.
+           of a gather and batched matmuls; with a power-of-two expert count the kernel also
+           takes each token's top k and gates (`moe_experts_routed`: no top-k sort).
   MLA      unchanged (`forward.mla_cached`).
 `decode_kernels(cfg)` says whether the engine uses this path: cfg.decode_backend "pallas"
 (interpret mode off the GPU: the tests), "xla" (never), "auto" (on a GPU when the shapes are
@@ -27,13 +28,14 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.decode import attnres_mix, is_pow2, kda_step, moe_experts, on_gpu
+from pallas_kernels.decode import (attnres_mix, is_pow2, kda_step, moe_experts,
+                                    moe_experts_routed, on_gpu)
 from sparse_lm import nn
 
 F32 = jnp.float32
 MOE_BLOCK_F, MOE_DOT = 32, True  # moe_experts: hidden columns per program, tensor-core dots
 # Which parts of the layer take the kernels (benchmarks/decode.py --fused-ablate measures each).
-FUSE = {"attnres": True, "kda": True, "moe": True}
+FUSE = {"attnres": True, "kda": True, "moe": True, "routing": True}
 
 
 def shapes_supported(cfg) -> bool:
@@ -160,3 +162,19 @@ def routed_experts(moe, z, ids, gates, *, interpret: bool) -> jax.Array:
   """moe_experts with the layer's weights: z [N, L] -> u [N, L] fp32."""
   return moe_experts(z, ids, gates, moe.expert_params(), beta1=moe.beta1, beta2=moe.beta2,
                      block_f=MOE_BLOCK_F, use_dot=MOE_DOT, interpret=interpret)
+
+
+def routing_in_kernel(moe, interpret: bool) -> bool:
+  """Whether the decode step routes inside the experts kernel (`routed_experts_routing`):
+  FUSE["routing"] and, on the GPU, a power-of-two expert count (Triton's block rule). Every
+  QB cutoff rule routes alike here: the cutoff does not enter a decode step's output."""
+  return FUSE["routing"] and (interpret or is_pow2(moe.num_experts))
+
+
+def routed_experts_routing(moe, z, scores, valid, *, interpret: bool) -> jax.Array:
+  """moe_experts_routed with the layer's weights, biases and k: z [N', L], scores [N, E]
+  fp32, valid [N] -> u [N, L] fp32."""
+  return moe_experts_routed(z, scores, moe.balancer_bias[...], valid, moe.expert_params(),
+                            k=moe.experts_per_token, route_scale=moe.route_scale,
+                            beta1=moe.beta1, beta2=moe.beta2, block_f=MOE_BLOCK_F,
+                            use_dot=MOE_DOT, interpret=interpret)
