@@ -11,10 +11,11 @@ One program per (a, j): the expert's weights are read where they lie (the expert
 load inside the kernel), no gather copy. `moe_experts` sums the partials over j, rounds to the
 compute dtype (the matmul output of the pure-JAX path) and combines with the gates.
 
-`moe_experts_routed` also routes (§5, §6 step 2: top-k of s + b, gates s_sel / sum s_sel x
-route_scale): each program takes its token's top k from the router scores itself (k passes of
-max and lowest index, the order and tie rule of `jax.lax.top_k`) and writes its gate, so the
-routing's top-k sort and the gate kernels of the XLA path are gone from the decode step.
+`moe_experts_routed` also routes (§5, §6 step 2: s = sigmoid(router logits), top-k of s + b,
+gates s_sel / sum s_sel x route_scale): each program takes its token's top k from the router
+logits itself (k passes of max and lowest index, the order and tie rule of `jax.lax.top_k`)
+and writes its gate, so the routing's sigmoid, top-k sort and gate kernels of the XLA path are
+gone from the decode step; it reads z by columns from an unsliced GEMM output.
 """
 
 from __future__ import annotations
@@ -59,34 +60,37 @@ def _top_k_slot(s, bias, k: int, r):
 
 
 def _routed_kernel(z_ref, s_ref, b_ref, valid_ref, wg_ref, wu_ref, wd_ref, out_ref, gate_ref, *,
-                   k, route_scale, BF, BL, beta1, beta2, dtype, use_dot):
+                   k, route_scale, logit_bound, z_col, BF, BL, beta1, beta2, dtype, use_dot):
   a, j = pl.program_id(0), pl.program_id(1)
   n = a // k
-  e, s_r, total = _top_k_slot(s_ref[n, :], b_ref[:], k, a % k)
+  s = _sigmoid(jnp.clip(s_ref[n, :], -logit_bound, logit_bound))
+  e, s_r, total = _top_k_slot(s, b_ref[:], k, a % k)
   gate = s_r / jnp.maximum(total, jnp.finfo(jnp.float32).tiny) * route_scale
   gate = jnp.where(valid_ref[n] != 0, gate, 0.0)
   gate_ref[a, j, :] = jnp.full((gate_ref.shape[-1],), gate, jnp.float32)
   _expert_block(z_ref, n, e, j, wg_ref, wu_ref, wd_ref, out_ref, a=a, BF=BF, BL=BL,
-                beta1=beta1, beta2=beta2, dtype=dtype, use_dot=use_dot)
+                beta1=beta1, beta2=beta2, dtype=dtype, use_dot=use_dot, z_col=z_col)
 
 
 def _expert_block(z_ref, n, e, j, wg_ref, wu_ref, wd_ref, out_ref, *, a, BF, BL, beta1, beta2,
-                  dtype, use_dot):
-  """partial[a, j] = h W_down[e][J_j, :] for token n's latent row (module docstring)."""
-  L = z_ref.shape[-1]
+                  dtype, use_dot, z_col=0):
+  """partial[a, j] = h W_down[e][J_j, :] for token n's latent row, z_ref[n, z_col:z_col + L]
+  rounded to the compute dtype (module docstring)."""
+  L = wg_ref.shape[1]
   f32 = jnp.float32
   fs = pl.ds(j * BF, BF)
   g = jnp.zeros((BF,), f32)
   u = jnp.zeros((BF,), f32)
   for i in range(L // BL):
     ls = pl.ds(i * BL, BL)
+    zl = z_ref[n, pl.ds(z_col + i * BL, BL)].astype(dtype)
     if use_dot:  # z in row 0 of a 16-row tile: a tensor-core product, row 0 kept
       zt = jnp.where(jax.lax.broadcasted_iota(jnp.int32, (16, BL), 0) == 0,
-                     z_ref[n, ls][None, :], 0).astype(wg_ref.dtype)
+                     zl[None, :], 0).astype(wg_ref.dtype)
       g = g + jnp.sum(jnp.dot(zt, wg_ref[e, ls, fs], preferred_element_type=f32), axis=0)
       u = u + jnp.sum(jnp.dot(zt, wu_ref[e, ls, fs], preferred_element_type=f32), axis=0)
     else:
-      zb = z_ref[n, ls].astype(f32)[:, None]
+      zb = zl.astype(f32)[:, None]
       g = g + jnp.sum(zb * wg_ref[e, ls, fs].astype(f32), axis=0)
       u = u + jnp.sum(zb * wu_ref[e, ls, fs].astype(f32), axis=0)
   g = g.astype(dtype).astype(f32)
@@ -153,42 +157,53 @@ def moe_experts(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
   return jnp.sum((w * out).reshape(N, k, L), axis=1)
 
 
-def moe_experts_routed(z: jax.Array, scores: jax.Array, bias: jax.Array, valid: jax.Array,
+def moe_experts_routed(z: jax.Array, logits: jax.Array, bias: jax.Array, valid: jax.Array,
                        params: dict[str, jax.Array], *, k: int, route_scale: float,
-                       beta1: float | None, beta2: float | None, block_f: int = 32,
-                       num_warps: int = 4, use_dot: bool = False,
-                       interpret: bool = False) -> jax.Array:
+                       logit_bound: float, beta1: float | None, beta2: float | None,
+                       z_col: int = 0, dtype=None, block_f: int = 32, num_warps: int = 4,
+                       use_dot: bool = False, interpret: bool = False) -> jax.Array:
   """Routing and the routed experts in one kernel (module docstring): u = sum over token n's
-  top k experts e of gate_e E_e(z_n), the top k of scores + bias, gate_e = s_e / (sum of the
-  k selected s) x route_scale (0 for an invalid token).
+  top k experts e of gate_e E_e(z_n), with s = sigmoid(clip(logits, +-logit_bound)) (the
+  router scores, ARCHITECTURE §5), the top k of s + bias, gate_e = s_e / (sum of the k
+  selected s) x route_scale (0 for an invalid token).
 
-  Same result as `sparse_lm.moe.router.route` (default cutoff: the cutoff does not enter the
-  output) followed by `moe_experts` with the invalid tokens' ids set to the sentinel E; the
-  selection follows `jax.lax.top_k` (largest first, ties to the lowest index).
+  Same result as `sparse_lm.moe.router.router_scores` and `route` (any cutoff rule: the
+  cutoff does not enter the output) followed by `moe_experts` with the invalid tokens' ids
+  set to the sentinel E; the selection follows `jax.lax.top_k` (largest first, ties to the
+  lowest index).
 
   Args:
-    z: [N', L] latent activations in the compute dtype, N' >= N (rows past N are not read).
-    scores: [N, E] fp32 router scores s (sigmoid, ARCHITECTURE §5).
+    z: [N', C] with token n's latent activations in columns [z_col, z_col + L) of row n, in
+      any float dtype (rounded to `dtype` in the kernel: the fp32 output of a GEMM whose
+      other columns are other products can be passed unsliced); N' >= N (rows past N are not
+      read).
+    logits: [N, E] fp32 router logits x W_r.
     bias: [E] fp32 balancing bias b (Quantile Balancing, §6).
     valid: [N] bool or int; False / 0: the token's gates are 0.
     params: {"w_gate", "w_up": [E, L, F], "w_down": [E, F, L]} in the compute dtype.
     k: experts per token, 1 <= k <= E. route_scale: multiplies the normalised gates.
+    logit_bound: the router's logit clip (`sparse_lm.moe.router.ROUTER_LOGIT_BOUND`).
+    z_col: see z. dtype: the compute dtype (default: z's).
     beta1, beta2, block_f, num_warps, use_dot, interpret: as `moe_experts`.
 
   Returns:
     u [N, L] fp32.
 
   Raises:
-    ValueError: k outside [1, E], scores / bias / valid shapes that do not match, block_f
-      does not divide F, or (GPU) L, E or block_f not a power of two >= 16.
+    ValueError: k outside [1, E], logits / bias / valid shapes that do not match, z without
+      columns [z_col, z_col + L), block_f does not divide F, or (GPU) L, E or block_f not a
+      power of two >= 16.
   """
   E, L, F = params["w_gate"].shape
-  N = scores.shape[0]
-  if scores.shape != (N, E) or bias.shape != (E,) or valid.shape != (N,):
-    raise ValueError(f"moe_experts_routed: scores {scores.shape}, bias {bias.shape}, valid "
+  N = logits.shape[0]
+  if logits.shape != (N, E) or bias.shape != (E,) or valid.shape != (N,):
+    raise ValueError(f"moe_experts_routed: logits {logits.shape}, bias {bias.shape}, valid "
                      f"{valid.shape} must be [N, E], [E], [N] with E={E} experts")
   if not 1 <= k <= E:
     raise ValueError(f"moe_experts_routed: k={k} experts per token must be in [1, E={E}]")
+  if z.ndim != 2 or z.shape[0] < N or not 0 <= z_col <= z.shape[1] - L:
+    raise ValueError(f"moe_experts_routed: z {z.shape} must be [N' >= {N}, C] with the latent "
+                     f"in columns [z_col={z_col}, z_col + L={z_col + L})")
   BF = min(block_f, F)
   if F % BF:
     raise ValueError(f"moe_experts_routed: block_f={block_f} must divide expert_hidden F={F}")
@@ -196,9 +211,10 @@ def moe_experts_routed(z: jax.Array, scores: jax.Array, bias: jax.Array, valid: 
     raise ValueError(f"moe_experts_routed: L={L}, E={E} and block_f={BF} must be powers of "
                      "two >= 16 on the GPU")
   BL = min(L, 128)
-  dtype = z.dtype
+  dtype = jnp.dtype(z.dtype if dtype is None else dtype)
   use_dot = use_dot and params["w_gate"].dtype != jnp.float32
-  kernel = functools.partial(_routed_kernel, k=k, route_scale=float(route_scale), BF=BF, BL=BL,
+  kernel = functools.partial(_routed_kernel, k=k, route_scale=float(route_scale),
+                             logit_bound=float(logit_bound), z_col=int(z_col), BF=BF, BL=BL,
                              beta1=beta1, beta2=beta2, dtype=dtype, use_dot=use_dot)
   A, J = N * k, F // BF
   partial, gate = pl.pallas_call(
@@ -207,7 +223,7 @@ def moe_experts_routed(z: jax.Array, scores: jax.Array, bias: jax.Array, valid: 
                  jax.ShapeDtypeStruct((A, J, 16), jnp.float32)),
       compiler_params=compiler_params(interpret, num_warps=num_warps),
       interpret=interpret, name="moe_decode_routed_experts")(
-          z, scores.astype(jnp.float32), bias.astype(jnp.float32), valid.astype(jnp.int32),
+          z, logits.astype(jnp.float32), bias.astype(jnp.float32), valid.astype(jnp.int32),
           params["w_gate"], params["w_up"], params["w_down"])
   out = jnp.sum(partial, axis=1).astype(dtype).astype(jnp.float32)  # [A, L]
   return jnp.sum((gate[:, 0, :1] * out).reshape(N, k, L), axis=1)

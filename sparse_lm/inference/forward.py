@@ -60,7 +60,8 @@ class DecoderStack(nnx.Module):
   input_matrices=True (the one-device engine with the fused decode kernels) also keeps each
   KDA and MoE layer's input projections concatenated (`fused.kda_input_matrix`,
   `fused.moe_input_matrix`: copies in the compute dtype), which the fused decode step reads
-  in one GEMM per layer.
+  in one GEMM per layer, and each MoE layer's two output projections stacked
+  (`fused.moe_output_matrix`), read in one GEMM.
   """
 
   def __init__(self, model, *, input_matrices: bool = False):
@@ -79,7 +80,7 @@ class DecoderStack(nnx.Module):
     # The fused decode step's one input GEMM per KDA layer and per MoE layer
     # (fused.kda_input_matrix, fused.moe_input_matrix), built once here: copies of those
     # weights in the compute dtype, keyed by layer index.
-    kda_in = moe_in = None
+    kda_in = moe_in = moe_out = None
     if input_matrices:
       dt = jnp.dtype(self.cfg.dtype)
       kda_in = nnx.Dict({
@@ -88,7 +89,10 @@ class DecoderStack(nnx.Module):
       moe = {str(i): fused.moe_input_matrix(layer.ffn, dt)
              for i, layer in enumerate(layer_list) if not layer.dense_ffn}
       moe_in = nnx.Dict({i: nnx.Variable(w) for i, w in moe.items() if w is not None})
-    self.kda_inputs, self.moe_inputs = kda_in, moe_in
+      moe = {str(i): fused.moe_output_matrix(layer.ffn, dt)
+             for i, layer in enumerate(layer_list) if not layer.dense_ffn}
+      moe_out = nnx.Dict({i: nnx.Variable(w) for i, w in moe.items() if w is not None})
+    self.kda_inputs, self.moe_inputs, self.moe_outputs = kda_in, moe_in, moe_out
     self.final_query = model.final_query
     self.final_norm = model.final_norm
     self.lm_head = model.lm_head
@@ -319,7 +323,7 @@ def gathered_experts(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
 
 def moe_decode(moe, x: jax.Array, valid: jax.Array, experts=None,
                w_in: jax.Array | None = None, xp: jax.Array | None = None,
-               routed_experts=None) -> jax.Array:
+               routed_experts=None, w_out: jax.Array | None = None) -> jax.Array:
   """A LatentMoE (sparse_lm.moe.latent_moe, ARCHITECTURE §5) at inference: the frozen biases
   route, nothing is dropped, no statistics. x [B, T, D] in the compute dtype, valid [B, T]
   bool -> y [B, T, D]. The routed experts run as `gathered_experts` when N k <= E x
@@ -330,13 +334,18 @@ def moe_decode(moe, x: jax.Array, valid: jax.Array, experts=None,
   `fused.moe_input_matrix(moe, compute dtype)`: the latent down-projection and the shared
   expert's gate and up as one GEMM (fp32 accumulation, each piece rounded to the compute
   dtype as its own product would be). xp: x's B T rows already padded, [R, D] in the compute
-  dtype (`fused.stream_read(..., rows=...)`), else padded here. routed_experts(z, scores,
-  valid) -> u: routing and the routed experts in one call (`fused.routed_experts_routing`,
-  scores [n, E] fp32 sigmoid scores, valid [n]); replaces both route() and `experts` when
-  given and the batch is small enough to gather.
+  dtype (`fused.stream_read(..., rows=...)`), else padded here. routed_experts(z, logits,
+  valid, z_col=) -> u: routing and the routed experts in one call
+  (`fused.routed_experts_routing`: logits [n, E] fp32 `router.router_logits`, valid [n], the
+  latent in z's columns [z_col, z_col + L): with w_in, the GEMM's fp32 output unsliced);
+  replaces router_scores, route() and `experts` when given and the batch is small enough to
+  gather. w_out (with w_in): `fused.moe_output_matrix(moe, compute dtype)`: the latent's
+  up-projection and the shared expert's down-projection as one GEMM of [RMSNorm(u) | h]
+  (fp32 accumulation, rounded once to the compute dtype).
 
   Raises:
-    ValueError: w_in of another shape than the layer's moe_input_matrix.
+    ValueError: w_in or w_out of another shape than the layer's moe_input_matrix /
+      moe_output_matrix.
   """
   B, T, D = x.shape
   n, E, k = B * T, moe.num_experts, moe.experts_per_token
@@ -344,12 +353,14 @@ def moe_decode(moe, x: jax.Array, valid: jax.Array, experts=None,
   rows = DECODE_MIN_ROWS
   xf = x.reshape(n, D)
   xp = pad_rows(xf.astype(dt), rows) if xp is None else xp.astype(dt)  # [max(n, rows), D]
-  scores = router_lib.router_scores(xf, moe.router[...])
   small = n * k <= E * GATHER_MAX_ASSIGNMENTS_PER_EXPERT
-  if not (small and routed_experts is not None):
+  fused_routing = small and routed_experts is not None
+  if not fused_routing:
+    scores = router_lib.router_scores(xf, moe.router[...])
     routing = router_lib.route(scores, moe.balancer_bias[...], k, moe.route_scale,
                                cutoff=moe.qb_cutoff)
     ids = jnp.where(valid.reshape(n, 1), routing.expert_ids, E)
+  xw = None
   shared_gu = None
   if w_in is not None:
     widths = [w.shape[1] for w in fused.moe_input_weights(moe)]
@@ -364,8 +375,10 @@ def moe_decode(moe, x: jax.Array, valid: jax.Array, experts=None,
   else:
     z_rows = jnp.dot(xp, moe.w_down[...].astype(dt)) if moe.latent else xp  # [max(n, rows), L]
   z = z_rows[:n]
-  if small and routed_experts is not None:
-    u = routed_experts(z_rows, scores, valid.reshape(n))  # reads rows < n only
+  if fused_routing:  # reads rows < n only; the latent straight from the GEMM when there is one
+    logits = router_lib.router_logits(xf, moe.router[...])
+    zin = xw if xw is not None and moe.latent else z_rows
+    u = routed_experts(zin, logits, valid.reshape(n), z_col=0)
   elif small and experts is not None:
     u = experts(z_rows, ids, routing.gates)  # reads rows < n only: no slice kernel
   elif small:
@@ -374,6 +387,16 @@ def moe_decode(moe, x: jax.Array, valid: jax.Array, experts=None,
   else:
     u = dense_reference(z, ids, routing.gates, moe.expert_params(), beta1=moe.beta1,
                         beta2=moe.beta2)
+  if w_out is not None and shared_gu is not None and moe.latent:
+    L, F_s = moe.w_up.shape[0], moe.shared.w_down.shape[0]
+    if w_out.shape != (L + F_s, D):
+      raise ValueError(f"moe_decode: w_out {w_out.shape} is not this layer's moe_output_matrix "
+                       f"({L + F_s}, {D}); rebuild it from the layer's weights")
+    un = pad_rows(nn.rms_norm(u, moe.latent_norm[...], moe.norm_eps).astype(dt), rows)
+    h = situ_activation(*shared_gu, moe.shared.beta1, moe.shared.beta2, out_dtype=dt)
+    y = jnp.dot(jnp.concatenate([un, h], axis=1), w_out.astype(dt),
+                preferred_element_type=jnp.float32)[:n].astype(dt)
+    return y.reshape(B, T, D).astype(x.dtype)
   if moe.latent:
     y = jnp.dot(pad_rows(nn.rms_norm(u, moe.latent_norm[...], moe.norm_eps).astype(dt), rows),
                 moe.w_up[...].astype(dt))[:n]
@@ -391,13 +414,14 @@ def moe_decode(moe, x: jax.Array, valid: jax.Array, experts=None,
 def layer_cached(layer, stream: dict, cache: dict, *, opens: bool, start, valid, n_valid,
                  kv_block: int, kernels=(False, False),
                  kda_w_in: jax.Array | None = None,
-                 moe_w_in: jax.Array | None = None) -> tuple[dict, dict]:
+                 moe_w_in: jax.Array | None = None,
+                 moe_w_out: jax.Array | None = None) -> tuple[dict, dict]:
   """One DecoderLayer (transformer.py) from its cache: the same sub-layer order and AttnRes
   reads; MoE without capacity drops. kernels = (use, interpret) (`fused.decode_kernels`):
   a decode step's AttnRes reads, KDA and routed experts through the fused Pallas kernels;
   kda_w_in: the KDA layer's prebuilt `fused.kda_input_matrix` for that path (else built in the
-  step); moe_w_in: the MoE layer's `fused.moe_input_matrix` for a decode step (else its
-  projections run one by one)."""
+  step); moe_w_in, moe_w_out: the MoE layer's `fused.moe_input_matrix` and
+  `fused.moe_output_matrix` for a decode step (else its projections run one by one)."""
   cfg = layer.cfg
   dtype = jnp.dtype(cfg.dtype)
   use = kernels[0] and valid.shape[1] == 1
@@ -437,7 +461,8 @@ def layer_cached(layer, stream: dict, cache: dict, *, opens: bool, start, valid,
     routed = (functools.partial(fused.routed_experts_routing, layer.ffn, interpret=kernels[1])
               if experts is not None and fused.routing_in_kernel(layer.ffn, kernels[1])
               else None)
-    y = moe_decode(layer.ffn, x, valid, experts, w_in=moe_w_in, xp=xp, routed_experts=routed)
+    y = moe_decode(layer.ffn, x, valid, experts, w_in=moe_w_in, xp=xp, routed_experts=routed,
+                   w_out=moe_w_out if fused.FUSE["moe_output"] else None)
   else:
     y = moe_prefill(layer.ffn, x, valid)
   return attnres.add_output(cfg, stream, y), cache
@@ -485,12 +510,14 @@ def forward_cached(stack: DecoderStack, tokens: jax.Array, cache: list[dict], st
   new_cache = []
   kda_in = {} if stack.kda_inputs is None else stack.kda_inputs
   moe_in = {} if stack.moe_inputs is None or T != 1 else stack.moe_inputs
+  moe_out = {} if stack.moe_outputs is None or T != 1 else stack.moe_outputs
   for i, (layer, c) in enumerate(zip(stack.layers, cache)):
     stream, c = layer_cached(layer, stream, c, opens=i % cfg.attnres_block_layers == 0,
                              start=start, valid=valid, n_valid=n_valid, kv_block=kv_block,
                              kernels=kernels,
                              kda_w_in=kda_in[str(i)][...] if str(i) in kda_in else None,
-                             moe_w_in=moe_in[str(i)][...] if str(i) in moe_in else None)
+                             moe_w_in=moe_in[str(i)][...] if str(i) in moe_in else None,
+                             moe_w_out=moe_out[str(i)][...] if str(i) in moe_out else None)
     new_cache.append(c)
   if kernels[0] and cfg.residual == "attnres_block" and fused.FUSE["attnres"]:
     h, _ = fused.stream_read(cfg, stream, stack.final_query[...], stack.final_norm,

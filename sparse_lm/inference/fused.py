@@ -13,7 +13,9 @@ norms, gates, AttnRes mixes, the conv update, routing glue. Here, per decoder la
            shared expert's gate and up as one GEMM, `moe_input_matrix`) with the routed
            experts of a small batch reading their weights in place (`moe_experts`) instead
            of a gather and batched matmuls; with a power-of-two expert count the kernel also
-           takes each token's top k and gates (`moe_experts_routed`: no top-k sort).
+           takes each token's top k and gates (`moe_experts_routed`: no top-k sort); the
+           up-projection of the latent and the shared expert's down-projection as one GEMM
+           (`moe_output_matrix`).
   MLA      unchanged (`forward.mla_cached`).
 `decode_kernels(cfg)` says whether the engine uses this path: cfg.decode_backend "pallas"
 (interpret mode off the GPU: the tests), "xla" (never), "auto" (on a GPU when the shapes are
@@ -31,11 +33,12 @@ import jax.numpy as jnp
 from pallas_kernels.decode import (attnres_mix, is_pow2, kda_step, moe_experts,
                                     moe_experts_routed, on_gpu)
 from sparse_lm import nn
+from sparse_lm.moe import router as router_lib
 
 F32 = jnp.float32
 MOE_BLOCK_F, MOE_DOT = 32, True  # moe_experts: hidden columns per program, tensor-core dots
 # Which parts of the layer take the kernels (benchmarks/decode.py --fused-ablate measures each).
-FUSE = {"attnres": True, "kda": True, "moe": True, "routing": True}
+FUSE = {"attnres": True, "kda": True, "moe": True, "routing": True, "moe_output": True}
 
 
 def shapes_supported(cfg) -> bool:
@@ -158,6 +161,17 @@ def moe_input_matrix(moe, dtype) -> jax.Array | None:
   return jnp.concatenate([w.astype(dtype) for w in ws], axis=1) if len(ws) > 1 else None
 
 
+def moe_output_matrix(moe, dtype) -> jax.Array | None:
+  """[w_up (latent -> D); shared w_down] stacked as [L + F_s, D] in `dtype`, so the MoE layer's
+  two output products are one GEMM of [RMSNorm(u) | shared h] (`forward.moe_decode(...,
+  w_out=...)`: fp32 accumulation, one rounding); None unless the layer has both. Built once
+  per weight load with `moe_input_matrix`."""
+  if not (moe.latent and moe.shared is not None):
+    return None
+  return jnp.concatenate([moe.w_up[...].astype(dtype), moe.shared.w_down[...].astype(dtype)],
+                         axis=0)
+
+
 def routed_experts(moe, z, ids, gates, *, interpret: bool) -> jax.Array:
   """moe_experts with the layer's weights: z [N, L] -> u [N, L] fp32."""
   return moe_experts(z, ids, gates, moe.expert_params(), beta1=moe.beta1, beta2=moe.beta2,
@@ -171,10 +185,13 @@ def routing_in_kernel(moe, interpret: bool) -> bool:
   return FUSE["routing"] and (interpret or is_pow2(moe.num_experts))
 
 
-def routed_experts_routing(moe, z, scores, valid, *, interpret: bool) -> jax.Array:
-  """moe_experts_routed with the layer's weights, biases and k: z [N', L], scores [N, E]
-  fp32, valid [N] -> u [N, L] fp32."""
-  return moe_experts_routed(z, scores, moe.balancer_bias[...], valid, moe.expert_params(),
+def routed_experts_routing(moe, z, logits, valid, *, z_col: int = 0, interpret: bool
+                           ) -> jax.Array:
+  """moe_experts_routed with the layer's weights, biases, k and compute dtype: z [N', C] (the
+  latent in columns [z_col, z_col + L), any float dtype), logits [N, E] fp32 (router.
+  router_logits), valid [N] -> u [N, L] fp32."""
+  return moe_experts_routed(z, logits, moe.balancer_bias[...], valid, moe.expert_params(),
                             k=moe.experts_per_token, route_scale=moe.route_scale,
-                            beta1=moe.beta1, beta2=moe.beta2, block_f=MOE_BLOCK_F,
-                            use_dot=MOE_DOT, interpret=interpret)
+                            logit_bound=router_lib.ROUTER_LOGIT_BOUND, beta1=moe.beta1,
+                            beta2=moe.beta2, z_col=z_col, dtype=moe.compute_dtype,
+                            block_f=MOE_BLOCK_F, use_dot=MOE_DOT, interpret=interpret)

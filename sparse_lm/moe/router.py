@@ -30,6 +30,13 @@ class Routing(NamedTuple):
   margin: jax.Array
 
 
+def router_logits(x: jax.Array, w_router: jax.Array) -> jax.Array:
+  """x W_r in fp32 at full precision: [..., D] x [D, E] -> [..., E] fp32 (the scores before
+  the clip and sigmoid of `router_scores`; the fused decode kernel takes these)."""
+  return jnp.dot(x.astype(jnp.float32), w_router.astype(jnp.float32),
+                 precision=jax.lax.Precision.HIGHEST)
+
+
 def router_scores(x: jax.Array, w_router: jax.Array) -> jax.Array:
   """s = sigmoid(x W_r) in fp32 (ARCHITECTURE §5; §6 step 1).
 
@@ -40,8 +47,7 @@ def router_scores(x: jax.Array, w_router: jax.Array) -> jax.Array:
   Returns:
     s: [..., E] fp32 in [sigmoid(-40), 1] (logits clipped to +-ROUTER_LOGIT_BOUND = 40).
   """
-  logits = jnp.dot(x.astype(jnp.float32), w_router.astype(jnp.float32),
-                   precision=jax.lax.Precision.HIGHEST)
+  logits = router_logits(x, w_router)
   # Clipped where the sigmoid is saturated (sigmoid(-40) = 4e-18): the gate normalisation
   # s / sum(s) and its gradient (-s / sum(s)^2) stay finite in fp32 for any logit.
   return jax.nn.sigmoid(jnp.clip(logits, -ROUTER_LOGIT_BOUND, ROUTER_LOGIT_BOUND))

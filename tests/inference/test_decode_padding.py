@@ -53,6 +53,7 @@ def test_padded_and_fused_decode_steps_equal_unpadded(monkeypatch):
   pallas_stack = forward_lib.DecoderStack(model, input_matrices=True)
   assert list(pallas_stack.kda_inputs.keys()) == ["0"]  # layer 0 is the one KDA layer
   assert list(pallas_stack.moe_inputs.keys()) == ["1", "2"]  # the MoE layers (latent, shared)
+  assert list(pallas_stack.moe_outputs.keys()) == ["1", "2"]
   outs["pallas"] = step(*nnx.split(pallas_stack))
   ref_logits = outs[0][0]
   assert float(jnp.std(ref_logits)) > 1e-2

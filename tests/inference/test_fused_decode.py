@@ -161,10 +161,13 @@ def test_moe_experts_kernel_equals_gathered_experts(activation):
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
 
 
-def _routed_reference(z, scores, bias, valid, params, k, route_scale, betas, E):
-  """router.route (top-k of s + b, normalised gates) then gathered_experts, invalid tokens
-  given the sentinel id E: the XLA path of forward.moe_decode."""
-  routing = router_lib.route(scores, bias, k, route_scale)
+def _routed_reference(z, logits, bias, valid, params, k, route_scale, betas, E):
+  """s = sigmoid(clip(logits)) (router.router_scores' formula), router.route (top-k of s + b,
+  normalised gates), then gathered_experts, invalid tokens given the sentinel id E: the XLA
+  path of forward.moe_decode."""
+  bound = router_lib.ROUTER_LOGIT_BOUND
+  routing = router_lib.route(jax.nn.sigmoid(jnp.clip(logits, -bound, bound)), bias, k,
+                             route_scale)
   ids = jnp.where(valid[:, None], routing.expert_ids, E)
   return forward_lib.gathered_experts(z, ids, routing.gates, params, beta1=betas[0],
                                       beta2=betas[1])
@@ -172,46 +175,54 @@ def _routed_reference(z, scores, bias, valid, params, k, route_scale, betas, E):
 
 @pytest.mark.parametrize("activation", ["situ", "situ_bf16_dot"])
 def test_moe_experts_routed_equals_route_then_gathered_experts(activation):
-  """The kernel that routes (top k of s + b, gates s / sum s x route_scale, an invalid token's
-  gates 0) and runs the experts, against router.route + gathered_experts on random scores,
+  """The kernel that routes (s = sigmoid(logits), top k of s + b, gates s / sum s x
+  route_scale, an invalid token's gates 0) and runs the experts, reading the latent from
+  columns of a wider fp32 array, against router.route + gathered_experts on random logits,
   biases and weights; plus rows with exact ties in s + b at the k-th place and among the top,
   where jax.lax.top_k takes the lowest index (a wrong tie rule picks another expert's
   weights). fp32 at 1e-5; bf16 at the bf16 contract (relative RMSE <= 5e-3)."""
   print(f"seed {SEED} {activation}")
-  E, L, F, N, k = 16, 32, 64, 5, 3
-  keys = jax.random.split(jax.random.key(SEED + 9), 7)
+  E, L, F, N, k, D = 16, 32, 64, 5, 3, 24
+  keys = jax.random.split(jax.random.key(SEED + 9), 8)
   params = {"w_gate": jax.random.normal(keys[0], (E, L, F)) / 4,
             "w_up": jax.random.normal(keys[1], (E, L, F)) / 4,
             "w_down": jax.random.normal(keys[2], (E, F, L)) / 8}
-  z = jax.random.normal(keys[3], (N + 2, L))  # two padding rows past N, not read
-  scores = jax.nn.sigmoid(2 * jax.random.normal(keys[4], (N, E)))
+  # the latent in columns [16, 48) of a [N + 2, 80] fp32 array (two padding rows, not read)
+  wide = jax.random.normal(keys[3], (N + 2, 80))
+  z, z_col = wide[:, 16:16 + L], 16
+  x, w_router = jax.random.normal(keys[4], (N, D)), jax.random.normal(keys[6], (D, E)) / 3
+  logits = router_lib.router_logits(x, w_router)
   bias = 0.1 * jax.random.normal(keys[5], (E,))
+  bias = bias.at[jnp.array([2, 5, 9, 7, 12])].set(0.05)
   # row 3: experts 2, 5, 9 tie for places 2-4 (k = 3: 2 and 5 win); row 4: 7 and 12 tie first
-  tie = jnp.full((E,), 0.1).at[0].set(0.9).at[2].set(0.5).at[5].set(0.5).at[9].set(0.5)
-  scores = scores.at[3].set(tie - bias).at[4].set(
-      jnp.full((E,), 0.2).at[7].set(0.8).at[12].set(0.8).at[1].set(0.6) - bias)
+  logits = logits.at[3].set(jnp.full((E,), -2.0).at[0].set(3.0).at[jnp.array([2, 5, 9])]
+                            .set(0.5)).at[4].set(
+      jnp.full((E,), -1.0).at[jnp.array([7, 12])].set(2.0).at[1].set(1.0))
   valid = jnp.array([True, False, True, True, True])
   betas = (4.0, 25.0)
-  want = _routed_reference(z[:N], scores, bias, valid, params, k, 2.5, betas, E)
+  np.testing.assert_array_equal(  # the reference's scores are the model router's
+      np.asarray(router_lib.router_scores(x, w_router)[:3]),
+      np.asarray(jax.nn.sigmoid(jnp.clip(logits[:3], -40, 40))))
+  want = _routed_reference(z[:N], logits, bias, valid, params, k, 2.5, betas, E)
   assert float(jnp.std(want)) > 1e-2 and not np.any(np.asarray(want[1]))
-  if activation == "situ_bf16_dot":
+  kw = dict(k=k, route_scale=2.5, logit_bound=router_lib.ROUTER_LOGIT_BOUND, beta1=4.0,
+            beta2=25.0, z_col=z_col, block_f=16, interpret=INTERPRET)
+  if activation == "situ_bf16_dot":  # fp32 columns rounded to bf16 in the kernel
     bf = lambda a: a.astype(jnp.bfloat16)
-    want = _routed_reference(bf(z[:N]), scores, bias, valid, jax.tree.map(bf, params), k, 2.5,
+    want = _routed_reference(bf(z[:N]), logits, bias, valid, jax.tree.map(bf, params), k, 2.5,
                              betas, E)
-    got = moe_experts_routed(bf(z), scores, bias, valid, jax.tree.map(bf, params), k=k,
-                             route_scale=2.5, beta1=4.0, beta2=25.0, block_f=16, use_dot=True,
-                             interpret=INTERPRET)
+    got = moe_experts_routed(wide, logits, bias, valid, jax.tree.map(bf, params),
+                             dtype=jnp.bfloat16, use_dot=True, **kw)
     assert _rel_rmse(got, want) <= 5e-3
     return
-  got = moe_experts_routed(z, scores, bias, valid, params, k=k, route_scale=2.5, beta1=4.0,
-                           beta2=25.0, block_f=16, interpret=INTERPRET)
+  got = moe_experts_routed(wide, logits, bias, valid, params, **kw)
   np.testing.assert_allclose(np.asarray(got), np.asarray(want), **TOL)
   # the tie rule matters: with expert 9 in place of 5 in row 3, row 3 would differ
-  swapped = router_lib.route(scores[3:4], bias, k, 2.5)
-  assert sorted(np.asarray(swapped.expert_ids[0]).tolist()) == [0, 2, 5]
-  ids9 = jnp.array([[0, 2, 9]])
-  other = forward_lib.gathered_experts(z[3:4], ids9, swapped.gates, params, beta1=4.0,
-                                       beta2=25.0)
+  s3 = jax.nn.sigmoid(logits[3:4])
+  ref3 = router_lib.route(s3, bias, k, 2.5)
+  assert sorted(np.asarray(ref3.expert_ids[0]).tolist()) == [0, 2, 5]
+  other = forward_lib.gathered_experts(z[3:4], jnp.array([[0, 2, 9]]), ref3.gates, params,
+                                       beta1=4.0, beta2=25.0)
   assert float(jnp.max(jnp.abs(other - got[3:4]))) > 1e-2
 
 
@@ -220,12 +231,13 @@ def test_moe_experts_routed_refuses_bad_shapes():
   params = {"w_gate": jnp.ones((E, L, F)), "w_up": jnp.ones((E, L, F)),
             "w_down": jnp.ones((E, F, L))}
   z, s, b, v = jnp.ones((2, L)), jnp.ones((2, E)), jnp.ones((E,)), jnp.ones((2,), bool)
+  kw = dict(route_scale=1.0, logit_bound=40.0, beta1=None, beta2=None, interpret=True)
   with pytest.raises(ValueError, match="k=17 experts per token must be in"):
-    moe_experts_routed(z, s, b, v, params, k=17, route_scale=1.0, beta1=None, beta2=None,
-                       interpret=True)
-  with pytest.raises(ValueError, match=r"scores \(2, 8\).*must be \[N, E\]"):
-    moe_experts_routed(z, s[:, :8], b, v, params, k=2, route_scale=1.0, beta1=None,
-                       beta2=None, interpret=True)
+    moe_experts_routed(z, s, b, v, params, k=17, **kw)
+  with pytest.raises(ValueError, match=r"logits \(2, 8\).*must be \[N, E\]"):
+    moe_experts_routed(z, s[:, :8], b, v, params, k=2, **kw)
+  with pytest.raises(ValueError, match=r"latent in columns \[z_col=8, z_col \+ L=40\)"):
+    moe_experts_routed(z, s, b, v, params, k=2, z_col=8, **kw)
 
 
 def test_decode_backend_is_validated_and_auto_is_xla_on_cpu():
