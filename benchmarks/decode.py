@@ -27,6 +27,10 @@ for the small preset) is built with max_length = L and B slots, and:
 --fused-ablate: the decode step with each part of the fused Pallas path (sparse_lm/inference/
 fused.FUSE: AttnRes reads, KDA step, routed experts, routing in the experts kernel) switched
 from its default in turn, then all off.
+--moe-variants: the decode step of the first configuration with other settings of the routed-
+experts kernel (hidden columns per program, warps, pipeline stages, tensor-core dots), timed
+inside the step, where its weights come from HBM (benchmarks/decode_kernels.py times kernels
+alone, weights hot in L2).
 --profile DIR (first configuration only): a jax.profiler trace of one decode call, one
 single step, and one single step with the model's own MoE (the engine's decode path before
 `moe_decode`), each summarised as its top device ops by total time.
@@ -97,6 +101,35 @@ def _median_s(fn, repeats: int, label: str = "") -> float:
     print(f"  {label}: " + ", ".join(f"{t:.4f}" for t in times) + " s (first: warm-up); "
           f"{compiled} engine programs compiled", flush=True)
   return statistics.median(times[1:])
+
+
+# --moe-variants keys -> the sparse_lm.inference.fused constants they set
+MOE_KNOBS = {"block_f": "MOE_BLOCK_F", "num_warps": "MOE_WARPS", "num_stages": "MOE_STAGES",
+             "use_dot": "MOE_DOT"}
+
+
+def parse_moe_variants(text: str) -> list[dict]:
+  """'block_f=16;num_stages=2,num_warps=8' -> [{"block_f": 16}, {"num_stages": 2,
+  "num_warps": 8}]. Raises SystemExit naming the bad key or value."""
+  out = []
+  for part in text.split(";"):
+    change = {}
+    for kv in filter(None, part.split(",")):
+      k, _, v = kv.partition("=")
+      if k not in MOE_KNOBS or not v:
+        raise SystemExit(f"--moe-variants: {kv!r}: keys are {sorted(MOE_KNOBS)}, as key=value")
+      if k == "use_dot":
+        if v not in ("0", "1", "true", "false"):
+          raise SystemExit(f"--moe-variants: use_dot={v!r} must be 0/1 or true/false")
+        change[k] = v in ("1", "true")
+      else:
+        try:
+          change[k] = int(v)
+        except ValueError:
+          raise SystemExit(f"--moe-variants: {k}={v!r} must be an integer") from None
+    if change:
+      out.append(change)
+  return out
 
 
 def top_ops(trace_dir: str, n: int = 12) -> str:
@@ -232,8 +265,13 @@ def main(argv=None):
   p.add_argument("--fused-ablate", action="store_true",
                  help="decode step of the first configuration with each part of the fused "
                  "Pallas decode path (decode_backend=pallas) switched in turn")
+  p.add_argument("--moe-variants", metavar="K=V,...;K=V,...",
+                 help="decode step of the first configuration with each variant of the routed-"
+                 "experts kernel's settings (keys: block_f, num_warps, num_stages, use_dot; "
+                 "e.g. 'block_f=16;num_stages=2;num_warps=8,block_f=64'), after the default")
   p.add_argument("--out")
   args = p.parse_args(argv)
+  variants = parse_moe_variants(args.moe_variants) if args.moe_variants else []
   overrides = {}
   for kv in args.set:
     k, v = kv.split("=", 1)
@@ -264,6 +302,24 @@ def main(argv=None):
       print(f"fused-ablate B={batch} L={context} {label}: {r['decode_ms']:.3f} ms/step",
             flush=True)
     fused.FUSE.update(default)
+    jax.clear_caches()
+  if variants:
+    batch, context = configs[0]
+    default = {k: getattr(fused, name) for k, name in MOE_KNOBS.items()}
+    for change in [{}] + variants:
+      for k, v in {**default, **change}.items():
+        setattr(fused, MOE_KNOBS[k], v)
+      jax.clear_caches()
+      label = ", ".join(f"{k}={v}" for k, v in change.items()) or "default " + ", ".join(
+          f"{k}={v}" for k, v in default.items())
+      try:
+        r = decode_row(cfg, model, batch, context, args)
+        print(f"moe-variant B={batch} L={context} {label}: {r['decode_ms']:.3f} ms/step",
+              flush=True)
+      except Exception as e:  # pylint: disable=broad-except  (a variant Triton refuses)
+        print(f"moe-variant B={batch} L={context} {label}: failed: {str(e)[:300]}", flush=True)
+    for k, v in default.items():
+      setattr(fused, MOE_KNOBS[k], v)
     jax.clear_caches()
   # Decode for every configuration first (the acceptance numbers), then prefill.
   for part, fn in (("decode", decode_row), ("prefill", prefill_row)):

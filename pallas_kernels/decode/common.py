@@ -16,9 +16,10 @@ def on_gpu() -> bool:
   return jax.default_backend() == "gpu"
 
 
-def compiler_params(interpret: bool, num_warps: int = 4):
-  """Triton compiler parameters, None in interpret mode."""
+def compiler_params(interpret: bool, num_warps: int = 4, num_stages: int = 1):
+  """Triton compiler parameters (warps per program, software-pipelining stages of its loops),
+  None in interpret mode."""
   if interpret:
     return None
   from jax.experimental.pallas import triton as pltriton  # pylint: disable=g-import-not-at-top
-  return pltriton.CompilerParams(num_warps=num_warps, num_stages=1)
+  return pltriton.CompilerParams(num_warps=num_warps, num_stages=num_stages)

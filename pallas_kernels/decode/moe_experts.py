@@ -107,8 +107,8 @@ def _expert_block(z_ref, n, e, j, wg_ref, wu_ref, wd_ref, out_ref, *, a, BF, BL,
 
 def moe_experts(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
                 params: dict[str, jax.Array], *, beta1: float | None, beta2: float | None,
-                block_f: int = 32, num_warps: int = 4, use_dot: bool = False,
-                interpret: bool = False) -> jax.Array:
+                block_f: int = 32, num_warps: int = 4, num_stages: int = 1,
+                use_dot: bool = False, interpret: bool = False) -> jax.Array:
   """u = sum_j gates_j E_{id_j}(z) over each token's chosen experts (module docstring).
 
   Same contract as `sparse_lm.inference.forward.gathered_experts` (its reference): matmul
@@ -121,7 +121,8 @@ def moe_experts(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
     params: {"w_gate", "w_up": [E, L, F], "w_down": [E, F, L]} in the compute dtype.
     beta1, beta2: SiTU-GLU clip levels (both None: SwiGLU).
     block_f: hidden columns per program (a power of two dividing F).
-    num_warps: Triton warps per program. use_dot: the gate / up products of bf16 weights as
+    num_warps: Triton warps per program. num_stages: Triton pipelining stages of the
+      program's loops over L (1: none). use_dot: the gate / up products of bf16 weights as
       tensor-core dots (z in row 0 of a 16-row tile) instead of multiply-and-reduce (fp32
       weights always multiply and reduce in fp32).
     interpret: Pallas interpret mode (CPU tests).
@@ -149,7 +150,7 @@ def moe_experts(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
   partial = pl.pallas_call(
       kernel, grid=(N * k, F // BF),
       out_shape=jax.ShapeDtypeStruct((N * k, F // BF, L), jnp.float32),
-      compiler_params=compiler_params(interpret, num_warps=num_warps),
+      compiler_params=compiler_params(interpret, num_warps=num_warps, num_stages=num_stages),
       interpret=interpret, name="moe_decode_experts")(
           z, ids, params["w_gate"], params["w_up"], params["w_down"])
   out = jnp.sum(partial, axis=1).astype(dtype).astype(jnp.float32)  # [A, L]
@@ -161,7 +162,8 @@ def moe_experts_routed(z: jax.Array, logits: jax.Array, bias: jax.Array, valid: 
                        params: dict[str, jax.Array], *, k: int, route_scale: float,
                        logit_bound: float, beta1: float | None, beta2: float | None,
                        z_col: int = 0, dtype=None, block_f: int = 32, num_warps: int = 4,
-                       use_dot: bool = False, interpret: bool = False) -> jax.Array:
+                       num_stages: int = 1, use_dot: bool = False,
+                       interpret: bool = False) -> jax.Array:
   """Routing and the routed experts in one kernel (module docstring): u = sum over token n's
   top k experts e of gate_e E_e(z_n), with s = sigmoid(clip(logits, +-logit_bound)) (the
   router scores, ARCHITECTURE §5), the top k of s + bias, gate_e = s_e / (sum of the k
@@ -184,7 +186,7 @@ def moe_experts_routed(z: jax.Array, logits: jax.Array, bias: jax.Array, valid: 
     k: experts per token, 1 <= k <= E. route_scale: multiplies the normalised gates.
     logit_bound: the router's logit clip (`sparse_lm.moe.router.ROUTER_LOGIT_BOUND`).
     z_col: see z. dtype: the compute dtype (default: z's).
-    beta1, beta2, block_f, num_warps, use_dot, interpret: as `moe_experts`.
+    beta1, beta2, block_f, num_warps, num_stages, use_dot, interpret: as `moe_experts`.
 
   Returns:
     u [N, L] fp32.
@@ -221,7 +223,7 @@ def moe_experts_routed(z: jax.Array, logits: jax.Array, bias: jax.Array, valid: 
       kernel, grid=(A, J),
       out_shape=(jax.ShapeDtypeStruct((A, J, L), jnp.float32),
                  jax.ShapeDtypeStruct((A, J, 16), jnp.float32)),
-      compiler_params=compiler_params(interpret, num_warps=num_warps),
+      compiler_params=compiler_params(interpret, num_warps=num_warps, num_stages=num_stages),
       interpret=interpret, name="moe_decode_routed_experts")(
           z, logits.astype(jnp.float32), bias.astype(jnp.float32), valid.astype(jnp.int32),
           params["w_gate"], params["w_up"], params["w_down"])

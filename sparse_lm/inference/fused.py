@@ -36,7 +36,9 @@ from sparse_lm import nn
 from sparse_lm.moe import router as router_lib
 
 F32 = jnp.float32
-MOE_BLOCK_F, MOE_DOT = 32, True  # moe_experts: hidden columns per program, tensor-core dots
+# moe_experts(_routed): hidden columns per program, tensor-core dots, Triton warps and pipeline
+# stages (benchmarks/decode.py --moe-variants times others inside the decode step).
+MOE_BLOCK_F, MOE_DOT, MOE_WARPS, MOE_STAGES = 32, True, 4, 1
 # Which parts of the layer take the kernels (benchmarks/decode.py --fused-ablate measures each).
 FUSE = {"attnres": True, "kda": True, "moe": True, "routing": True, "moe_output": True}
 
@@ -175,7 +177,8 @@ def moe_output_matrix(moe, dtype) -> jax.Array | None:
 def routed_experts(moe, z, ids, gates, *, interpret: bool) -> jax.Array:
   """moe_experts with the layer's weights: z [N, L] -> u [N, L] fp32."""
   return moe_experts(z, ids, gates, moe.expert_params(), beta1=moe.beta1, beta2=moe.beta2,
-                     block_f=MOE_BLOCK_F, use_dot=MOE_DOT, interpret=interpret)
+                     block_f=MOE_BLOCK_F, use_dot=MOE_DOT, num_warps=MOE_WARPS,
+                     num_stages=MOE_STAGES, interpret=interpret)
 
 
 def routing_in_kernel(moe, interpret: bool) -> bool:
@@ -194,4 +197,5 @@ def routed_experts_routing(moe, z, logits, valid, *, z_col: int = 0, interpret: 
                             k=moe.experts_per_token, route_scale=moe.route_scale,
                             logit_bound=router_lib.ROUTER_LOGIT_BOUND, beta1=moe.beta1,
                             beta2=moe.beta2, z_col=z_col, dtype=moe.compute_dtype,
-                            block_f=MOE_BLOCK_F, use_dot=MOE_DOT, interpret=interpret)
+                            block_f=MOE_BLOCK_F, use_dot=MOE_DOT, num_warps=MOE_WARPS,
+                            num_stages=MOE_STAGES, interpret=interpret)
