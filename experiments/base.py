@@ -30,6 +30,7 @@ from sparse_lm.sharding import MeshLayout
 from sparse_lm.train import metrics as metrics_lib
 from sparse_lm.train.config import StageConfig
 from sparse_lm.train.optimizer import OptimizerConfig
+from sparse_lm.train.workdir import local_workdir
 
 __all__ = ["StageConfig", "OptimizerConfig", "DataConfig", "MeshLayout", "apply_overrides",
            "main", "valid_keys"]
@@ -224,7 +225,12 @@ def build_stage(stages: Mapping[str, StageConfig], argv: Sequence[str] | None = 
     parser.error(str(e))
   if args.progress_every < 1:
     parser.error(f"--progress-every={args.progress_every} must be >= 1")
-  return stage, args.workdir or f"runs/{args.preset}", args
+  workdir = args.workdir or f"runs/{args.preset}"
+  try:
+    local_workdir(workdir)
+  except ValueError as e:
+    parser.error(str(e))
+  return stage, workdir, args
 
 
 def enable_compilation_cache(directory: str) -> None:

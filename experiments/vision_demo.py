@@ -171,6 +171,8 @@ def main(argv=None) -> int:
   parser.add_argument("--steps", type=int, default=None)
   parser.add_argument("--workdir", default="runs/vision_demo")
   args = parser.parse_args(argv)
+  if args.steps is not None and args.steps < 1:
+    parser.error(f"--steps={args.steps} must be >= 1")
   demo = PRESETS[args.preset]
   if args.steps is not None:
     demo = dataclasses.replace(demo, steps=args.steps)

@@ -256,6 +256,8 @@ def main(argv=None) -> int:
   except ValueError as e:
     p.error(str(e))
   topology = args.topology or stage.topology
+  if args.num_slices is not None and args.num_slices < 1:
+    p.error(f"--num-slices={args.num_slices} must be >= 1")
   num_slices = args.num_slices or stage.num_slices
   if topology is None:
     p.error(f"{args.stage} ({args.preset}) names no topology; pass --topology")

@@ -4,7 +4,7 @@
         --project my-proj --spot
     python -m launch.tpu setup  --name lm --num-slices 2 --zone ... --project ...
     python -m launch.tpu run    --name lm --num-slices 2 --zone ... --project ... \
-        --run-name s8k -- python -m experiments.stage_8k --preset full --workdir gs://b/runs
+        --run-name s8k -- python -m experiments.stage_8k --preset full --workdir /gcs/b/runs
     python -m launch.tpu tail   --name lm --num-slices 2 --zone ... --project ... --run-name s8k
     python -m launch.tpu delete --name lm --zone ... --project ...
 
@@ -192,6 +192,10 @@ def main(argv=None) -> int:
   argv = list(sys.argv[1:] if argv is None else argv)
   command = argv[argv.index("--") + 1:] if "--" in argv else []
   a = p.parse_args(argv[:argv.index("--")] if "--" in argv else argv)
+  if a.num_slices < 1:
+    p.error(f"--num-slices={a.num_slices} must be >= 1")
+  if a.tpu and (a.tpu_type or a.topology):
+    p.error("give --tpu (e.g. v5p-256) or --type with --topology (e.g. tpu7x, 2x2x2), not both")
   pod = Pod(name=a.name, zone=a.zone, project=a.project, tpu=a.tpu, tpu_type=a.tpu_type,
             topology=a.topology, num_slices=a.num_slices, runtime_version=a.runtime_version,
             provisioning=a.prov or "on-demand")

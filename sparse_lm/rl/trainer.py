@@ -31,10 +31,11 @@ from flax import nnx
 from sparse_lm.config import get_preset
 from sparse_lm.rl import envs as envs_lib
 from sparse_lm.rl import grpo, rollout
-from sparse_lm.train.checkpoint import (Checkpointer, ConfigMismatchError, differences, listing,
-                                       to_json)
-from sparse_lm.train.metrics import MetricsWriter
+from sparse_lm.train.checkpoint import (Checkpointer, ConfigMismatchError, check_model,
+                                       differences, listing, to_json)
+from sparse_lm.train.metrics import MetricsWriter, drop_lines_after
 from sparse_lm.train.optimizer import OptimizerConfig, make_optimizer, wsd_schedule
+from sparse_lm.train.workdir import local_workdir
 from sparse_lm.train.state import TrainState, split_model
 
 EVAL_SEED_OFFSET = 1_000_003  # the held-out task stream
@@ -97,6 +98,11 @@ class RLConfig:
     if self.grpo.group_size < 2:
       raise ValueError(f"RLConfig: grpo.group_size={self.grpo.group_size} must be >= 2 (the "
                        "advantage is relative to the group)")
+    for name in ("sft_optim", "grpo_optim"):  # before SFT runs, not when GRPO starts
+      try:
+        getattr(self, name).validate()
+      except (ValueError, TypeError) as e:
+        raise ValueError(f"RLConfig: {str(e).replace('optim.', name + '.', 1)}") from None
     self.env_instance()
     get_preset(self.preset, **dict(self.model_overrides))
 
@@ -218,10 +224,26 @@ def pretraining_stages(init_from: str) -> list[pathlib.Path]:
 
 
 def _init_from_pretraining(model, cfg: RLConfig):
-  """Weights and balancer biases of the newest checkpoint in cfg.init_from (any stage)."""
+  """Weights and balancer biases of the newest checkpoint in cfg.init_from (any stage).
+
+  Raises:
+    ConfigMismatchError: the checkpoint holds another model than cfg.preset with
+      cfg.model_overrides builds (the message lists the fields and the --set that matches).
+  """
   stages = pretraining_stages(cfg.init_from)
   _, _, state = _fresh_state(model, OptimizerConfig(), 1, cfg.seed)
-  restored = _restore(Checkpointer(stages[-1], async_save=False), state)
+
+  def same_model(meta):
+    try:
+      check_model(meta, model.cfg, f"init_from {stages[-1].parent}")
+    except ConfigMismatchError as e:
+      raise ConfigMismatchError(
+          f"{str(e).split('. A checkpoint cannot')[0]}. The RL model must be the pretrained "
+          "one: build it with the checkpoint's settings (--preset, and --set "
+          "model_overrides='[[\"field\", value], ...]' for the fields listed), or leave "
+          "init_from unset to start from scratch.") from None
+
+  restored = _restore(Checkpointer(stages[-1], async_save=False), state, same_model)
   if restored is None:
     raise FileNotFoundError(f"no checkpoint under {stages[-1]}")
   graphdef, _, _ = split_model(model)
@@ -277,7 +299,7 @@ class _Phase:
     restored = _restore(self.ckpt, self.state, lambda m: check_resume(m, cfg, name))
     if restored is not None:
       self.state = restored[0]
-    self.writer = MetricsWriter(workdir / name / "tb")
+    self.writer = MetricsWriter(workdir / name / "tb", after_step=int(self.state.step))
     self.bar = _Bar(steps, int(self.state.step), name, progress)
 
   def end_step(self, step: int, state: TrainState, info: str | None = None) -> None:
@@ -375,6 +397,8 @@ def run_grpo(cfg: RLConfig, workdir: pathlib.Path, model, tok, engine, log=print
   ref = (jax.tree.map(jnp.copy, (state.params, state.model_vars)) if cfg.grpo.kl_coef > 0
          else None)
   history = []
+  # a resumed phase repeats the steps after its checkpoint: their old evals are dropped
+  drop_lines_after(workdir / "grpo" / "eval_curve.jsonl", int(state.step))
   for step in range(int(state.step), cfg.grpo_steps):
     rng = _rng(cfg, "grpo", step)
     tasks = [t for t in (env.sample(rng) for _ in range(P)) for _ in range(G)]
@@ -418,7 +442,9 @@ def run(cfg: RLConfig, workdir: str, log=print, progress: bool = False) -> dict:
   t0 = time.perf_counter()
   from sparse_lm.inference import Engine  # pylint: disable=import-outside-toplevel
   from sparse_lm.model.transformer import Transformer  # pylint: disable=import-outside-toplevel
-  wd = pathlib.Path(workdir)
+  wd = local_workdir(workdir)
+  if cfg.init_from:
+    local_workdir(cfg.init_from, "init_from")
   model_cfg = get_preset(cfg.preset, **dict(cfg.model_overrides))
   model = Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed))
   if cfg.init_from:

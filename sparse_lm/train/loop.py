@@ -42,7 +42,7 @@ from sparse_lm.train.config import StageConfig
 from sparse_lm.train.precompile import Precompiler
 from sparse_lm.train.sample import generate
 from sparse_lm.train.state import TrainState
-from sparse_lm.train.workdir import WorkdirLock
+from sparse_lm.train.workdir import WorkdirLock, local_workdir
 
 
 class NonFiniteLossError(FloatingPointError):
@@ -224,7 +224,8 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
   compiles would take from the steps).
 
   Raises:
-    ValueError: an invalid stage config or a layout that does not divide the model.
+    ValueError: an invalid stage config, a layout that does not divide the model, or a URL
+      workdir (`workdir.local_workdir`).
     FileNotFoundError: `init_from` names a stage with no checkpoint in the workdir.
     TokenizerMismatchError: the checkpoint was written with another tokenizer.
     ConfigMismatchError: the checkpoint holds another model, or the stage config changed in a
@@ -233,7 +234,7 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
     NonFiniteLossError: the loss became NaN/Inf (the last good checkpoint is kept).
   """
   stage.validate()
-  workdir = pathlib.Path(workdir).absolute()
+  workdir = local_workdir(workdir)
   stage_dir = workdir / stage.name
   model_cfg = stage.model_config()
   say = print if jax.process_index() == 0 else (lambda *a, **k: None)
@@ -257,7 +258,8 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
       ckpt = Checkpointer(stage_dir / "checkpoints", keep=stage.keep_checkpoints)
       state, data_state = _starting_state(stage, workdir, parts, ckpt, tokenizer,
                                           allow_config_change, say)
-      loop = _StageLoop(stage, mesh, parts, ckpt, tokenizer, data_state, progress=progress,
+      loop = _StageLoop(stage, mesh, parts, ckpt, tokenizer, data_state,
+                        int(jax.device_get(state.step)), progress=progress,
                         progress_every=progress_every, alerts=alerts, on_step=on_step,
                         precompile=(jax.default_backend() == "gpu" if precompile is None
                                     else precompile))
@@ -308,8 +310,8 @@ def _starting_state(stage, workdir, parts, ckpt, tokenizer, allow_config_change,
 class _StageLoop:
   """The step loop of one run: data, checkpoints, evaluation and feedback."""
 
-  def __init__(self, stage, mesh, parts, ckpt, tokenizer, data_state, *, progress,
-               progress_every, alerts, on_step, precompile=False):
+  def __init__(self, stage, mesh, parts, ckpt, tokenizer, data_state, start_step: int, *,
+               progress, progress_every, alerts, on_step, precompile=False):
     self.stage, self.mesh, self.parts, self.ckpt, self.tokenizer = (stage, mesh, parts, ckpt,
                                                                     tokenizer)
     self.alerts, self.on_step = alerts, on_step
@@ -329,7 +331,8 @@ class _StageLoop:
       self.train_iter.set_state(mine)
     self.eval_rows = stage.eval_batch_size or stage.global_batch
     self.eval_batches = self._eval_batches(stage.seq_len)
-    self.writer = metrics_lib.MetricsWriter(stage_dir / "tb")
+    # a resumed run logs from start_step on: lines a killed run wrote past it are dropped
+    self.writer = metrics_lib.MetricsWriter(stage_dir / "tb", after_step=start_step)
     model_cfg = stage.model_config()
     self.flops = _flops_per_token(model_cfg, stage.seq_len, parts.abstract_state.params)
     self.can_drop = (model_cfg.ragged_buffer_factor is not None

@@ -17,6 +17,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+import os
 import pathlib
 import sys
 import time
@@ -87,19 +88,52 @@ def _scalars(metrics: Mapping[str, Any]) -> dict[str, float]:
   return out
 
 
+def drop_lines_after(path: pathlib.Path, step: int) -> int:
+  """Rewrite the JSONL file `path` (atomically: a temporary file, then os.replace) without the
+  lines whose "step" is > step; lines without a step are kept. Returns how many were dropped
+  (0, and nothing written, when the file is missing or has none)."""
+  if not path.exists():
+    return 0
+  keep, dropped = [], 0
+  for line in path.read_text(encoding="utf-8").splitlines(keepends=True):
+    try:
+      later = int(json.loads(line).get("step", -1)) > step
+    except (ValueError, AttributeError, TypeError):
+      later = False
+    if later:
+      dropped += 1
+    else:
+      keep.append(line)
+  if dropped:
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(keep), encoding="utf-8")
+    os.replace(tmp, path)
+  return dropped
+
+
 class MetricsWriter:
   """TensorBoard (tensorboardX) events plus a `metrics.jsonl` line per logged step
   (`<stage_dir>/tb/metrics.jsonl`: one JSON object per line, "step" and every scalar, e.g.
-  "train/loss", "train/moe/max_mean_load", "eval/loss")."""
+  "train/loss", "train/moe/max_mean_load", "eval/loss").
 
-  def __init__(self, logdir: str | pathlib.Path, enabled: bool = True):
+  after_step: a run resumed from the checkpoint of that step. The lines a killed run wrote
+  past it are dropped from metrics.jsonl (rewritten atomically), and TensorBoard is told to
+  purge its events past it, so the steps the resumed run repeats are not logged twice.
+  """
+
+  def __init__(self, logdir: str | pathlib.Path, enabled: bool = True,
+               after_step: int | None = None):
     self.logdir = pathlib.Path(logdir)
     self.enabled = enabled and jax.process_index() == 0
     self._tb = None
     self._jsonl = None
     if self.enabled:
       self.logdir.mkdir(parents=True, exist_ok=True)
-      self._tb = SummaryWriter(str(self.logdir))
+      purge = None
+      if after_step is not None:
+        drop_lines_after(self.logdir / "metrics.jsonl", after_step)
+        purge = after_step + 1
+      self._tb = SummaryWriter(str(self.logdir), purge_step=purge)
       self._jsonl = open(self.logdir / "metrics.jsonl", "a", encoding="utf-8")
 
   def write(self, step: int, metrics: Mapping[str, Any], prefix: str = "") -> None:

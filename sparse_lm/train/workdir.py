@@ -12,11 +12,33 @@ from __future__ import annotations
 import fcntl
 import os
 import pathlib
+import re
 import socket
 import sys
 import time
 
 LOCK_FILENAME = "run.lock"
+_URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
+
+
+def local_workdir(path: str | os.PathLike, flag: str = "--workdir") -> pathlib.Path:
+  """`path` as an absolute local path. sparse_lm writes a workdir (checkpoints, the run lock,
+  metrics, the tokenizer) through the local filesystem, so a URL such as gs://bucket/runs is
+  refused here, before anything is built, instead of becoming a local folder named "gs:" that
+  fails at the first checkpoint.
+
+  Raises:
+    ValueError: path is a URL (scheme://...); the message names `flag` and the fix: a bucket
+      mounted at the same path on every host (Cloud Storage FUSE) or a shared filesystem.
+  """
+  text = os.fspath(path)
+  if _URL.match(text):
+    raise ValueError(
+        f"{flag}={text!r} is a URL; workdirs are local paths. Mount the bucket at the same path "
+        "on every host (Cloud Storage FUSE, e.g. `gcsfuse --implicit-dirs BUCKET /gcs/BUCKET`) "
+        f"and pass {flag}=/gcs/BUCKET/..., or use another filesystem every host shares "
+        "(docs/launch.md)")
+  return pathlib.Path(text).absolute()
 
 
 class WorkdirLockedError(RuntimeError):

@@ -35,6 +35,17 @@ def test_unknown_set_key_suggests_the_nearest_keys(capsys):
     assert "--list-keys" in err
 
 
+def test_url_workdir_is_refused_before_anything_is_built(capsys):
+  """--workdir gs://... became a local folder "gs:" and failed at the first checkpoint save,
+  after the compile and the first steps; now the parser stops at once with the fix."""
+  with pytest.raises(SystemExit) as e:
+    base.main(stage_8k.STAGES, ["--workdir", "gs://bucket/runs", "--steps", "2"])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert "--workdir='gs://bucket/runs' is a URL" in err and "gcsfuse" in err, err
+  assert not pathlib.Path("gs:").exists()
+
+
 def test_help_shows_the_stage_defaults_and_list_keys_prints_every_key(capsys):
   with pytest.raises(SystemExit) as e:
     base.main(stage_8k.STAGES, ["--help"])
@@ -225,3 +236,12 @@ def test_model_name_can_be_set_like_any_other_field():
   stage = base.apply_overrides(stage_8k.STAGES["tiny"], ["model.name=mine"])
   assert stage.model_config().name == "mine"
   stage.validate()
+
+
+def test_vision_demo_refuses_a_step_count_below_one(capsys):
+  """--steps -5 was accepted and evaluated an untrained model."""
+  from experiments import vision_demo
+  with pytest.raises(SystemExit) as e:
+    vision_demo.main(["--steps", "-5"])
+  assert e.value.code == 2
+  assert "--steps=-5 must be >= 1" in capsys.readouterr().err

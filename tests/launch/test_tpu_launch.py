@@ -111,3 +111,15 @@ def test_distributed_detection(env, kind):
     assert kw == {"coordinator_address": "10.0.0.1:1234", "num_processes": 4, "process_id": 2}
   if kind is None:  # single process: nothing is initialised
     assert distributed.maybe_initialize(env) is False
+
+
+@pytest.mark.parametrize("extra,want", [
+    (["--num-slices", "0"], "--num-slices=0 must be >= 1"),
+    (["--type", "tpu7x", "--topology", "2x2x2"], "give --tpu (e.g. v5p-256) or --type with "
+                                                 "--topology")])
+def test_bad_slice_count_or_two_accelerator_forms_are_refused(capsys, extra, want):
+  """--num-slices 0 printed --node-count=0; --type beside --tpu was silently dropped."""
+  with pytest.raises(SystemExit) as e:
+    tpu.main(["create", *POD, *extra, "--dry-run"])
+  assert e.value.code == 2
+  assert want in capsys.readouterr().err

@@ -34,6 +34,29 @@ def test_config_errors_name_the_field():
                              ("seq_len", "abc", "seq_len='abc' must be an integer > 0")):
     with pytest.raises(ValueError, match=want):
       dataclasses.replace(cfg, **{field: value}).validate()
+  # the optimisers are checked with the rest (a bad grpo_optim surfaced after SFT, as "optim.")
+  with pytest.raises(ValueError, match=r"grpo_optim.peak_lr=-1 must be > 0"):
+    dataclasses.replace(cfg, grpo_optim=dataclasses.replace(cfg.grpo_optim, peak_lr=-1)
+                        ).validate()
+  # --set values take the preset's types, named on error (was "'>' not supported ...")
+  for item, want in (("grpo.temperature=abc", "grpo.temperature='abc' must be a number"),
+                     ("sft_optim.peak_lr=abc", "sft_optim.peak_lr='abc' must be a number"),
+                     ("sft_steps=2.5", "sft_steps='2.5' must be an integer")):
+    with pytest.raises(ValueError, match=want):
+      apply_sets(cfg, [item])
+  assert apply_sets(cfg, ["grpo.temperature=1"]).grpo.temperature == 1.0
+  assert isinstance(apply_sets(cfg, ["grpo.temperature=1"]).grpo.temperature, float)
+
+
+def test_url_workdir_or_init_from_is_refused_by_the_cli(capsys):
+  from experiments import agentic_rl
+  for args, want in ((["--workdir=gs://b/rl"], "--workdir='gs://b/rl' is a URL"),
+                     (["--init_from=gs://b/runs", "--workdir=/tmp/x_rl"],
+                      "--init_from='gs://b/runs' is a URL")):
+    with pytest.raises(SystemExit) as e:
+      agentic_rl.main(["--preset=tiny", *args])
+    assert e.value.code == 2
+    assert want in capsys.readouterr().err
 
 
 def test_cli_env_replaces_the_presets_env_settings(capsys):
@@ -85,6 +108,29 @@ def test_init_from_without_checkpoints_is_refused_before_anything_runs(tmp_path,
   assert not (tmp_path / "rl").exists()
   (tmp_path / "stage_8k" / "checkpoints").mkdir(parents=True)
   assert trainer.pretraining_stages(str(tmp_path)) == [tmp_path / "stage_8k" / "checkpoints"]
+
+
+def test_init_from_another_model_names_the_fields_and_model_overrides(tmp_path):
+  """A pretraining checkpoint of another model (here 5 layers against the preset's) said "no
+  readable checkpoint ... move the checkpoints aside", advice that would discard the
+  pretraining run; it now names the differing field and the --set that matches."""
+  cfg = dataclasses.replace(PRESETS["tiny"], init_from=str(tmp_path))
+  other = Transformer(get_preset("tiny", num_layers=5), rngs=nnx.Rngs(0))
+  _, _, state = trainer._fresh_state(other, trainer.OptimizerConfig(), 1, 0)
+  ck = ckpt_lib.Checkpointer(tmp_path / "stage_8k" / "checkpoints", async_save=False)
+  ck.save(state, data_state=None, meta={"model": ckpt_lib.to_json(other.cfg)})
+  ck.close()
+  model = Transformer(get_preset("tiny"), rngs=nnx.Rngs(0))
+  with pytest.raises(ckpt_lib.ConfigMismatchError) as e:
+    trainer._init_from_pretraining(model, cfg)
+  msg = str(e.value)
+  assert "num_layers" in msg and "model_overrides" in msg and "aside" not in msg, msg
+  # and the matching model restores the checkpoint's weights
+  same = Transformer(get_preset("tiny", num_layers=5), rngs=nnx.Rngs(1))
+  got = trainer._init_from_pretraining(same, cfg)
+  want = nnx.state(other, nnx.Param)
+  for a, b in zip(jax.tree.leaves(nnx.state(got, nnx.Param)), jax.tree.leaves(want)):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
 def test_sft_resumes_exactly(tmp_path):

@@ -77,3 +77,26 @@ def test_importing_metrics_does_not_import_torch(tmp_path):
   assert out.stdout.strip().endswith("ok")
   # imported once: by the test's own `import torch`, after the metrics module loaded
   assert marker.exists()
+
+
+def test_a_resumed_writer_drops_what_a_killed_run_logged_past_its_checkpoint(tmp_path):
+  """A run killed after step 9 with its last checkpoint at step 8 resumes at 8 and logs 9
+  again: metrics.jsonl held step 9 twice. after_step=8 drops the old lines past 8 (a line
+  without a step is kept) and asks TensorBoard to purge its events from step 9 on."""
+  w = metrics.MetricsWriter(tmp_path)
+  for step in range(1, 10):
+    w.write(step, {"loss": float(step)})
+  w.close()
+  with open(tmp_path / "metrics.jsonl", "a", encoding="utf-8") as f:
+    f.write('{"note": "no step"}\n')
+  w = metrics.MetricsWriter(tmp_path, after_step=8)
+  for step in range(9, 13):
+    w.write(step, {"loss": 100.0 + step})
+  w.close()
+  import json
+  lines = [json.loads(x) for x in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+  assert [x.get("step") for x in lines] == [1, 2, 3, 4, 5, 6, 7, 8, None, 9, 10, 11, 12]
+  assert lines[9]["loss"] == 109.0
+  purges = [e for e in read_events(tmp_path) if e.HasField("session_log")]
+  assert len(purges) == 1 and purges[0].step == 9
+  assert metrics.drop_lines_after(tmp_path / "absent.jsonl", 3) == 0
