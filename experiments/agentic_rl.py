@@ -127,9 +127,10 @@ def main(argv=None) -> int:
     parser.error(str(e))
   import os  # pylint: disable=import-outside-toplevel
   from experiments.base import enable_compilation_cache  # pylint: disable=import-outside-toplevel
-  from sparse_lm.rl.trainer import run  # pylint: disable=import-outside-toplevel
+  from sparse_lm.rl.trainer import Preempted, run  # pylint: disable=import-outside-toplevel
   from sparse_lm.train.checkpoint import (  # pylint: disable=import-outside-toplevel
       ConfigMismatchError, UnreadableCheckpointError)
+  from sparse_lm.train.workdir import WorkdirLockedError  # pylint: disable=import-outside-toplevel
   workdir = args.workdir or f"runs/rl_{args.preset}"
   enable_compilation_cache(os.environ.get("SPARSE_LM_XLA_CACHE") or
                            os.path.join(workdir, "xla_cache"))
@@ -139,9 +140,12 @@ def main(argv=None) -> int:
   except ConfigMismatchError as e:  # resuming a workdir written under other settings
     print(f"{parser.prog}: error: {e}", file=sys.stderr)
     return 2
-  except UnreadableCheckpointError as e:  # every checkpoint of a stage is corrupt
+  except (UnreadableCheckpointError, WorkdirLockedError) as e:  # corrupt; another run
     print(f"{parser.prog}: error: {e}", file=sys.stderr)
     return 1
+  except Preempted as e:  # SIGTERM / Ctrl-C: the phase saved its step; rerunning resumes it
+    print(e, flush=True)
+    return 0
   print(json.dumps({"sft": out["sft"], "grpo": out["grpo"]}))
   return 0
 

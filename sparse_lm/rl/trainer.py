@@ -33,10 +33,11 @@ from sparse_lm.rl import envs as envs_lib
 from sparse_lm.rl import grpo, rollout
 from sparse_lm.train.checkpoint import (Checkpointer, ConfigMismatchError, check_model,
                                        differences, listing, to_json)
+from sparse_lm.train.loop import Preemption
 from sparse_lm.train.metrics import MetricsWriter, drop_lines_after
 from sparse_lm.train.optimizer import OptimizerConfig, make_optimizer, wsd_schedule
-from sparse_lm.train.workdir import local_workdir
 from sparse_lm.train.state import TrainState, split_model
+from sparse_lm.train.workdir import WorkdirLock, local_workdir
 
 EVAL_SEED_OFFSET = 1_000_003  # the held-out task stream
 # RLConfig fields a resumed phase may change: what is evaluated and how often it is saved.
@@ -286,12 +287,20 @@ class _Bar:
       self._bar.stop()
 
 
+class Preempted(RuntimeError):
+  """A SIGTERM / SIGINT stopped a phase after it saved its state (the message says where);
+  running the same command again resumes it."""
+
+
 class _Phase:
-  """One phase's checkpoints, TensorBoard writer and progress bar, and its (restored) state."""
+  """One phase's checkpoints, TensorBoard writer and progress bar, and its (restored) state.
+  preemption: a `sparse_lm.train.loop.Preemption` (or None): once it has a signal, the phase
+  saves after the current step and raises Preempted."""
 
   def __init__(self, cfg: RLConfig, workdir: pathlib.Path, name: str, model,
-               optim: OptimizerConfig, steps: int, progress: bool):
+               optim: OptimizerConfig, steps: int, progress: bool, preemption=None):
     self.name, self.steps, self.every = name, steps, cfg.checkpoint_every
+    self.preemption = preemption
     self.graphdef, self.tx, self.state = _fresh_state(model, optim, steps, cfg.seed)
     self.schedule = wsd_schedule(optim, steps)
     self.ckpt = Checkpointer(workdir / name / "checkpoints", async_save=False)
@@ -307,9 +316,14 @@ class _Phase:
     end (marked final)."""
     self.state = state
     self.bar.update(step + 1, info)
-    if (step + 1) % self.every == 0 or step + 1 == self.steps:
+    signal_name = self.preemption.requested if self.preemption is not None else None
+    if (step + 1) % self.every == 0 or step + 1 == self.steps or signal_name:
       self.ckpt.save(state, data_state={"step": step + 1}, meta=self.meta,
                      final=step + 1 == self.steps)
+    if signal_name and step + 1 < self.steps:
+      self.close()
+      raise Preempted(f"[{self.name}] {signal_name}: saved step {step + 1} to "
+                      f"{self.ckpt.directory}; run the same command again to resume.")
 
   def close(self):
     """The model with the phase's final weights."""
@@ -324,10 +338,12 @@ def _put(batch: dict) -> dict:
 
 
 def run_sft(cfg: RLConfig, workdir: pathlib.Path, model, tok, log=print,
-            progress: bool = False) -> Any:
-  """The SFT phase; returns the model with its final weights."""
+            progress: bool = False, preemption=None) -> Any:
+  """The SFT phase; returns the model with its final weights. Raises Preempted (after a
+  save) once `preemption` has a signal."""
   env = cfg.env_instance()
-  phase = _Phase(cfg, workdir, "sft", model, cfg.sft_optim, cfg.sft_steps, progress)
+  phase = _Phase(cfg, workdir, "sft", model, cfg.sft_optim, cfg.sft_steps, progress,
+                 preemption)
   step_fn = jax.jit(grpo.make_sft_step(phase.graphdef, phase.tx, phase.schedule),
                     donate_argnums=0)
   state, start, t0 = phase.state, int(phase.state.step), time.perf_counter()
@@ -384,11 +400,13 @@ def grpo_batch(eps, rewards, cfg: RLConfig, logp_fn, state: TrainState, ref=None
 
 
 def run_grpo(cfg: RLConfig, workdir: pathlib.Path, model, tok, engine, log=print,
-             progress: bool = False) -> tuple:
-  """The GRPO phase from `model` (the SFT result); returns (model, per-step metrics)."""
+             progress: bool = False, preemption=None) -> tuple:
+  """The GRPO phase from `model` (the SFT result); returns (model, per-step metrics). Raises
+  Preempted (after a save) once `preemption` has a signal."""
   env = cfg.env_instance()
   G, P = cfg.grpo.group_size, cfg.prompts_per_step
-  phase = _Phase(cfg, workdir, "grpo", model, cfg.grpo_optim, cfg.grpo_steps, progress)
+  phase = _Phase(cfg, workdir, "grpo", model, cfg.grpo_optim, cfg.grpo_steps, progress,
+                 preemption)
   graphdef, state = phase.graphdef, phase.state
   step_fn = jax.jit(grpo.make_grpo_step(graphdef, phase.tx, phase.schedule, cfg.grpo),
                     donate_argnums=0)
@@ -437,7 +455,12 @@ def run_grpo(cfg: RLConfig, workdir: pathlib.Path, model, tok, engine, log=print
 
 
 def run(cfg: RLConfig, workdir: str, log=print, progress: bool = False) -> dict:
-  """SFT, held-out eval, GRPO, held-out eval. Returns {"sft": eval, "grpo": eval, "history"}."""
+  """SFT, held-out eval, GRPO, held-out eval. Returns {"sft": eval, "grpo": eval, "history"}.
+
+  The workdir is locked for the run (`<workdir>/run.lock`: a second run stops at once with
+  WorkdirLockedError); SIGTERM / SIGINT save the current phase after its step and raise
+  Preempted (run again to resume).
+  """
   cfg.validate()
   t0 = time.perf_counter()
   from sparse_lm.inference import Engine  # pylint: disable=import-outside-toplevel
@@ -454,17 +477,18 @@ def run(cfg: RLConfig, workdir: str, log=print, progress: bool = False) -> dict:
     raise ValueError(f"tokenizer has {tok.vocab_size} ids > model vocab_size "
                      f"{model_cfg.vocab_size}")
   cfg = fit_lengths(cfg, tok, log)
-  model = run_sft(cfg, wd, model, tok, log=log, progress=progress)
-  engine = Engine(model, max_length=cfg.seq_len,
-                  max_batch=max(cfg.prompts_per_step * cfg.grpo.group_size, 1))
-  out = {}
-  for phase in ("sft", "grpo"):
-    if phase == "grpo":
-      model, out["history"] = run_grpo(cfg, wd, model, tok, engine, log=log,
-                                        progress=progress)
-    path = wd / phase / "eval.json"
-    out[phase] = evaluate(engine, tok, model, cfg)
-    out[phase]["wall_s"] = time.perf_counter() - t0  # since run() began: compiles, evals included
-    path.write_text(json.dumps(out[phase], indent=1))
-    log(f"held-out after {phase}: {out[phase]}")
+  with WorkdirLock(wd), Preemption() as preemption:
+    model = run_sft(cfg, wd, model, tok, log=log, progress=progress, preemption=preemption)
+    engine = Engine(model, max_length=cfg.seq_len,
+                    max_batch=max(cfg.prompts_per_step * cfg.grpo.group_size, 1))
+    out = {}
+    for phase in ("sft", "grpo"):
+      if phase == "grpo":
+        model, out["history"] = run_grpo(cfg, wd, model, tok, engine, log=log,
+                                          progress=progress, preemption=preemption)
+      path = wd / phase / "eval.json"
+      out[phase] = evaluate(engine, tok, model, cfg)
+      out[phase]["wall_s"] = time.perf_counter() - t0  # since run() began: compiles, evals
+      path.write_text(json.dumps(out[phase], indent=1))
+      log(f"held-out after {phase}: {out[phase]}")
   return out

@@ -64,9 +64,10 @@ class RunResult:
   stage_dir: pathlib.Path
 
 
-class _Preemption:
-  """SIGTERM / SIGINT (Ctrl-C) handler: ask the loop to save and stop after the current step.
-  A second SIGINT interrupts at once (KeyboardInterrupt)."""
+class Preemption:
+  """SIGTERM / SIGINT (Ctrl-C) handler: ask the loop to save and stop after the current step
+  (`requested` holds the signal's name). A second SIGINT interrupts at once
+  (KeyboardInterrupt). The stage loop and the RL phases (sparse_lm/rl/trainer.py) use it."""
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -371,7 +372,7 @@ class _StageLoop:
     self.pre.wait("train")
     clock = self.clock = _HostClock()
     step_gc = _StepGC(stage.gc_every)
-    with _Preemption() as preemption, contextlib.ExitStack() as stack:
+    with Preemption() as preemption, contextlib.ExitStack() as stack:
       for step in range(start, stage.steps):
         clock.lap("other")
         t0 = time.perf_counter()

@@ -3,6 +3,7 @@ phase does not resume under another config."""
 
 import dataclasses
 import shutil
+import types
 
 import jax
 import numpy as np
@@ -147,6 +148,19 @@ def test_sft_resumes_exactly(tmp_path):
   resumed = trainer.run_sft(cfg, tmp_path / "b", Transformer(model_cfg, rngs=nnx.Rngs(1)), tok)
   for x, y in zip(jax.tree.leaves(nnx.state(full, nnx.Param)),
                   jax.tree.leaves(nnx.state(resumed, nnx.Param))):
+    np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
+  # a SIGTERM during step 1 (between checkpoints): the phase saves step 1 and stops (it used
+  # to die unsaved, losing the steps since the last checkpoint); the rerun ends where `full` did
+  signal = types.SimpleNamespace(requested="SIGTERM")
+  with pytest.raises(trainer.Preempted, match=r"\[sft\] SIGTERM: saved step 1 to .*run the "
+                     "same command again to resume"):
+    trainer.run_sft(cfg, tmp_path / "c", Transformer(model_cfg, rngs=nnx.Rngs(0)), tok,
+                    preemption=signal)
+  assert sorted(p.name for p in (tmp_path / "c" / "sft" / "checkpoints").iterdir()
+                if p.name.isdigit()) == ["1"]
+  again = trainer.run_sft(cfg, tmp_path / "c", Transformer(model_cfg, rngs=nnx.Rngs(3)), tok)
+  for x, y in zip(jax.tree.leaves(nnx.state(full, nnx.Param)),
+                  jax.tree.leaves(nnx.state(again, nnx.Param))):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 

@@ -189,10 +189,10 @@ def test_preemption_handles_sigint_like_sigterm():
   import signal
   from sparse_lm.train import loop
   for sig in (signal.SIGINT, signal.SIGTERM):
-    with loop._Preemption() as p:
+    with loop.Preemption() as p:
       os.kill(os.getpid(), sig)
       assert p.requested == signal.Signals(sig).name
-  with loop._Preemption() as p:
+  with loop.Preemption() as p:
     os.kill(os.getpid(), signal.SIGINT)
     with pytest.raises(KeyboardInterrupt):  # a second Ctrl-C interrupts at once
       os.kill(os.getpid(), signal.SIGINT)
