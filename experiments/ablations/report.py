@@ -292,13 +292,20 @@ def _run(args, names, seeds, results, store, docs, argv) -> dict[str, Any]:
       rec = collect(BY_NAME[name], args.preset, args.workdir, seeds)
     else:
       rec = run_ablation(BY_NAME[name], args.preset, args.workdir, seeds)
+    previous, previous_meta = results.get(name), results.get("_meta", {}).get(name)
     results[name] = rec
     runs = [r for v in rec["variants"].values() for r in v["runs"]]
-    results.setdefault("_meta", {})[name] = {
-        "date": _now(), "commit": _commit(),
-        "seconds": sum(r["seconds"] for r in runs) if jobs > 1 else time.time() - t0,
-        "seconds_are": "summed over its runs" if jobs > 1 else "wall",
-        "machine": _machine()}
+    if previous_meta and json.loads(json.dumps(previous)) == json.loads(json.dumps(rec)):
+      # every run read back unchanged: the record keeps the date, commit and time of the
+      # invocation that trained them (a rerun credited them to its own commit and 0 s)
+      print(f"[ablations] {name}: its recorded runs were reused unchanged; its date "
+            f"({previous_meta.get('date')}) and commit are kept", flush=True)
+    else:
+      results.setdefault("_meta", {})[name] = {
+          "date": _now(), "commit": _commit(),
+          "seconds": sum(r["seconds"] for r in runs) if jobs > 1 else time.time() - t0,
+          "seconds_are": "summed over its runs" if jobs > 1 else "wall",
+          "machine": _machine()}
     store.parent.mkdir(parents=True, exist_ok=True)
     store.write_text(json.dumps(results, indent=1))
     write_report(results, docs)

@@ -146,7 +146,7 @@ def _rng(cfg: RLConfig, phase: str, step: int) -> np.random.Generator:
                                 step])
 
 
-def _tokenizer(cfg: RLConfig, workdir: pathlib.Path, vocab: int):
+def _tokenizer(cfg: RLConfig, workdir: pathlib.Path, vocab: int, log=print):
   """The init_from run's tokenizer, else one cached in workdir, else a BPE trained on this
   environment's transcripts (seconds)."""
   from sparse_lm.data.tokenizer import Tokenizer, train_bpe  # pylint: disable=import-outside-toplevel
@@ -156,6 +156,8 @@ def _tokenizer(cfg: RLConfig, workdir: pathlib.Path, vocab: int):
   if path.exists():
     return Tokenizer.load(str(path))
   env, rng = cfg.env_instance(), _rng(cfg, "tok", 0)
+  log(f"training a {vocab}-id BPE tokenizer on 2,000 solved {cfg.env} tasks (the code env "
+      f"runs each in its sandbox: minutes); cached in {path}")
   texts = []
   for _ in range(2000):
     task = env.sample(rng)
@@ -472,7 +474,7 @@ def run(cfg: RLConfig, workdir: str, log=print, progress: bool = False) -> dict:
   model = Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed))
   if cfg.init_from:
     model = _init_from_pretraining(model, cfg)
-  tok = _tokenizer(cfg, wd, model_cfg.vocab_size)
+  tok = _tokenizer(cfg, wd, model_cfg.vocab_size, log)
   if tok.vocab_size > model_cfg.vocab_size:
     raise ValueError(f"tokenizer has {tok.vocab_size} ids > model vocab_size "
                      f"{model_cfg.vocab_size}")

@@ -97,3 +97,24 @@ def test_bad_arguments_stop_with_the_flag_named(argv, needle, tmp_path, capsys):
   assert e.value.code == 2
   assert needle in capsys.readouterr().err
   assert not (tmp_path / "w").exists()
+
+
+def test_a_rerun_that_reuses_every_run_keeps_the_claims_date_and_commit(tmp_path,
+                                                                        monkeypatch):
+  """A rerun that trained nothing rewrote the claim's line with its own time, commit and
+  0 s; the record's meta now stays that of the invocation that trained the runs, and a
+  changed record gets new meta."""
+  from experiments.ablations import run as run_lib
+  rec = {"name": "length", "variants": {"a": {"value": 1, "runs": [{"seconds": 12.0}]}}}
+  old = {"date": "2026-12-01 10:00 UTC", "commit": "abc1234", "seconds": 12.0,
+         "seconds_are": "wall", "machine": "m"}
+  monkeypatch.setattr(run_lib, "run_ablation", lambda *a, **k: json.loads(json.dumps(rec)))
+  monkeypatch.setattr(report, "write_report", lambda results, docs: None)
+  args = type("A", (), {"jobs": 1, "workdir": str(tmp_path), "preset": "smoke"})()
+  store = tmp_path / "results.json"
+  results = {"length": json.loads(json.dumps(rec)), "_meta": {"length": dict(old)}}
+  out = report._run(args, ["length"], (0,), results, store, tmp_path, ["--only", "length"])
+  assert out["_meta"]["length"] == old
+  rec["variants"]["a"]["runs"][0]["seconds"] = 13.0  # a retrained run: new numbers, new meta
+  out = report._run(args, ["length"], (0,), out, store, tmp_path, ["--only", "length"])
+  assert out["_meta"]["length"]["date"] != old["date"]
