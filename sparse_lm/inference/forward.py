@@ -86,12 +86,13 @@ class DecoderStack(nnx.Module):
       kda_in = nnx.Dict({
           str(i): nnx.Variable(fused.kda_input_matrix(layer.mixer.arrays(), dt))
           for i, layer in enumerate(layer_list) if layer.mixer_kind == "kda"})
-      moe = {str(i): fused.moe_input_matrix(layer.ffn, dt)
-             for i, layer in enumerate(layer_list) if not layer.dense_ffn}
-      moe_in = nnx.Dict({i: nnx.Variable(w) for i, w in moe.items() if w is not None})
-      moe = {str(i): fused.moe_output_matrix(layer.ffn, dt)
-             for i, layer in enumerate(layer_list) if not layer.dense_ffn}
-      moe_out = nnx.Dict({i: nnx.Variable(w) for i, w in moe.items() if w is not None})
+      def per_moe_layer(build):  # {layer index: Variable} of the MoE layers that have one
+        built = {str(i): build(layer.ffn, dt) for i, layer in enumerate(layer_list)
+                 if not layer.dense_ffn}
+        return nnx.Dict({i: nnx.Variable(w) for i, w in built.items() if w is not None})
+
+      moe_in = per_moe_layer(fused.moe_input_matrix)
+      moe_out = per_moe_layer(fused.moe_output_matrix)
     self.kda_inputs, self.moe_inputs, self.moe_outputs = kda_in, moe_in, moe_out
     self.final_query = model.final_query
     self.final_norm = model.final_norm
@@ -387,24 +388,22 @@ def moe_decode(moe, x: jax.Array, valid: jax.Array, experts=None,
   else:
     u = dense_reference(z, ids, routing.gates, moe.expert_params(), beta1=moe.beta1,
                         beta2=moe.beta2)
-  if w_out is not None and shared_gu is not None and moe.latent:
-    L, F_s = moe.w_up.shape[0], moe.shared.w_down.shape[0]
-    if w_out.shape != (L + F_s, D):
+  # the latent's RMSNorm (rows padded for the GEMM) and the shared expert's SiTU-GLU from its
+  # pre-activations, then their products: one GEMM with w_out, else one each
+  un = (pad_rows(nn.rms_norm(u, moe.latent_norm[...], moe.norm_eps).astype(dt), rows)
+        if moe.latent else None)
+  h = (situ_activation(*shared_gu, moe.shared.beta1, moe.shared.beta2, out_dtype=dt)
+       if shared_gu is not None else None)
+  if w_out is not None and un is not None and h is not None:
+    if w_out.shape != (un.shape[1] + h.shape[1], D):
       raise ValueError(f"moe_decode: w_out {w_out.shape} is not this layer's moe_output_matrix "
-                       f"({L + F_s}, {D}); rebuild it from the layer's weights")
-    un = pad_rows(nn.rms_norm(u, moe.latent_norm[...], moe.norm_eps).astype(dt), rows)
-    h = situ_activation(*shared_gu, moe.shared.beta1, moe.shared.beta2, out_dtype=dt)
+                       f"({un.shape[1] + h.shape[1]}, {D}); rebuild it from the layer's weights")
     y = jnp.dot(jnp.concatenate([un, h], axis=1), w_out.astype(dt),
                 preferred_element_type=jnp.float32)[:n].astype(dt)
     return y.reshape(B, T, D).astype(x.dtype)
-  if moe.latent:
-    y = jnp.dot(pad_rows(nn.rms_norm(u, moe.latent_norm[...], moe.norm_eps).astype(dt), rows),
-                moe.w_up[...].astype(dt))[:n]
-  else:
-    y = u.astype(dt)
+  y = jnp.dot(un, moe.w_up[...].astype(dt))[:n] if un is not None else u.astype(dt)
   y = y.reshape(B, T, D)
-  if shared_gu is not None:  # moe.shared's SiTU-GLU from its pre-activations
-    h = situ_activation(*shared_gu, moe.shared.beta1, moe.shared.beta2, out_dtype=dt)
+  if h is not None:
     y = y + jnp.dot(h, moe.shared.w_down[...].astype(dt))[:n].reshape(B, T, D)
   elif moe.shared is not None:
     y = y + moe.shared(xp[:, None])[:n].reshape(B, T, D)

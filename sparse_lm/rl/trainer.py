@@ -470,27 +470,28 @@ def run(cfg: RLConfig, workdir: str, log=print, progress: bool = False) -> dict:
   wd = local_workdir(workdir)
   if cfg.init_from:
     local_workdir(cfg.init_from, "init_from")
-  model_cfg = get_preset(cfg.preset, **dict(cfg.model_overrides))
-  model = Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed))
-  if cfg.init_from:
-    model = _init_from_pretraining(model, cfg)
-  tok = _tokenizer(cfg, wd, model_cfg.vocab_size, log)
-  if tok.vocab_size > model_cfg.vocab_size:
-    raise ValueError(f"tokenizer has {tok.vocab_size} ids > model vocab_size "
-                     f"{model_cfg.vocab_size}")
-  cfg = fit_lengths(cfg, tok, log)
-  with WorkdirLock(wd), Preemption() as preemption:
-    model = run_sft(cfg, wd, model, tok, log=log, progress=progress, preemption=preemption)
-    engine = Engine(model, max_length=cfg.seq_len,
-                    max_batch=max(cfg.prompts_per_step * cfg.grpo.group_size, 1))
-    out = {}
-    for phase in ("sft", "grpo"):
-      if phase == "grpo":
-        model, out["history"] = run_grpo(cfg, wd, model, tok, engine, log=log,
-                                          progress=progress, preemption=preemption)
-      path = wd / phase / "eval.json"
-      out[phase] = evaluate(engine, tok, model, cfg)
-      out[phase]["wall_s"] = time.perf_counter() - t0  # since run() began: compiles, evals
-      path.write_text(json.dumps(out[phase], indent=1))
-      log(f"held-out after {phase}: {out[phase]}")
+  with WorkdirLock(wd):  # before the tokenizer: a second run stops before any work
+    model_cfg = get_preset(cfg.preset, **dict(cfg.model_overrides))
+    model = Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed))
+    if cfg.init_from:
+      model = _init_from_pretraining(model, cfg)
+    tok = _tokenizer(cfg, wd, model_cfg.vocab_size, log)
+    if tok.vocab_size > model_cfg.vocab_size:
+      raise ValueError(f"tokenizer has {tok.vocab_size} ids > model vocab_size "
+                       f"{model_cfg.vocab_size}")
+    cfg = fit_lengths(cfg, tok, log)
+    with Preemption() as preemption:
+      model = run_sft(cfg, wd, model, tok, log=log, progress=progress, preemption=preemption)
+      engine = Engine(model, max_length=cfg.seq_len,
+                      max_batch=max(cfg.prompts_per_step * cfg.grpo.group_size, 1))
+      out = {}
+      for phase in ("sft", "grpo"):
+        if phase == "grpo":
+          model, out["history"] = run_grpo(cfg, wd, model, tok, engine, log=log,
+                                            progress=progress, preemption=preemption)
+        path = wd / phase / "eval.json"
+        out[phase] = evaluate(engine, tok, model, cfg)
+        out[phase]["wall_s"] = time.perf_counter() - t0  # since run() began: compiles, evals
+        path.write_text(json.dumps(out[phase], indent=1))
+        log(f"held-out after {phase}: {out[phase]}")
   return out

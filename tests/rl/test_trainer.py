@@ -189,3 +189,15 @@ def test_resume_under_another_config_is_refused_naming_the_fields(tmp_path, monk
   monkeypatch.setattr(base, "enable_compilation_cache", lambda directory: None)
   assert agentic_rl.main(["--preset=tiny", f"--workdir={tmp_path}", "--no-progress"]) == 2
   assert "seed: 0 (saved) vs 3 (now)" in capsys.readouterr().err
+
+
+def test_a_second_run_in_the_same_workdir_stops_at_once(tmp_path, capsys):
+  """Two RL runs in one workdir appended to the same logs and checkpoints; the second now
+  stops before building anything, naming the first."""
+  from experiments import agentic_rl
+  from sparse_lm.train.workdir import WorkdirLock
+  with WorkdirLock(tmp_path):
+    assert agentic_rl.main(["--preset=tiny", f"--workdir={tmp_path}", "--no-progress"]) == 1
+  err = capsys.readouterr().err
+  assert "is in use by another run: pid" in err, err
+  assert not (tmp_path / "tokenizer.json").exists()
