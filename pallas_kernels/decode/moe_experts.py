@@ -105,6 +105,27 @@ def _expert_block(z_ref, n, e, j, wg_ref, wu_ref, wd_ref, out_ref, *, a, BF, BL,
     out_ref[a, j, ls] = jnp.sum(h * wd_ref[e, fs, ls].astype(f32), axis=0)
 
 
+def _blocks(name: str, L: int, F: int, block_f: int, interpret: bool) -> tuple[int, int]:
+  """(hidden columns per program, latent columns per load) for F hidden and L latent columns.
+  Raises ValueError naming `name` when block_f does not divide F, or (GPU) L or the block is
+  not a power of two >= 16."""
+  BF = min(block_f, F)
+  if F % BF:
+    raise ValueError(f"{name}: block_f={block_f} must divide expert_hidden F={F}")
+  if not interpret and not (is_pow2(L) and is_pow2(BF)):
+    raise ValueError(f"{name}: L={L} and block_f={BF} must be powers of two >= 16 on the GPU")
+  return BF, min(L, 128)
+
+
+def _combine(partial: jax.Array, w: jax.Array, k: int, dtype) -> jax.Array:
+  """u [N, L] fp32 from the programs' partials [N k, J, L]: summed over the hidden blocks,
+  rounded to the compute dtype (the pure-JAX path's matmul output), weighted by the gates
+  w [N k, 1] and summed over each token's k experts."""
+  A, _, L = partial.shape
+  out = jnp.sum(partial, axis=1).astype(dtype).astype(jnp.float32)  # [A, L]
+  return jnp.sum((w * out).reshape(A // k, k, L), axis=1)
+
+
 def moe_experts(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
                 params: dict[str, jax.Array], *, beta1: float | None, beta2: float | None,
                 block_f: int = 32, num_warps: int = 4, num_stages: int = 1,
@@ -135,13 +156,7 @@ def moe_experts(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
   """
   E, L, F = params["w_gate"].shape
   N, k = expert_ids.shape
-  BF = min(block_f, F)
-  if F % BF:
-    raise ValueError(f"moe_experts: block_f={block_f} must divide expert_hidden F={F}")
-  if not interpret and not (is_pow2(L) and is_pow2(BF)):
-    raise ValueError(f"moe_experts: L={L} and block_f={BF} must be powers of two >= 16 on "
-                     "the GPU")
-  BL = min(L, 128)
+  BF, BL = _blocks("moe_experts", L, F, block_f, interpret)
   dtype = z.dtype
   use_dot = use_dot and params["w_gate"].dtype != jnp.float32  # fp32: no TF32 dot
   ids = jnp.minimum(expert_ids, E - 1).reshape(N * k).astype(jnp.int32)
@@ -153,9 +168,8 @@ def moe_experts(z: jax.Array, expert_ids: jax.Array, gates: jax.Array,
       compiler_params=compiler_params(interpret, num_warps=num_warps, num_stages=num_stages),
       interpret=interpret, name="moe_decode_experts")(
           z, ids, params["w_gate"], params["w_up"], params["w_down"])
-  out = jnp.sum(partial, axis=1).astype(dtype).astype(jnp.float32)  # [A, L]
   w = jnp.where(expert_ids < E, gates.astype(jnp.float32), 0.0).reshape(N * k, 1)
-  return jnp.sum((w * out).reshape(N, k, L), axis=1)
+  return _combine(partial, w, k, dtype)
 
 
 def moe_experts_routed(z: jax.Array, logits: jax.Array, bias: jax.Array, valid: jax.Array,
@@ -206,13 +220,10 @@ def moe_experts_routed(z: jax.Array, logits: jax.Array, bias: jax.Array, valid: 
   if z.ndim != 2 or z.shape[0] < N or not 0 <= z_col <= z.shape[1] - L:
     raise ValueError(f"moe_experts_routed: z {z.shape} must be [N' >= {N}, C] with the latent "
                      f"in columns [z_col={z_col}, z_col + L={z_col + L})")
-  BF = min(block_f, F)
-  if F % BF:
-    raise ValueError(f"moe_experts_routed: block_f={block_f} must divide expert_hidden F={F}")
-  if not interpret and not (is_pow2(L) and is_pow2(BF) and is_pow2(E)):
-    raise ValueError(f"moe_experts_routed: L={L}, E={E} and block_f={BF} must be powers of "
-                     "two >= 16 on the GPU")
-  BL = min(L, 128)
+  if not interpret and not is_pow2(E):
+    raise ValueError(f"moe_experts_routed: E={E} experts must be a power of two >= 16 on the "
+                     "GPU")
+  BF, BL = _blocks("moe_experts_routed", L, F, block_f, interpret)
   dtype = jnp.dtype(z.dtype if dtype is None else dtype)
   use_dot = use_dot and params["w_gate"].dtype != jnp.float32
   kernel = functools.partial(_routed_kernel, k=k, route_scale=float(route_scale),
@@ -227,5 +238,4 @@ def moe_experts_routed(z: jax.Array, logits: jax.Array, bias: jax.Array, valid: 
       interpret=interpret, name="moe_decode_routed_experts")(
           z, logits.astype(jnp.float32), bias.astype(jnp.float32), valid.astype(jnp.int32),
           params["w_gate"], params["w_up"], params["w_down"])
-  out = jnp.sum(partial, axis=1).astype(dtype).astype(jnp.float32)  # [A, L]
-  return jnp.sum((gate[:, 0, :1] * out).reshape(N, k, L), axis=1)
+  return _combine(partial, gate[:, 0, :1], k, dtype)
