@@ -61,7 +61,8 @@ class DecoderStack(nnx.Module):
   KDA and MoE layer's input projections concatenated (`fused.kda_input_matrix`,
   `fused.moe_input_matrix`: copies in the compute dtype), which the fused decode step reads
   in one GEMM per layer, and each MoE layer's two output projections stacked
-  (`fused.moe_output_matrix`), read in one GEMM.
+  (`fused.moe_output_matrix`), read in one GEMM; likewise each MLA layer's input projections
+  (`fused.mla_input_matrix`).
   """
 
   def __init__(self, model, *, input_matrices: bool = False):
@@ -80,7 +81,7 @@ class DecoderStack(nnx.Module):
     # The fused decode step's one input GEMM per KDA layer and per MoE layer
     # (fused.kda_input_matrix, fused.moe_input_matrix), built once here: copies of those
     # weights in the compute dtype, keyed by layer index.
-    kda_in = moe_in = moe_out = None
+    kda_in = moe_in = moe_out = mla_in = None
     if input_matrices:
       dt = jnp.dtype(self.cfg.dtype)
       kda_in = nnx.Dict({
@@ -93,7 +94,11 @@ class DecoderStack(nnx.Module):
 
       moe_in = per_moe_layer(fused.moe_input_matrix)
       moe_out = per_moe_layer(fused.moe_output_matrix)
+      mla_in = nnx.Dict({
+          str(i): nnx.Variable(fused.mla_input_matrix(layer.mixer, dt))
+          for i, layer in enumerate(layer_list) if layer.mixer_kind != "kda"})
     self.kda_inputs, self.moe_inputs, self.moe_outputs = kda_in, moe_in, moe_out
+    self.mla_inputs = mla_in
     self.final_query = model.final_query
     self.final_norm = model.final_norm
     self.lm_head = model.lm_head
@@ -254,18 +259,48 @@ def latent_attention(q_lat: jax.Array, q_rope: jax.Array, c_kv: jax.Array, k_rop
 
 
 def mla_cached(mixer, x: jax.Array, cache: dict, start: jax.Array, *, kv_block: int,
-               xp: jax.Array | None = None) -> tuple[jax.Array, dict]:
+               xp: jax.Array | None = None, w_in: jax.Array | None = None
+               ) -> tuple[jax.Array, dict]:
   """Gated MLA over T new tokens per row: writes their latents at start[b] + t and attends
   causally over the cache. x [B, T, D] -> (y [B, T, D], cache). Writes past the allocated
   cache are dropped (the engine never asks for them). xp: x with its decode padding rows
-  already appended ([R, T, D], `fused.stream_read(..., rows=...)`), else padded here."""
+  already appended ([R, T, D], `fused.stream_read(..., rows=...)`), else padded here.
+  w_in: the layer's `fused.mla_input_matrix` (the decode step's one input GEMM, fp32
+  accumulation, each projection rounded from it as `nn.project` rounds its own), else the
+  projections run one by one.
+
+  Raises:
+    ValueError: w_in of another shape than this layer's mla_input_matrix."""
   cfg = mixer.cfg
   dtype = jnp.dtype(cfg.dtype)
-  B, T, _ = x.shape
+  B, T, D = x.shape
   rows = DECODE_MIN_ROWS if T == 1 else 0  # see pad_rows
   xp = pad_rows(x, rows) if xp is None else xp
-  q = mixer.query(xp)[:B].astype(jnp.float32)
-  c_kv, k_rope = jax.tree.map(lambda a: a[:B], mixer.latent(xp))
+  gate_logits = None
+  if w_in is None:
+    q = mixer.query(xp)[:B].astype(jnp.float32)
+    c_kv, k_rope = jax.tree.map(lambda a: a[:B], mixer.latent(xp))
+  else:
+    cols = fused.mla_input_cols(mixer)
+    if w_in.shape != (D, sum(w for _, w in cols.values())):
+      raise ValueError(f"mla_cached: w_in {w_in.shape} is not this layer's mla_input_matrix; "
+                       "rebuild it from the layer's weights")
+    R = xp.shape[0]
+    xw = jnp.dot(xp.reshape(R * T, D).astype(dtype), w_in.astype(dtype),
+                 preferred_element_type=jnp.float32).reshape(R, T, -1)
+    piece = lambda n: jax.lax.slice_in_dim(xw, cols[n][0], cols[n][0] + cols[n][1], axis=2)
+    H = cfg.mla_num_heads
+    if cfg.q_lora_rank:
+      c_q = mixer.q_norm(piece("w_dq").astype(dtype)).astype(dtype)
+      q = nn.project(c_q, mixer.w_uq[...], dtype=dtype)
+    else:
+      q = piece("w_q").astype(dtype).reshape(R, T, H, cfg.qk_head_dim)
+    q = q[:B].astype(jnp.float32)
+    ckv = piece("w_dkv").astype(dtype)[:B]
+    c_kv = mixer.kv_norm(ckv[..., :cfg.kv_lora_rank]).astype(dtype)
+    k_rope = ckv[..., cfg.kv_lora_rank:]
+    if cfg.mla_output_gate:
+      gate_logits = piece("w_gate").reshape(R, T, H, cfg.v_head_dim)
   pos = start[:, None] + jnp.arange(T)[None]
   row = jnp.arange(B)[:, None]
   c_all = cache["c_kv"].at[row, pos].set(c_kv.astype(cache["c_kv"].dtype), mode="drop")
@@ -277,7 +312,8 @@ def mla_cached(mixer, x: jax.Array, cache: dict, start: jax.Array, *, kv_block: 
   o_lat = latent_attention(q_lat, q[..., nope:], c_all, r_all, pos, scale=mixer.scale,
                            block=kv_block if T > 1 else c_all.shape[1])
   o = jnp.einsum("bthc,chd->bthd", o_lat, w_uv).astype(dtype)
-  return mixer.output(xp, pad_rows(o, rows))[:B], {"c_kv": c_all, "k_rope": r_all}
+  return (mixer.output(xp, pad_rows(o, rows), gate_logits=gate_logits)[:B],
+          {"c_kv": c_all, "k_rope": r_all})
 
 
 # "moe_decode" (decode steps use `moe_decode`) or "model" (the model's own MoE, as prefill;
@@ -414,13 +450,15 @@ def layer_cached(layer, stream: dict, cache: dict, *, opens: bool, start, valid,
                  kv_block: int, kernels=(False, False),
                  kda_w_in: jax.Array | None = None,
                  moe_w_in: jax.Array | None = None,
-                 moe_w_out: jax.Array | None = None) -> tuple[dict, dict]:
+                 moe_w_out: jax.Array | None = None,
+                 mla_w_in: jax.Array | None = None) -> tuple[dict, dict]:
   """One DecoderLayer (transformer.py) from its cache: the same sub-layer order and AttnRes
   reads; MoE without capacity drops. kernels = (use, interpret) (`fused.decode_kernels`):
   a decode step's AttnRes reads, KDA and routed experts through the fused Pallas kernels;
   kda_w_in: the KDA layer's prebuilt `fused.kda_input_matrix` for that path (else built in the
   step); moe_w_in, moe_w_out: the MoE layer's `fused.moe_input_matrix` and
-  `fused.moe_output_matrix` for a decode step (else its projections run one by one)."""
+  `fused.moe_output_matrix` for a decode step (else its projections run one by one); mla_w_in:
+  the MLA layer's `fused.mla_input_matrix` for a decode step."""
   cfg = layer.cfg
   dtype = jnp.dtype(cfg.dtype)
   use = kernels[0] and valid.shape[1] == 1
@@ -443,7 +481,9 @@ def layer_cached(layer, stream: dict, cache: dict, *, opens: bool, start, valid,
     y, cache = kda_cached(layer.mixer, x, cache, n_valid)
   else:
     y, cache = mla_cached(layer.mixer, x, cache, start, kv_block=kv_block,
-                          xp=None if xp is None else xp[:, None])
+                          xp=None if xp is None else xp[:, None],
+                          w_in=mla_w_in if valid.shape[1] == 1 and fused.FUSE["mla_input"]
+                          else None)
   if fuse_res:
     x, stream = fused.stream_read(cfg, stream, layer.ffn_query[...], layer.ffn_norm, y=y,
                                   interpret=kernels[1], rows=DECODE_MIN_ROWS)
@@ -510,13 +550,15 @@ def forward_cached(stack: DecoderStack, tokens: jax.Array, cache: list[dict], st
   kda_in = {} if stack.kda_inputs is None else stack.kda_inputs
   moe_in = {} if stack.moe_inputs is None or T != 1 else stack.moe_inputs
   moe_out = {} if stack.moe_outputs is None or T != 1 else stack.moe_outputs
+  mla_in = {} if stack.mla_inputs is None or T != 1 else stack.mla_inputs
   for i, (layer, c) in enumerate(zip(stack.layers, cache)):
     stream, c = layer_cached(layer, stream, c, opens=i % cfg.attnres_block_layers == 0,
                              start=start, valid=valid, n_valid=n_valid, kv_block=kv_block,
                              kernels=kernels,
                              kda_w_in=kda_in[str(i)][...] if str(i) in kda_in else None,
                              moe_w_in=moe_in[str(i)][...] if str(i) in moe_in else None,
-                             moe_w_out=moe_out[str(i)][...] if str(i) in moe_out else None)
+                             moe_w_out=moe_out[str(i)][...] if str(i) in moe_out else None,
+                             mla_w_in=mla_in[str(i)][...] if str(i) in mla_in else None)
     new_cache.append(c)
   if kernels[0] and cfg.residual == "attnres_block" and fused.FUSE["attnres"]:
     h, _ = fused.stream_read(cfg, stream, stack.final_query[...], stack.final_norm,

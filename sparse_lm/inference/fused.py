@@ -7,8 +7,9 @@ norms, gates, AttnRes mixes, the conv update, routing glue. Here, per decoder la
            output's add into the block sum is fused into the FFN's read.
   KDA      the input projections are one XLA GEMM (the weights concatenated once per load,
            `kda_input_matrix`; on zero-padded rows, `forward.pad_rows`), read by the kernel
-           unsliced; conv update, SiLU, L2 norm, gate, beta, the delta-rule step
-           and the gated output norm are one `kda_step` kernel; then W_o.
+           unsliced; conv update, SiLU, L2 norm, the gate's up-projection (W_g_up) and
+           activation, beta, the delta-rule step and the gated output norm are one
+           `kda_step` kernel; then W_o.
   MoE      `forward.moe_decode` (routing, projections; the latent down-projection and the
            shared expert's gate and up as one GEMM, `moe_input_matrix`) with the routed
            experts of a small batch reading their weights in place (`moe_experts`) instead
@@ -16,7 +17,8 @@ norms, gates, AttnRes mixes, the conv update, routing glue. Here, per decoder la
            takes each token's top k and gates (`moe_experts_routed`: no top-k sort); the
            up-projection of the latent and the shared expert's down-projection as one GEMM
            (`moe_output_matrix`).
-  MLA      unchanged (`forward.mla_cached`).
+  MLA      `forward.mla_cached`, with its input projections (W_dq or W_q, W_dkv, the output
+           gate's W_gate) as one GEMM (`mla_input_matrix`).
 `decode_kernels(cfg)` says whether the engine uses this path: cfg.decode_backend "pallas"
 (interpret mode off the GPU: the tests), "xla" (never), "auto" (on a GPU when the shapes are
 powers of two, as Triton needs). Tests: tests/inference/test_fused_decode.py compares every
@@ -40,7 +42,8 @@ F32 = jnp.float32
 # stages (benchmarks/decode.py --moe-variants times others inside the decode step).
 MOE_BLOCK_F, MOE_DOT, MOE_WARPS, MOE_STAGES = 32, True, 4, 1
 # Which parts of the layer take the kernels (benchmarks/decode.py --fused-ablate measures each).
-FUSE = {"attnres": True, "kda": True, "moe": True, "routing": True, "moe_output": True}
+FUSE = {"attnres": True, "kda": True, "moe": True, "routing": True, "moe_output": True,
+        "gate_up": True, "mla_input": True}
 
 
 def shapes_supported(cfg) -> bool:
@@ -101,6 +104,31 @@ def kda_input_matrix(p: dict, dtype) -> jax.Array:
                           for n in kda_input_names(p)], axis=1)
 
 
+def mla_input_names(mixer) -> tuple[str, ...]:
+  """The MLA weights that read the layer input, in the column order of `mla_input_matrix`:
+  W_dq (or W_q without a query LoRA), W_dkv, W_gate (with the output gate)."""
+  cfg = mixer.cfg
+  return (("w_dq",) if cfg.q_lora_rank else ("w_q",)) + ("w_dkv",) + (
+      ("w_gate",) if cfg.mla_output_gate else ())
+
+
+def mla_input_cols(mixer) -> dict:
+  """{name: (first column, width)} of each weight of `mla_input_names` in the matrix."""
+  cols, at = {}, 0
+  for n in mla_input_names(mixer):
+    w = getattr(mixer, n)[...]
+    cols[n], at = (at, w.size // w.shape[0]), at + w.size // w.shape[0]
+  return cols
+
+
+def mla_input_matrix(mixer, dtype) -> jax.Array:
+  """An MLA layer's input projections side by side, [D, N] in `dtype` (each weight's output
+  axes flattened, head-major): one GEMM per decode step instead of two or three. Built once per
+  weight load (`forward.DecoderStack(model, input_matrices=True)`)."""
+  return jnp.concatenate([getattr(mixer, n)[...].reshape(mixer.cfg.d_model, -1).astype(dtype)
+                          for n in mla_input_names(mixer)], axis=1)
+
+
 def kda_step_fused(mixer, x: jax.Array, cache: dict, n_valid: jax.Array, *, pad, rows: int,
                    interpret: bool, num_warps: int = 4, w_in: jax.Array | None = None,
                    xp: jax.Array | None = None) -> tuple[jax.Array, dict]:
@@ -108,8 +136,9 @@ def kda_step_fused(mixer, x: jax.Array, cache: dict, n_valid: jax.Array, *, pad,
 
   The input projections are one XLA GEMM, x [R, D] @ w_in [D, N] with fp32 accumulation, on at
   least `rows` rows (`pad` = forward.pad_rows); `kda_step` reads q, k, v, beta (and the
-  full-rank output gate) from its fp32 result by column, unsliced. The low-rank gate's and
-  output gate's second factors are GEMMs of their slice of it. w_in: `kda_input_matrix(p,
+  full-rank output gate) from its fp32 result by column, unsliced, and with FUSE["gate_up"]
+  multiplies the gate's down-projection by W_g_up itself (else a GEMM of its slice gives z).
+  The low-rank output gate's second factor is a GEMM of its slice. w_in: `kda_input_matrix(p,
   cfg.dtype)`, built here when None (a copy of the weights: the engine passes it prebuilt).
   xp: x's rows already padded, [R, D] (`stream_read(..., rows=rows)`), else pad(x[:, 0], rows).
 
@@ -130,16 +159,20 @@ def kda_step_fused(mixer, x: jax.Array, cache: dict, n_valid: jax.Array, *, pad,
   xw = jnp.dot(xp.astype(dt), w_in.astype(dt), preferred_element_type=F32)  # [R, N]
   proj = functools.partial(nn.project, dtype=dt)
   piece = lambda n: jax.lax.slice_in_dim(xw, cols[n][0], cols[n][0] + cols[n][1], axis=1)
-  z = proj(piece("w_g_down").astype(dt), p["w_g_up"])
+  gate_up = FUSE["gate_up"]  # the gate's second factor inside kda_step: no GEMM for z
+  z = None if gate_up else proj(piece("w_g_down").astype(dt), p["w_g_up"])
   if "w_og_down" in p:
     og, og_col = proj(piece("w_og_down").astype(dt), p["w_og_up"], out_dtype=F32), 0
   else:
     og, og_col = xw, cols["w_og"][0]
   conv = {n: p["conv_" + n] for n in ("q", "k", "v")}
   o, S, tails = kda_step(cache["S"], xw, {"q": cols["w_q"][0], "k": cols["w_k"][0],
-                                          "v": cols["w_v"][0], "beta": cols["w_beta"][0]},
+                                          "v": cols["w_v"][0], "beta": cols["w_beta"][0],
+                                          "g_down": cols["w_g_down"][0]},
                          cache["conv"], conv, z, p["A_log"], p["dt_bias"], og, p["o_norm"],
-                         n_valid, dtype=dt, og_col=og_col, scale=cfg.kda_head_dim ** -0.5,
+                         n_valid, dtype=dt, og_col=og_col,
+                         w_g_up=p["w_g_up"] if gate_up else None,
+                         scale=cfg.kda_head_dim ** -0.5,
                          gate_lower_bound=cfg.kda_gate_lower_bound, l2_eps=cfg.l2_norm_eps,
                          norm_eps=cfg.norm_eps, num_warps=num_warps, interpret=interpret)
   y = proj(o, p["w_o"], 2)[:B]

@@ -168,11 +168,12 @@ class MLA(nnx.Module):
     c_kv, k_rope = ckv[..., :self.cfg.kv_lora_rank], ckv[..., self.cfg.kv_lora_rank:]
     return self.kv_norm(c_kv).astype(dtype), k_rope
 
-  def _gated_out(self, x, o):
+  def _gated_out(self, x, o, gate_logits=None):
     dtype = jnp.dtype(self.cfg.dtype)
     if self.cfg.mla_output_gate:
-      gate = jax.nn.sigmoid(nn.project(x, self.w_gate[...], dtype=dtype,
-                                           out_dtype=jnp.float32))
+      if gate_logits is None:
+        gate_logits = nn.project(x, self.w_gate[...], dtype=dtype, out_dtype=jnp.float32)
+      gate = jax.nn.sigmoid(gate_logits.astype(jnp.float32))
       o = (o.astype(jnp.float32) * gate).astype(dtype)
     else:
       o = o.astype(dtype)
@@ -192,9 +193,12 @@ class MLA(nnx.Module):
     return (checkpoint_name(q, "query_proj"), checkpoint_name(k, "key_proj"),
             checkpoint_name(v, "value_proj"))
 
-  def output(self, x: jax.Array, o: jax.Array) -> jax.Array:
-    """G1 gate + W_o: (x [B,T,D], o [B,T,H,v]) -> [B,T,D] in cfg.dtype."""
-    return self._gated_out(x, o)
+  def output(self, x: jax.Array, o: jax.Array, gate_logits: jax.Array | None = None
+             ) -> jax.Array:
+    """G1 gate + W_o: (x [B,T,D], o [B,T,H,v]) -> [B,T,D] in cfg.dtype. gate_logits: x W_gate
+    [B,T,H,v] in fp32 where the caller has computed it (the decode step's one input GEMM,
+    `sparse_lm.inference.fused.mla_input_matrix`); else computed here from x."""
+    return self._gated_out(x, o, gate_logits)
 
   def __call__(self, x: jax.Array, *, segment_ids: jax.Array | None = None,
                backend: str | None = None, train: bool = False) -> jax.Array:

@@ -49,11 +49,12 @@ def test_padded_and_fused_decode_steps_equal_unpadded(monkeypatch):
   monkeypatch.setattr(forward_lib, "DECODE_MIN_ROWS", 2)
   model.cfg = dataclasses.replace(cfg, decode_backend="pallas")
   assert fused.decode_kernels(model.cfg)[0]
-  # the engine's stack: each KDA layer's input projections prebuilt as one matrix
+  # the engine's stack: each KDA and MLA layer's input projections prebuilt as one matrix
   pallas_stack = forward_lib.DecoderStack(model, input_matrices=True)
   assert list(pallas_stack.kda_inputs.keys()) == ["0"]  # layer 0 is the one KDA layer
   assert list(pallas_stack.moe_inputs.keys()) == ["1", "2"]  # the MoE layers (latent, shared)
   assert list(pallas_stack.moe_outputs.keys()) == ["1", "2"]
+  assert list(pallas_stack.mla_inputs.keys()) == ["1", "2"]  # the MLA layers' one input GEMM
   outs["pallas"] = step(*nnx.split(pallas_stack))
   ref_logits = outs[0][0]
   assert float(jnp.std(ref_logits)) > 1e-2

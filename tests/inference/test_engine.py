@@ -78,7 +78,7 @@ def test_greedy_decode_equals_recompute(setup):
 
 def test_the_fused_kernel_engine_equals_recompute(setup):
   """The engine with the fused decode kernels (decode_backend="pallas": interpret mode on CPU,
-  Triton on a GPU), which prebuilds each KDA and MoE layer's input projections, and each MoE
+  Triton on a GPU), which prebuilds each KDA, MLA and MoE layer's input projections, and each MoE
   layer's output projections, as one matrix:
   greedy tokens and log-probs against the same full forward, the same weights."""
   cfg, _, _, reference = setup
@@ -92,6 +92,7 @@ def test_the_fused_kernel_engine_equals_recompute(setup):
   assert n_kda > 0 and len(engine._weights["kda_inputs"]) == n_kda
   assert n_moe > 0 and len(engine._weights["moe_inputs"]) == n_moe
   assert len(engine._weights["moe_outputs"]) == n_moe
+  assert len(engine._weights["mla_inputs"]) == len(layers) - n_kda > 0
   prompts = _prompts(cfg, (5, 70), SEED + 7)
   outs = engine.generate(prompts, max_new_tokens=6, sampling=SamplingParams(temperature=0.0))
   for p, o in zip(prompts, outs):

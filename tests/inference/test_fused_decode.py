@@ -62,15 +62,18 @@ def _kda_paths(cfg, x, cache, n_valid, kernel=True):
   return got, want
 
 
+@pytest.mark.parametrize("gate_up", [True, False], ids=["gate_up_in_kernel", "gate_up_gemm"])
 @pytest.mark.parametrize("variant", ["unbounded_lowrank", "bf16"])
-def test_kda_step_kernel_equals_kda_cached(variant):
+def test_kda_step_kernel_equals_kda_cached(variant, gate_up, monkeypatch):
   """One token for 3 rows (row 1 idle: an identity step) from a random state and conv tails:
   output, state and tails against forward.kda_cached (recurrent_step + kda_projections +
   kda_output). bf16: the kernel path against the fp32 path on the same inputs, at the bf16
   contract of ARCHITECTURE.md §2.5 (relative RMSE <= 5e-3 for the output, state and tails;
-  the pure-JAX bf16 path's error is printed beside it). The bounded gate with the full-rank
-  output gate in fp32: test_decode_padding.py (the whole step)."""
-  print(f"seed {SEED} variant {variant}")
+  the pure-JAX bf16 path's error is printed beside it). gate_up: the gate's W_g_up product
+  inside the kernel (FUSE["gate_up"], the default) or as an XLA GEMM handing it z. The bounded
+  gate with the full-rank output gate in fp32: test_decode_padding.py (the whole step)."""
+  print(f"seed {SEED} variant {variant} gate_up {gate_up}")
+  monkeypatch.setitem(fused.FUSE, "gate_up", gate_up)
   over = {"unbounded_lowrank": dict(kda_gate_lower_bound=None, kda_output_gate_rank=8),
           "bf16": dict(dtype="bfloat16")}[variant]
   cfg = get_preset("tiny", **over)
@@ -277,3 +280,37 @@ def test_kda_input_matrix_layout_and_bad_offsets_are_refused():
              jnp.zeros((2, H * K)), p["A_log"], p["dt_bias"], xw, p["o_norm"],
              jnp.ones((B,), jnp.int32), dtype=jnp.float32, scale=1.0, gate_lower_bound=None,
              l2_eps=1e-6, norm_eps=1e-6, interpret=True)
+  good = {"q": 0, "k": 0, "v": 0, "beta": 0, "g_down": 0}
+  step = lambda z, w_g_up, cols=good: kda_step(
+      cache["S"], xw, cols, cache["conv"], {n: cache["conv"][n][:1] for n in "qkv"}, z,
+      p["A_log"], p["dt_bias"], xw, p["o_norm"], jnp.ones((B,), jnp.int32), dtype=jnp.float32,
+      w_g_up=w_g_up, scale=1.0, gate_lower_bound=None, l2_eps=1e-6, norm_eps=1e-6,
+      interpret=True)
+  for z, w_g_up in ((None, None), (jnp.zeros((2, H * K)), p["w_g_up"])):
+    with pytest.raises(ValueError, match="not both or neither"):
+      step(z, w_g_up)
+  with pytest.raises(ValueError, match=r"w_g_up .* must be \[K, H, K\]"):
+    step(None, p["w_g_up"][:, :1])
+  with pytest.raises(ValueError, match=r"cols\['g_down'\]=.* is outside xw"):
+    step(None, p["w_g_up"], dict(good, g_down=w_in.shape[1] - K + 1))
+
+
+def test_mla_input_matrix_columns_and_a_foreign_matrix_refused():
+  """The MLA layer's input projections side by side in `mla_input_names`' order (the decode
+  step's one GEMM; its values through the whole step: test_decode_padding.py), and a matrix of
+  another shape refused by name before anything runs."""
+  from sparse_lm.model.mla import MLA  # pylint: disable=g-import-not-at-top
+  cfg = get_preset("tiny")
+  mixer = MLA(cfg, rngs=nnx.Rngs(SEED))
+  w_in = fused.mla_input_matrix(mixer, jnp.float32)
+  cols = fused.mla_input_cols(mixer)
+  assert list(cols) == ["w_dq", "w_dkv", "w_gate"]
+  for name, (at, width) in cols.items():
+    np.testing.assert_array_equal(np.asarray(w_in[:, at:at + width]),
+                                  np.asarray(getattr(mixer, name)[...].reshape(cfg.d_model, -1)))
+  cache = {"c_kv": jnp.zeros((1, 16, cfg.kv_lora_rank)),
+           "k_rope": jnp.zeros((1, 16, cfg.qk_rope_head_dim))}
+  x = jax.random.normal(jax.random.key(SEED), (1, 1, cfg.d_model))
+  with pytest.raises(ValueError, match="w_in .* is not this layer's mla_input_matrix"):
+    forward_lib.mla_cached(mixer, x, cache, jnp.zeros((1,), jnp.int32), kv_block=16,
+                           w_in=w_in[:, :-1])
