@@ -51,6 +51,19 @@ def compute_weights(state, cfg):
   return jax.tree_util.tree_map_with_path(cast, state)
 
 
+def own_weights(state):
+  """The one-device engine's own copy of a DecoderStack state: new Variables holding the same
+  (immutable) arrays, so a later update of the model's Variables does not reach the engine
+  until `Engine.load_weights`, each committed to the weights' device as a plain single-device
+  array (`new_cache` puts the zero caches there too). A trained state sits on a one-device
+  mesh (NamedSharding), and fresh zeros are uncommitted: left so, the caches the first call
+  returns would differ in layout from the ones it took, and the next call would compile anew."""
+  leaves = jax.tree.leaves(state)
+  device = next(iter(leaves[0].devices())) if leaves else jax.devices()[0]
+  single = jax.sharding.SingleDeviceSharding(device)
+  return jax.tree.map(lambda a: jax.device_put(a, single), state)
+
+
 def weight_shardings(state, mesh: jax.sharding.Mesh):
   """NamedShardings of a DecoderStack state on `mesh` by the one rules table
   (`sharding.state_shardings` under LOGICAL_AXIS_RULES: the training layout of each weight)."""
@@ -228,11 +241,12 @@ def abstract_cache(cfg, batch: int, length: int):
   return jax.eval_shape(lambda: cache_lib.init_cache(cfg, batch, length))
 
 
-def new_cache(cfg, batch: int, length: int, mesh: jax.sharding.Mesh | None):
-  """Zero caches, made in place on `mesh` (sharded; never whole on one device) or on the
-  default device."""
+def new_cache(cfg, batch: int, length: int, mesh: jax.sharding.Mesh | None, device=None):
+  """Zero caches, made in place on `mesh` (sharded; never whole on one device) or committed
+  to `device` (default: the default device), as the calls' outputs are."""
   if mesh is None:
-    return cache_lib.init_cache(cfg, batch, length)
+    single = jax.sharding.SingleDeviceSharding(device or jax.devices()[0])
+    return jax.device_put(cache_lib.init_cache(cfg, batch, length), single)
   c_sh = cache_lib.cache_shardings(abstract_cache(cfg, batch, length), mesh)
   return jax.jit(lambda: cache_lib.init_cache(cfg, batch, length), out_shardings=c_sh)()
 

@@ -86,6 +86,37 @@ class GenerationOutput:
   finish_reason: str
 
 
+def _device_bytes(device) -> int | None:
+  """Memory of one device in bytes: the accelerator's allocator limit, or the host's physical
+  memory for a CPU device; None where neither is known."""
+  stats = device.memory_stats() if hasattr(device, "memory_stats") else None
+  if stats and stats.get("bytes_limit"):
+    return int(stats["bytes_limit"])
+  if device.platform == "cpu":
+    try:
+      import os  # pylint: disable=g-import-not-at-top
+      return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):
+      return None
+  return None
+
+
+def _check_cache_fits(cfg, cache_length: int, max_batch: int, mesh) -> None:
+  """Raise ValueError, naming max_length and max_batch, when the decode caches alone exceed
+  the memory of the devices they go on (before anything is allocated or compiled)."""
+  devices = list(mesh.devices.flat) if mesh is not None else [jax.devices()[0]]
+  limit = _device_bytes(devices[0])
+  if limit is None:
+    return
+  need = cache_lib.cache_bytes(cfg, cache_length, max_batch)
+  if need > limit * len(devices):
+    raise ValueError(
+        f"Engine: the decode caches of max_length={cache_length} x max_batch={max_batch} take "
+        f"{need / 2**30:.1f} GiB (cache_bytes), more than the {limit * len(devices) / 2**30:.1f}"
+        f" GiB of {len(devices)} {devices[0].platform} device(s); lower max_length or "
+        "max_batch")
+
+
 class Engine:
   """Batched generation from a `sparse_lm.model.Transformer` (see the module docstring).
 
@@ -102,17 +133,21 @@ class Engine:
       calls jitted with those in / out shardings (calls.py); one device: the plain path.
 
   Raises:
-    ValueError: a size argument that is not a positive int (names it).
+    ValueError: a size argument that is not a positive int (names it); caches larger than the
+      device memory (names max_length and max_batch).
   """
 
   def __init__(self, model, *, max_length: int = 4096, max_batch: int = 8,
                prefill_chunk: int = 512, kv_block: int | None = None, decode_steps: int = 64,
                mesh: jax.sharding.Mesh | None = None):
     for name, v in (("max_length", max_length), ("max_batch", max_batch),
-                    ("prefill_chunk", prefill_chunk), ("kv_block", kv_block or 1),
+                    ("prefill_chunk", prefill_chunk), ("kv_block", 1 if kv_block is None
+                                                       else kv_block),
                     ("decode_steps", decode_steps)):
       if not isinstance(v, (int, np.integer)) or v <= 0:
-        raise ValueError(f"Engine: {name}={v!r} must be a positive int")
+        raise ValueError(f"Engine: {name}={v!r} must be a positive int"
+                         + (" (or None: the model's attention_chunk_size)"
+                            if name == "kv_block" else ""))
     self.cfg = model.cfg
     self.max_length = int(max_length)
     self.max_batch = int(max_batch)
@@ -123,9 +158,13 @@ class Engine:
     self.signature = (self.cfg, self.cache_length)
     mesh = shd.current_mesh() if mesh is None else mesh
     self.mesh = mesh if mesh is not None and mesh.size > 1 else None
+    _check_cache_fits(self.cfg, self.cache_length, self.max_batch, self.mesh)
     self._w_sh = None
     self.load_weights(model)
-    self._cache = calls_lib.new_cache(self.cfg, self.max_batch, self.cache_length, self.mesh)
+    device = (None if self.mesh is not None else
+              next(iter(jax.tree.leaves(self._weights)[0].devices())))
+    self._cache = calls_lib.new_cache(self.cfg, self.max_batch, self.cache_length, self.mesh,
+                                      device)
 
   def load_weights(self, model) -> None:
     """Take `model`'s current weights (e.g. after a training step); no recompile.
@@ -143,7 +182,7 @@ class Engine:
     graphdef, state = nnx.split(DecoderStack(model, input_matrices=matrices))
     self._graphdef = graphdef
     if self.mesh is None:
-      self._weights = calls_lib.compute_weights(state, self.cfg)
+      self._weights = calls_lib.compute_weights(calls_lib.own_weights(state), self.cfg)
       self._calls = calls_lib.one_device_calls(graphdef, kv_block=self.kv_block,
                                                num_steps=self.decode_steps)
       return

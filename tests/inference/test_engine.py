@@ -211,3 +211,42 @@ def test_bad_input_is_refused_before_compiling(setup):
   with pytest.raises(ValueError, match=r"load_weights.*\['vocab_size', 'd_model'\]"):
     engine.load_weights(other)
   assert _compiled() == compiled
+
+
+def test_engine_keeps_its_own_weights_and_a_second_call_compiles_nothing():
+  """A model whose weights sit on a one-device mesh (as `train.load` leaves a trained state):
+  the second `generate` compiles no program (the zero caches are committed to the weights'
+  device, as the calls' outputs are; they used to differ and the second call compiled its
+  prefill again), and a later change of the model's weights does not reach the engine until
+  `load_weights`, after which it equals a new engine on those weights."""
+  from jax.sharding import NamedSharding, PartitionSpec as P  # pylint: disable=g-import-not-at-top
+  from sparse_lm import sharding as shd  # pylint: disable=g-import-not-at-top
+  cfg = get_preset("tiny")
+  model = Transformer(cfg, rngs=nnx.Rngs(SEED + 3))
+  mesh = shd.make_mesh(shd.MeshLayout(), jax.devices()[:1])
+  _, state = nnx.split(model)
+  nnx.update(model, jax.tree.map(lambda a: jax.device_put(a, NamedSharding(mesh, P())), state))
+  kw = dict(max_length=48, max_batch=2, prefill_chunk=16, decode_steps=4)
+  greedy = dict(max_new_tokens=6, sampling=SamplingParams(temperature=0.0))
+  engine = Engine(model, **kw)
+  prompt = [[5, 6, 7, 8]]
+  first = engine.generate(prompt, **greedy)[0].tokens
+  compiled = _compiled()
+  assert engine.generate(prompt, **greedy)[0].tokens == first
+  assert _compiled() == compiled  # nothing traced or compiled anew
+  _, state = nnx.split(model)
+  nnx.update(model, jax.tree.map(
+      lambda a: 1.5 * a if jnp.issubdtype(a.dtype, jnp.floating) else a, state))
+  assert engine.generate(prompt, **greedy)[0].tokens == first  # the engine's own copy
+  fresh = Engine(model, **kw).generate(prompt, **greedy)[0].tokens
+  assert fresh != first  # the change matters to the model's output
+  engine.load_weights(model)
+  assert engine.generate(prompt, **greedy)[0].tokens == fresh
+
+
+def test_caches_larger_than_the_device_are_refused_before_allocating(setup):
+  cfg, model, _, _ = setup
+  with pytest.raises(ValueError, match=r"max_length=.*max_batch=8.*GiB.*lower max_length"):
+    Engine(model, max_length=10**11, max_batch=8)
+  with pytest.raises(ValueError, match="kv_block=0 must be a positive int"):
+    Engine(model, max_length=32, kv_block=0)
