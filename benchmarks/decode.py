@@ -272,6 +272,25 @@ def main(argv=None):
   p.add_argument("--out")
   args = p.parse_args(argv)
   variants = parse_moe_variants(args.moe_variants) if args.moe_variants else []
+  parts = set(args.parts.split(","))
+  if not parts or parts - {"decode", "prefill"}:
+    p.error(f"--parts {args.parts!r}: expected decode, prefill or decode,prefill")
+  try:
+    configs = ([tuple(int(x) for x in bc.split("x")) for bc in args.configs.split(",")]
+               if args.configs else
+               [(int(b), int(c)) for c in args.contexts.split(",")
+                for b in args.batches.split(",")])
+  except ValueError:
+    p.error(f"--configs {args.configs!r} / --batches {args.batches!r} / --contexts "
+            f"{args.contexts!r}: expected BATCHxCONTEXT,... (e.g. 1x8192,8x8192) / comma lists "
+            "of positive ints")
+  for bc in configs:
+    if len(bc) != 2 or min(bc) < 1:
+      p.error(f"configuration {'x'.join(map(str, bc))}: expected BATCHxCONTEXT, both positive")
+    batch, context = bc
+    if "decode" in parts and args.decode_steps >= context:
+      p.error(f"--decode-steps {args.decode_steps} must be below the context ({context}): the "
+              "timed steps start at context - decode-steps - 1")
   overrides = {}
   for kv in args.set:
     k, v = kv.split("=", 1)
@@ -284,9 +303,6 @@ def main(argv=None):
   header = ("| batch | context | decode step (ms) | bandwidth floor (ms) | floor / step | "
             "one step per call (ms) | prefill piece | prefill (tokens/s) |\n"
             "|---|---|---|---|---|---|---|---|")
-  configs = ([tuple(int(x) for x in bc.split("x")) for bc in args.configs.split(",")]
-             if args.configs else
-             [(int(b), int(c)) for c in args.contexts.split(",") for b in args.batches.split(",")])
   rows = {bc: {} for bc in configs}
   if args.fused_ablate:
     batch, context = configs[0]

@@ -15,10 +15,13 @@ from __future__ import annotations
 import argparse
 import itertools
 import json
+import os
 import pathlib
 import resource
 import subprocess
 import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 SYNTH = dict(vocab_size=16384, d_model=1024, num_layers=9, mla_every=4, num_dense_layers=1,
              kda_num_heads=8, kda_head_dim=128, kda_value_dim=128, kda_output_gate_rank=128,
@@ -106,8 +109,11 @@ def main():
     return
   out = pathlib.Path(args.dir)
   info = write(out, args.size_gb, small=args.small, shard_mb=args.shard_mb)
-  proc = subprocess.run([sys.executable, __file__, "--measure", str(out)], capture_output=True,
-                        text=True, check=True)
+  proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--measure", str(out)],
+                        capture_output=True, text=True)
+  if proc.returncode:
+    sys.exit(f"interop_import_rss: the measuring process failed (status {proc.returncode}):\n"
+             + proc.stderr[-3000:])
   r = json.loads(proc.stdout.strip().splitlines()[-1])
   mb = lambda b: f"{b / 2**20:.0f} MB"
   over = r["peak"] - r["baseline"] - r["model_bytes"]

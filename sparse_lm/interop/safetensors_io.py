@@ -148,8 +148,13 @@ class ShardWriter:
       self._flush()
     n = len(self._shards)
     weight_map, files = {}, []
+    umask = os.umask(0)
+    os.umask(umask)
     for k, names in enumerate(self._shards):
       fn = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+      # safetensors writes owner-only files (0600); the shards get the mode of the config and
+      # index beside them (0666 less the umask), so another user or container can read them
+      os.chmod(self.path / f"shard-{k:05d}.tmp", 0o666 & ~umask)
       os.replace(self.path / f"shard-{k:05d}.tmp", self.path / fn)
       files.append(fn)
       weight_map.update({nm: fn for nm in names})

@@ -1,5 +1,6 @@
 """Bad checkpoints fail before any tensor value is read, naming the tensor or config key."""
 
+import os
 import numpy as np
 import pytest
 
@@ -75,3 +76,21 @@ def test_layer_layout_that_does_not_map(tmp_path):
 def _conf():
   import json
   return json.loads((KIMI_LINEAR / "config.json").read_text())
+
+
+def test_exported_shards_are_readable_as_the_index_is(tmp_path):
+  """safetensors writes owner-only files; the writer gives the shards the mode the index gets
+  (0666 less the umask), so a checkpoint can be shared with another user or container."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from sparse_lm.interop.safetensors_io import INDEX, ShardWriter  # pylint: disable=g-import-not-at-top
+  old = os.umask(0o022)
+  try:
+    w = ShardWriter(tmp_path / "out", max_bytes=64)
+    for i in range(3):
+      w.add(f"t{i}", np.arange(16, dtype=np.float32))
+    files = w.close()
+  finally:
+    os.umask(old)
+  assert len(files) == 3
+  for fn in files + [INDEX]:
+    assert (tmp_path / "out" / fn).stat().st_mode & 0o777 == 0o644, fn
