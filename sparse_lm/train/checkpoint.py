@@ -23,6 +23,7 @@ import json
 import logging
 import os
 import pathlib
+import re
 import shutil
 import sys
 import time
@@ -186,9 +187,11 @@ _QUIET = []
 
 def read_failure(e: BaseException) -> str:
   """A failed checkpoint read as one line: the error's type and the first line of its message
-  (without TensorStore's spec dump), at most 300 characters of it."""
-  why = str(e).split("\n")[0].split(" [tensorstore_spec")[0][:300]
-  return f"{type(e).__name__}: {why}"
+  without TensorStore's spec dump (" [tensorstore_spec ...", or a "<bound method ... spec of
+  TensorStore({...})" repr), at most 300 characters of it."""
+  first = str(e).split("\n")[0]
+  why = re.split(r" \[tensorstore_spec|<bound method|TensorStore\(\{", first)[0]
+  return f"{type(e).__name__}: {why.rstrip(' ,:;(')[:300]}"
 
 
 def quiet_abandoned_reads() -> None:

@@ -352,3 +352,15 @@ def test_a_corrupt_checkpoint_costs_one_warning_not_a_flood_of_tracebacks(tmp_pa
   assert err.count("cannot be restored") == 1 and "tensorstore_spec" not in err
   assert "moved the unreadable checkpoint" in err
   assert len([l for l in err.splitlines() if "Traceback" in l]) == 0
+
+
+def test_read_failure_drops_tensorstore_spec_dumps():
+  """A failed read's one line keeps the error and drops TensorStore's spec, in either of the
+  two forms seen (a ' [tensorstore_spec ...' suffix; a bound method's repr holding the spec)."""
+  from sparse_lm.train.checkpoint import read_failure  # pylint: disable=g-import-not-at-top
+  e = ValueError("NOT_FOUND: Error opening \"zarr\" driver: missing .zarray [tensorstore_spec="
+                 "'{\"driver\": \"zarr\"}']\nmore")
+  assert read_failure(e) == 'ValueError: NOT_FOUND: Error opening "zarr" driver: missing .zarray'
+  e = RuntimeError("DATA_LOSS: reading chunk failed: <bound method pybind11_detail_function_"
+                   "record_v1 spec of TensorStore({'driver': 'zarr', 'kvstore': ...})>")
+  assert read_failure(e) == "RuntimeError: DATA_LOSS: reading chunk failed"
