@@ -104,7 +104,8 @@ def main(argv=None) -> int:
                                    description=__doc__.split("\n")[0])
   parser.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
   parser.add_argument("--workdir", default=None, help="default ./runs/rl_<preset>")
-  parser.add_argument("--init_from", default=None, help="a pretraining workdir (runs/tiny)")
+  parser.add_argument("--init-from", "--init_from", dest="init_from", default=None,
+                      help="a pretraining workdir (runs/tiny)")
   parser.add_argument("--env", default=None, help="arithmetic, lookup, passkey or code")
   parser.add_argument("--seed", type=int, default=None)
   parser.add_argument("--no-progress", action="store_true", help="no progress bar")

@@ -275,7 +275,7 @@ def main(argv=None) -> None:
                                formatter_class=argparse.RawDescriptionHelpFormatter)
   sub = ap.add_subparsers(dest="cmd", required=True)
   a = sub.add_parser("import", help="HF checkpoint -> <workdir>/hf_import (Orbax)")
-  a.add_argument("--hf_dir", required=True)
+  a.add_argument("--hf-dir", "--hf_dir", dest="hf_dir", required=True)
   a.add_argument("--workdir", required=True)
   a.add_argument("--dtype", choices=("float32", "bfloat16"))
   b = sub.add_parser("export", help="a workdir's newest trained stage (or its hf_import) -> "

@@ -94,3 +94,15 @@ def test_exported_shards_are_readable_as_the_index_is(tmp_path):
   assert len(files) == 3
   for fn in files + [INDEX]:
     assert (tmp_path / "out" / fn).stat().st_mode & 0o777 == 0o644, fn
+
+
+def test_cli_takes_dashed_and_underscored_flags(tmp_path, capsys):
+  """`--hf-dir` and `--hf_dir` are one flag (the other CLIs use dashes: --max-new-tokens,
+  --list-keys); either reaches the missing-directory check, not argparse's 'required'."""
+  from sparse_lm.interop import hf  # pylint: disable=g-import-not-at-top
+  for flag in ("--hf-dir", "--hf_dir"):
+    with pytest.raises(SystemExit) as e:
+      hf.main(["import", flag, str(tmp_path / "missing"), "--workdir", str(tmp_path / "w")])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "missing" in err and "required" not in err, err

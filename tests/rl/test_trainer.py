@@ -53,6 +53,8 @@ def test_url_workdir_or_init_from_is_refused_by_the_cli(capsys):
   from experiments import agentic_rl
   for args, want in ((["--workdir=gs://b/rl"], "--workdir='gs://b/rl' is a URL"),
                      (["--init_from=gs://b/runs", "--workdir=/tmp/x_rl"],
+                      "--init_from='gs://b/runs' is a URL"),
+                     (["--init-from=gs://b/runs", "--workdir=/tmp/x_rl"],  # the dashed form
                       "--init_from='gs://b/runs' is a URL")):
     with pytest.raises(SystemExit) as e:
       agentic_rl.main(["--preset=tiny", *args])
