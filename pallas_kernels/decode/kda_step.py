@@ -83,9 +83,14 @@ def _row(b, h, xw, tq, tk, tv, cq, ck, cv, gate_ref, alog_ref, dtb_ref, og_ref, 
   K = q.shape[0]
   if z_col is None:
     z = gate_ref[b, pl.ds(h * K, K)].astype(f32)
-  else:  # [K] @ [K, K]: the gate's second low-rank factor, this head's columns
-    zd = xw[b, pl.ds(z_col, K)].astype(dtype).astype(f32)
-    z = jnp.sum(zd[:, None] * gate_ref[:, h, :].astype(dtype).astype(f32), axis=0)
+  else:  # [K] @ [K, K]: the gate's second low-rank factor, this head's columns, by blocks of
+    # rows (a whole [K, K] block at K = 128 held 255 registers and spilled at 4 warps)
+    rows = min(K, 32)
+    z = jnp.zeros((K,), f32)
+    for r in range(0, K, rows):
+      zd = xw[b, pl.ds(z_col + r, rows)].astype(dtype).astype(f32)
+      w = gate_ref[pl.ds(r, rows), h, :].astype(dtype).astype(f32)
+      z = z + jnp.sum(zd[:, None] * w, axis=0)
     z = z.astype(dtype).astype(f32)
   xg = z + dtb_ref[h, :]
   a = jnp.exp(alog_ref[h])

@@ -63,19 +63,21 @@ def _kda_paths(cfg, x, cache, n_valid, kernel=True):
 
 
 @pytest.mark.parametrize("gate_up", [True, False], ids=["gate_up_in_kernel", "gate_up_gemm"])
-@pytest.mark.parametrize("variant", ["unbounded_lowrank", "bf16"])
+@pytest.mark.parametrize("variant", ["unbounded_lowrank", "bf16", "k64"])
 def test_kda_step_kernel_equals_kda_cached(variant, gate_up, monkeypatch):
   """One token for 3 rows (row 1 idle: an identity step) from a random state and conv tails:
   output, state and tails against forward.kda_cached (recurrent_step + kda_projections +
   kda_output). bf16: the kernel path against the fp32 path on the same inputs, at the bf16
   contract of ARCHITECTURE.md §2.5 (relative RMSE <= 5e-3 for the output, state and tails;
-  the pure-JAX bf16 path's error is printed beside it). gate_up: the gate's W_g_up product
+  the pure-JAX bf16 path's error is printed beside it); k64: K = V = 64. gate_up: the gate's W_g_up product
   inside the kernel (FUSE["gate_up"], the default) or as an XLA GEMM handing it z. The bounded
   gate with the full-rank output gate in fp32: test_decode_padding.py (the whole step)."""
   print(f"seed {SEED} variant {variant} gate_up {gate_up}")
   monkeypatch.setitem(fused.FUSE, "gate_up", gate_up)
   over = {"unbounded_lowrank": dict(kda_gate_lower_bound=None, kda_output_gate_rank=8),
-          "bf16": dict(dtype="bfloat16")}[variant]
+          "bf16": dict(dtype="bfloat16"),
+          # K = 64: the in-kernel W_g_up product in two blocks of 32 rows
+          "k64": dict(kda_head_dim=64, kda_value_dim=64)}[variant]
   cfg = get_preset("tiny", **over)
   B = 3
   cache = _randomize(cache_lib.init_cache(cfg, B, 16)[0], SEED + 2)
