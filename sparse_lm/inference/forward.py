@@ -78,9 +78,10 @@ class DecoderStack(nnx.Module):
     layer_list += list(model.tail or ())  # KDA layers after the last whole group (48B)
     layer_list.append(model.last)
     self.layers = nnx.List(layer_list)
-    # The fused decode step's one input GEMM per KDA layer and per MoE layer
-    # (fused.kda_input_matrix, fused.moe_input_matrix), built once here: copies of those
-    # weights in the compute dtype, keyed by layer index.
+    # The fused decode step's one input GEMM per KDA, MLA and MoE layer (fused.kda_input_matrix,
+    # fused.mla_input_matrix, fused.moe_input_matrix) and one output GEMM per MoE layer
+    # (fused.moe_output_matrix), built once here: copies of those weights in the compute
+    # dtype, keyed by layer index.
     kda_in = moe_in = moe_out = mla_in = None
     if input_matrices:
       dt = jnp.dtype(self.cfg.dtype)
