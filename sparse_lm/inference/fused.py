@@ -7,9 +7,9 @@ norms, gates, AttnRes mixes, the conv update, routing glue. Here, per decoder la
            output's add into the block sum is fused into the FFN's read.
   KDA      the input projections are one XLA GEMM (the weights concatenated once per load,
            `kda_input_matrix`; on zero-padded rows, `forward.pad_rows`), read by the kernel
-           unsliced; conv update, SiLU, L2 norm, the gate's up-projection (W_g_up) and
-           activation, beta, the delta-rule step and the gated output norm are one
-           `kda_step` kernel; then W_o.
+           unsliced; conv update, SiLU, L2 norm, the gate (with FUSE["gate_up"] also its
+           up-projection W_g_up, else an XLA GEMM), beta, the delta-rule step and the gated
+           output norm are one `kda_step` kernel; then W_o.
   MoE      `forward.moe_decode` (routing, projections; the latent down-projection and the
            shared expert's gate and up as one GEMM, `moe_input_matrix`) with the routed
            experts of a small batch reading their weights in place (`moe_experts`) instead
@@ -41,9 +41,12 @@ F32 = jnp.float32
 # moe_experts(_routed): hidden columns per program, tensor-core dots, Triton warps and pipeline
 # stages (benchmarks/decode.py --moe-variants times others inside the decode step).
 MOE_BLOCK_F, MOE_DOT, MOE_WARPS, MOE_STAGES = 32, True, 4, 1
-# Which parts of the layer take the kernels (benchmarks/decode.py --fused-ablate measures each).
+# Which parts of the layer take the kernels (benchmarks/decode.py --fused-ablate measures each;
+# a part that is off there is tried on as "+name"). "gate_up" (the KDA gate's W_g_up inside
+# kda_step) is off until it has compiled and been timed on a GPU: its Triton program was only
+# compiled for sm_90 by pip's Triton on a CPU machine (214 registers, no spill; 2026-12-06).
 FUSE = {"attnres": True, "kda": True, "moe": True, "routing": True, "moe_output": True,
-        "gate_up": True, "mla_input": True}
+        "gate_up": False, "mla_input": True}
 
 
 def shapes_supported(cfg) -> bool:

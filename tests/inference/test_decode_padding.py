@@ -12,6 +12,7 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
 from sparse_lm.config import get_preset
@@ -21,8 +22,10 @@ from sparse_lm.model import Transformer
 SEED = 5
 
 
-def test_padded_and_fused_decode_steps_equal_unpadded(monkeypatch):
-  print(f"seed {SEED}")
+@pytest.mark.parametrize("gate_up", [False, True], ids=["gate_up_gemm", "gate_up_in_kernel"])
+def test_padded_and_fused_decode_steps_equal_unpadded(gate_up, monkeypatch):
+  print(f"seed {SEED} gate_up {gate_up}")
+  monkeypatch.setitem(fused.FUSE, "gate_up", gate_up)
   # KDA + dense FFN; MLA + MoE, committing AttnRes block 1; the last MLA + MoE
   cfg = get_preset("tiny", num_layers=3, mla_every=2, attnres_block_layers=2)
   model = Transformer(cfg, rngs=nnx.Rngs(SEED))
