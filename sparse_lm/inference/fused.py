@@ -43,8 +43,8 @@ F32 = jnp.float32
 MOE_BLOCK_F, MOE_DOT, MOE_WARPS, MOE_STAGES = 32, True, 4, 1
 # Which parts of the layer take the kernels (benchmarks/decode.py --fused-ablate measures each;
 # a part that is off there is tried on as "+name"). "gate_up" (the KDA gate's W_g_up inside
-# kda_step) is off until it has compiled and been timed on a GPU: its Triton program was only
-# compiled for sm_90 by pip's Triton on a CPU machine (214 registers, no spill; 2026-12-06).
+# kda_step) is off: on an H100 it made the batch-1 step 3-5% slower in two runs, though it
+# removes a GEMM per KDA layer (docs/inference.md, 2026-12-06 afternoon).
 FUSE = {"attnres": True, "kda": True, "moe": True, "routing": True, "moe_output": True,
         "gate_up": False, "mla_input": True}
 
