@@ -58,10 +58,14 @@ def own_weights(state):
   array (`new_cache` puts the zero caches there too). A trained state sits on a one-device
   mesh (NamedSharding), and fresh zeros are uncommitted: left so, the caches the first call
   returns would differ in layout from the ones it took, and the next call would compile anew."""
-  leaves = jax.tree.leaves(state)
-  device = next(iter(leaves[0].devices())) if leaves else jax.devices()[0]
-  single = jax.sharding.SingleDeviceSharding(device)
+  single = jax.sharding.SingleDeviceSharding(weights_device(state))
   return jax.tree.map(lambda a: jax.device_put(a, single), state)
+
+
+def weights_device(state):
+  """The device of a one-device state's first array (the default device for an empty one)."""
+  leaves = jax.tree.leaves(state)
+  return next(iter(leaves[0].devices())) if leaves else jax.devices()[0]
 
 
 def weight_shardings(state, mesh: jax.sharding.Mesh):

@@ -32,6 +32,7 @@ from __future__ import annotations
 import collections
 import dataclasses
 import functools
+import os
 from typing import Callable, Sequence
 
 import jax
@@ -94,7 +95,6 @@ def _device_bytes(device) -> int | None:
     return int(stats["bytes_limit"])
   if device.platform == "cpu":
     try:
-      import os  # pylint: disable=g-import-not-at-top
       return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
     except (ValueError, OSError, AttributeError):
       return None
@@ -161,10 +161,9 @@ class Engine:
     _check_cache_fits(self.cfg, self.cache_length, self.max_batch, self.mesh)
     self._w_sh = None
     self.load_weights(model)
-    device = (None if self.mesh is not None else
-              next(iter(jax.tree.leaves(self._weights)[0].devices())))
-    self._cache = calls_lib.new_cache(self.cfg, self.max_batch, self.cache_length, self.mesh,
-                                      device)
+    self._cache = calls_lib.new_cache(
+        self.cfg, self.max_batch, self.cache_length, self.mesh,
+        None if self.mesh is not None else calls_lib.weights_device(self._weights))
 
   def load_weights(self, model) -> None:
     """Take `model`'s current weights (e.g. after a training step); no recompile.

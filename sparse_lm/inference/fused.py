@@ -88,13 +88,26 @@ def kda_input_names(p: dict) -> tuple[str, ...]:
   return ("w_q", "w_k", "w_v", og, "w_beta", "w_g_down")
 
 
-def kda_input_cols(p: dict) -> dict:
-  """{name: (first column, width)} of each weight of `kda_input_names` in the matrix."""
+def side_by_side_cols(weights: dict) -> dict:
+  """{name: (first column, width)} of each [D, ...] weight of `weights` (in its order) in the
+  matrix `side_by_side` makes of them: width = the weight's output axes flattened."""
   cols, at = {}, 0
-  for n in kda_input_names(p):
-    width = p[n].size // p[n].shape[0]
+  for n, w in weights.items():
+    width = w.size // w.shape[0]
     cols[n], at = (at, width), at + width
   return cols
+
+
+def side_by_side(weights: dict, dtype) -> jax.Array:
+  """The [D, ...] weights of `weights` as one [D, N] matrix in `dtype`, in its order, each
+  weight's output axes flattened (head-major): one GEMM reads them all."""
+  return jnp.concatenate([w.reshape(w.shape[0], -1).astype(dtype) for w in weights.values()],
+                         axis=1)
+
+
+def kda_input_cols(p: dict) -> dict:
+  """{name: (first column, width)} of each weight of `kda_input_names` in the matrix."""
+  return side_by_side_cols({n: p[n] for n in kda_input_names(p)})
 
 
 def kda_input_matrix(p: dict, dtype) -> jax.Array:
@@ -103,8 +116,7 @@ def kda_input_matrix(p: dict, dtype) -> jax.Array:
   weight's output axes flattened (head-major). p: KDA.arrays(). The engine builds it once per
   weight load (`forward.DecoderStack(model, input_matrices=True)`); built inside a step it would
   be a copy of the weights every step."""
-  return jnp.concatenate([p[n].reshape(p[n].shape[0], -1).astype(dtype)
-                          for n in kda_input_names(p)], axis=1)
+  return side_by_side({n: p[n] for n in kda_input_names(p)}, dtype)
 
 
 def mla_input_names(mixer) -> tuple[str, ...]:
@@ -117,19 +129,14 @@ def mla_input_names(mixer) -> tuple[str, ...]:
 
 def mla_input_cols(mixer) -> dict:
   """{name: (first column, width)} of each weight of `mla_input_names` in the matrix."""
-  cols, at = {}, 0
-  for n in mla_input_names(mixer):
-    w = getattr(mixer, n)[...]
-    cols[n], at = (at, w.size // w.shape[0]), at + w.size // w.shape[0]
-  return cols
+  return side_by_side_cols({n: getattr(mixer, n)[...] for n in mla_input_names(mixer)})
 
 
 def mla_input_matrix(mixer, dtype) -> jax.Array:
   """An MLA layer's input projections side by side, [D, N] in `dtype` (each weight's output
   axes flattened, head-major): one GEMM per decode step instead of two or three. Built once per
   weight load (`forward.DecoderStack(model, input_matrices=True)`)."""
-  return jnp.concatenate([getattr(mixer, n)[...].reshape(mixer.cfg.d_model, -1).astype(dtype)
-                          for n in mla_input_names(mixer)], axis=1)
+  return side_by_side({n: getattr(mixer, n)[...] for n in mla_input_names(mixer)}, dtype)
 
 
 def kda_step_fused(mixer, x: jax.Array, cache: dict, n_valid: jax.Array, *, pad, rows: int,
