@@ -291,15 +291,12 @@ def mla_cached(mixer, x: jax.Array, cache: dict, start: jax.Array, *, kv_block: 
                  preferred_element_type=jnp.float32).reshape(R, T, -1)
     piece = lambda n: jax.lax.slice_in_dim(xw, cols[n][0], cols[n][0] + cols[n][1], axis=2)
     H = cfg.mla_num_heads
-    if cfg.q_lora_rank:
-      c_q = mixer.q_norm(piece("w_dq").astype(dtype)).astype(dtype)
-      q = nn.project(c_q, mixer.w_uq[...], dtype=dtype)
+    if cfg.q_lora_rank:  # the model's own formulas from the pieces of the one GEMM
+      q = mixer.query_from_down(piece("w_dq"))
     else:
       q = piece("w_q").astype(dtype).reshape(R, T, H, cfg.qk_head_dim)
     q = q[:B].astype(jnp.float32)
-    ckv = piece("w_dkv").astype(dtype)[:B]
-    c_kv = mixer.kv_norm(ckv[..., :cfg.kv_lora_rank]).astype(dtype)
-    k_rope = ckv[..., cfg.kv_lora_rank:]
+    c_kv, k_rope = mixer.latent_from_down(piece("w_dkv")[:B])
     if cfg.mla_output_gate:
       gate_logits = piece("w_gate").reshape(R, T, H, cfg.v_head_dim)
   pos = start[:, None] + jnp.arange(T)[None]

@@ -155,18 +155,31 @@ class MLA(nnx.Module):
     latent cache stores per token."""
     return self._latent(x)
 
+  def query_from_down(self, c_q: jax.Array) -> jax.Array:
+    """The query from its down-projection c_q = x W_dq [B,T,q_lora] (any float dtype: rounded
+    to cfg.dtype here, as `nn.project` rounds it): W_uq RMSNorm(c_q) [B,T,H,qk_nope+qk_rope]
+    in cfg.dtype. For a caller that computed x W_dq in a wider GEMM (the decode step's)."""
+    dtype = jnp.dtype(self.cfg.dtype)
+    c_q = self.q_norm(c_q.astype(dtype)).astype(dtype)
+    return nn.project(c_q, self.w_uq[...], dtype=dtype)  # [B, T, H, 192]
+
+  def latent_from_down(self, ckv: jax.Array) -> tuple[jax.Array, jax.Array]:
+    """`latent` from x W_dkv [B,T,kv_lora+rope] (any float dtype: rounded to cfg.dtype here):
+    (RMSNorm(c_kv) [B,T,kv_lora], k_rope [B,T,rope]) in cfg.dtype."""
+    dtype = jnp.dtype(self.cfg.dtype)
+    ckv = ckv.astype(dtype)
+    c_kv, k_rope = ckv[..., :self.cfg.kv_lora_rank], ckv[..., self.cfg.kv_lora_rank:]
+    return self.kv_norm(c_kv).astype(dtype), k_rope
+
   def _query(self, x):
     dtype = jnp.dtype(self.cfg.dtype)
     if not self.cfg.q_lora_rank:
       return nn.project(x, self.w_q[...], dtype=dtype)  # [B, T, H, 192]
-    c_q = self.q_norm(nn.project(x, self.w_dq[...], dtype=dtype)).astype(dtype)
-    return nn.project(c_q, self.w_uq[...], dtype=dtype)  # [B, T, H, 192]
+    return self.query_from_down(nn.project(x, self.w_dq[...], dtype=dtype))
 
   def _latent(self, x):
-    dtype = jnp.dtype(self.cfg.dtype)
-    ckv = nn.project(x, self.w_dkv[...], dtype=dtype)
-    c_kv, k_rope = ckv[..., :self.cfg.kv_lora_rank], ckv[..., self.cfg.kv_lora_rank:]
-    return self.kv_norm(c_kv).astype(dtype), k_rope
+    return self.latent_from_down(nn.project(x, self.w_dkv[...],
+                                            dtype=jnp.dtype(self.cfg.dtype)))
 
   def _gated_out(self, x, o, gate_logits=None):
     dtype = jnp.dtype(self.cfg.dtype)
