@@ -9,6 +9,7 @@
 
 from sparse_lm.data.pipeline import (
     DataConfig,
+    PipelineChangedError,
     describe,
     make_eval_batches,
     make_train_iterator,
@@ -19,7 +20,7 @@ from sparse_lm.data.tokenizer import SPECIAL_TOKENS, Tokenizer, load_or_train_to
 from sparse_lm.data.tokenizer_hf import HFCheckpointTokenizer  # registers hf:DIR
 
 __all__ = [
-    "DataConfig", "describe", "load_or_train_tokenizer", "make_eval_batches",
+    "DataConfig", "PipelineChangedError", "describe", "load_or_train_tokenizer", "make_eval_batches",
     "make_train_iterator", "state_to_json_compatible", "SCHEMES", "SPECIAL_TOKENS", "Tokenizer",
     "HFCheckpointTokenizer",
     "is_eval_document", "open_source",

@@ -151,6 +151,13 @@ def _open(data_cfg: DataConfig, split: str) -> sources.Source:
            if split == "train" and source.split_by != "documents" else
            "Set data.eval_split=tail to hold out the tail of every document, or "
            "data.eval_fraction=0 to train without a held-out split."))
+  if split == "train" and not any((text := source.load(i)) and text.strip()
+                                  for i in range(len(source))):
+    # Documents but no text: the packer would wait for its first token forever (a run that
+    # hangs, and SIGTERM waits for a step that never ends).
+    raise ValueError(
+        f"data source {data_cfg.source!r}: its {len(source)} training document(s) hold no text "
+        "(empty or whitespace only). Point data.source at files with text.")
   return source
 
 
@@ -207,6 +214,11 @@ class _Prefetch(grain_exp.ThreadPrefetchIterDataset):
     return _PrefetchIterator(self._parent.__iter__(), self._prefetch)
 
 
+class PipelineChangedError(ValueError):
+  """A saved data-iterator state comes from a pipeline with other settings (source, seed,
+  batch, length, shard, tokenizer): restoring it would not reproduce the saved run's data."""
+
+
 # Signature keys added since states were first saved, with the value they implicitly had.
 _BEFORE_KEY = {"eval_split": "documents", "shuffle_window": 0}
 
@@ -237,7 +249,7 @@ class _TrainIterator(grain.DatasetIterator):
     diff = {k: (saved.get(k), v) for k, v in self._signature.items()
             if saved.get(k) != v and not (k not in saved and _BEFORE_KEY.get(k) == v)}
     if diff:
-      raise ValueError(
+      raise PipelineChangedError(
           "the saved data-iterator state comes from a different input pipeline, so resuming "
           "would not reproduce its data; differing settings (saved, now): "
           + ", ".join(f"{k}: {a!r} vs {b!r}" for k, (a, b) in sorted(diff.items())))

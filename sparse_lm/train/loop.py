@@ -263,7 +263,8 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
                         int(jax.device_get(state.step)), progress=progress,
                         progress_every=progress_every, alerts=alerts, on_step=on_step,
                         precompile=(jax.default_backend() == "gpu" if precompile is None
-                                    else precompile))
+                                    else precompile),
+                        allow_config_change=allow_config_change)
       no_eval = "no held-out split"
       if stage.data.eval_fraction > 0 and not loop.eval_batches:
         no_eval = "no held-out loss: the held-out split has no tokens"
@@ -312,7 +313,8 @@ class _StageLoop:
   """The step loop of one run: data, checkpoints, evaluation and feedback."""
 
   def __init__(self, stage, mesh, parts, ckpt, tokenizer, data_state, start_step: int, *,
-               progress, progress_every, alerts, on_step, precompile=False):
+               progress, progress_every, alerts, on_step, precompile=False,
+               allow_config_change=False):
     self.stage, self.mesh, self.parts, self.ckpt, self.tokenizer = (stage, mesh, parts, ckpt,
                                                                     tokenizer)
     self.alerts, self.on_step = alerts, on_step
@@ -329,7 +331,15 @@ class _StageLoop:
         process_count=num_shards, patch_size=stage.model_config().vision_patch_size)
     mine = shard_state(data_state, self.shard)
     if mine:
-      self.train_iter.set_state(mine)
+      try:
+        self.train_iter.set_state(mine)
+      except data_lib.PipelineChangedError as e:
+        if not allow_config_change:
+          raise
+        # The batch, length or data changed on purpose: the saved position means nothing in
+        # the new stream, which starts from its beginning.
+        print(f"[{stage.name}] --allow-config-change: the data stream starts over ({e})",
+              flush=True)
     self.eval_rows = stage.eval_batch_size or stage.global_batch
     self.eval_batches = self._eval_batches(stage.seq_len)
     # a resumed run logs from start_step on: lines a killed run wrote past it are dropped

@@ -185,6 +185,21 @@ def test_config_validation_names_the_field():
       DataConfig(**kwargs)
 
 
+@pytest.mark.parametrize("texts", [[""], ["\n\n   \n\n"], ["", " \t\n"]])
+def test_a_source_without_text_is_refused_before_training(tmp_path, corpus_tokenizer, texts):
+  """A newcomer's empty `text:` file used to hang the run: one document, no token, and the
+  packer waited for a first token forever. Now the train iterator refuses it by name."""
+  for i, text in enumerate(texts):
+    (tmp_path / f"doc{i}.txt").write_text(text)
+  source = f"text:{tmp_path}" if len(texts) > 1 else f"text:{tmp_path / 'doc0.txt'}"
+  cfg = DataConfig(source=source, eval_fraction=0.0, prefetch=0)
+  with pytest.raises(ValueError, match=r"training document\(s\) hold no text"):
+    make_train_iterator(cfg, corpus_tokenizer, seq_len=32, batch_size=2)
+  (tmp_path / "doc0.txt").write_text("def f():\n  return 1\n")  # one line of text: trains
+  batch = next(iter(make_train_iterator(cfg, corpus_tokenizer, seq_len=32, batch_size=2)))
+  assert batch["tokens"].shape == (2, 32) and batch["loss_mask"].sum() > 0
+
+
 def test_unknown_source_scheme_lists_valid_schemes():
   with pytest.raises(ValueError) as e:
     DataConfig(source="hdfs:/data/x")

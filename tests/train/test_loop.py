@@ -127,6 +127,14 @@ def test_resume_refuses_another_model_or_schedule_and_a_held_lock(workdir):
   with WorkdirLock(workdir / stage.name):
     with pytest.raises(WorkdirLockedError, match=f"in use by another run: pid {os.getpid()} "):
       loop.run(stage, workdir, progress=False)
+  # Another data seed: the saved data position belongs to another stream. Refused without
+  # the flag (the schedule check names it); with it, the stage resumes and reads its new data
+  # from the start (this used to stop on the data-iterator state, flag or not).
+  reseeded = small_stage(steps=6, data=dataclasses.replace(stage.data, seed=7))
+  with pytest.raises(ConfigMismatchError, match=r"seed"):
+    loop.run(reseeded, workdir, progress=False)
+  resumed = loop.run(reseeded, workdir, progress=False, allow_config_change=True)
+  assert resumed.start_step == max(steps) and resumed.end_step == 6 and not resumed.preempted
 
 
 def test_nan_loss_stops_and_keeps_last_good_checkpoint(workdir):
