@@ -251,14 +251,17 @@ def main(argv=None) -> int:
     os.environ["LIBTPU_INIT_ARGS"] = f"{libtpu_args} --xla_jf_debug_level=0".strip()
   from experiments.base import apply_overrides
 
-  try:
-    stage = apply_overrides(stage_config(args.stage, args.preset), args.sets)
-  except ValueError as e:
-    p.error(str(e))
-  topology = args.topology or stage.topology
   if args.num_slices is not None and args.num_slices < 1:
     p.error(f"--num-slices={args.num_slices} must be >= 1")
-  num_slices = args.num_slices or stage.num_slices
+  # --topology / --num-slices are stage fields: the mesh layout is checked against them
+  # (a dcn_data=2 layout needs num_slices=2 when the config is validated, not after).
+  sets = list(args.sets) + ([f"topology={args.topology}"] if args.topology else []) + (
+      [f"num_slices={args.num_slices}"] if args.num_slices else [])
+  try:
+    stage = apply_overrides(stage_config(args.stage, args.preset), sets)
+  except ValueError as e:
+    p.error(str(e))
+  topology, num_slices = stage.topology, stage.num_slices
   if topology is None:
     p.error(f"{args.stage} ({args.preset}) names no topology; pass --topology")
   chip = chip_of(topology)

@@ -21,3 +21,23 @@ def test_zero_slices_is_refused(capsys):
                    "--num-slices", "0"])
   assert e.value.code == 2
   assert "--num-slices=0 must be >= 1" in capsys.readouterr().err
+
+
+def test_topology_and_slices_flags_are_the_ones_the_mesh_is_checked_against(monkeypatch):
+  """A multislice layout (dcn_data=2) with --num-slices 2 was refused ("multiply to 2, but
+  there are 1 slices"): the stage config was validated before the flags were applied."""
+  seen = {}
+
+  class Reached(Exception):
+    pass
+
+  def fake_devices(topology, num_slices=1):
+    seen.update(topology=topology, num_slices=num_slices)
+    raise Reached
+
+  monkeypatch.setattr(aot_plan, "topology_devices", fake_devices)
+  with pytest.raises(Reached):
+    aot_plan.main(["--stage", "stage_8k", "--preset", "full", "--topology", "v5p:8x16x8",
+                   "--num-slices", "2", "--set", "mesh=dcn_data=2,fsdp=-1,expert=128,context=8",
+                   "--lower-only", "--malloc-arenas", "0"])
+  assert seen == {"topology": "v5p:8x16x8", "num_slices": 2}
