@@ -223,12 +223,27 @@ def quiet_abandoned_reads() -> None:
   _QUIET.append(hook)
 
 
-def check_tokenizer(meta: dict[str, Any], fingerprint: str, where: str) -> None:
-  """Raise TokenizerMismatchError if the checkpoint was written with another tokenizer."""
+def check_tokenizer(meta: dict[str, Any], fingerprint: str, where: str,
+                    source: str | None = None) -> None:
+  """Raise TokenizerMismatchError if the checkpoint was written with another tokenizer.
+
+  `source`: this run's data.source; the message names it beside the one the checkpoint's run
+  trained on (a tokenizer is trained from the data source unless data.tokenizer names one, so
+  a stage run without the earlier stage's `--set data.source=...` gets another tokenizer)."""
   saved = (meta.get("tokenizer") or {}).get("fingerprint")
   if saved is not None and saved != fingerprint:
+    data = ((meta.get("stage") or {}).get("data") or {}) if isinstance(meta.get("stage"),
+                                                                       dict) else {}
+    then, then_tok = data.get("source"), data.get("tokenizer")
+    hint = ""
+    if then is not None and source is not None and then != source:
+      hint = (f" The checkpoint's run read data.source={then!r}, this one {source!r}: data "
+              "overrides are per command, so give the earlier run's again (--set "
+              f"data.source={then})")
+      hint += (f" or its tokenizer (--set data.tokenizer={then_tok})." if then_tok else
+               ", or name its tokenizer file (--set data.tokenizer=PATH).")
     raise TokenizerMismatchError(
-        f"{where} was written with tokenizer {saved}, but this run uses {fingerprint}. "
+        f"{where} was written with tokenizer {saved}, but this run uses {fingerprint}.{hint} "
         "Use the same tokenizer (the one cached in the workdir) or start a new workdir.")
 
 

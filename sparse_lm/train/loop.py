@@ -294,7 +294,8 @@ def _starting_state(stage, workdir, parts, ckpt, tokenizer, allow_config_change,
   changes: list[str] = []
 
   def check(meta):
-    check_tokenizer(meta, tokenizer.fingerprint, f"checkpoint {ckpt.directory}")
+    check_tokenizer(meta, tokenizer.fingerprint, f"checkpoint {ckpt.directory}",
+                    stage.data.source)
     changes[:] = check_resume(meta, stage, allow_config_change=allow_config_change)
 
   restored = ckpt.restore_latest(target, check_meta=check)
@@ -566,7 +567,8 @@ def _init_from(stage, workdir, target, fingerprint, parts, say) -> TrainState:
     raise FileNotFoundError(_init_from_missing(stage, workdir, prev_dir))
   state, _, meta = restored
   prev.close()
-  check_tokenizer(meta, fingerprint, f"stage {stage.init_from} checkpoint {prev_dir}")
+  check_tokenizer(meta, fingerprint, f"stage {stage.init_from} checkpoint {prev_dir}",
+                  stage.data.source)
   if not meta.get("final"):
     say(f"[{stage.name}] warning: {stage.init_from} did not finish; using its step "
         f"{meta.get('step')} checkpoint")

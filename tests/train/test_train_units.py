@@ -114,6 +114,16 @@ def test_tokenizer_mismatch_is_an_error():
   ckpt_lib.check_tokenizer({"tokenizer": {"fingerprint": "abc"}}, "abc", "x")
   with pytest.raises(ckpt_lib.TokenizerMismatchError, match="abc.*def"):
     ckpt_lib.check_tokenizer({"tokenizer": {"fingerprint": "abc"}}, "def", "checkpoint x")
+  # The curriculum after a custom source: stage_64k run without stage_8k's --set
+  # data.source=... trains another tokenizer; the error names both sources and the fix.
+  from experiments import stage_8k
+  from experiments.base import apply_overrides
+  then = apply_overrides(stage_8k.TINY, ["data.source=text:/data/book.txt"])
+  meta = ckpt_lib.make_meta(then, "abc", "{}")
+  with pytest.raises(ckpt_lib.TokenizerMismatchError,
+                     match=r"data.source='text:/data/book.txt', this one 'stdlib'.*"
+                     r"--set data.source=text:/data/book.txt"):
+    ckpt_lib.check_tokenizer(meta, "def", "stage stage_8k checkpoint x", "stdlib")
 
 
 def test_reset_schedule_count_keeps_adam_count():
