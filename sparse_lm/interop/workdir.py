@@ -160,6 +160,11 @@ def _unwrap(tree):
 def _stage_step_dir(workdir, stage: str | None) -> pathlib.Path:
   """The newest step directory of `stage` (default: the stage whose newest checkpoint is the
   most recent) under `workdir/<stage>/checkpoints/`; FileNotFoundError listing the stages."""
+  return _stage_step_dirs(workdir, stage)[0]
+
+
+def _stage_step_dirs(workdir, stage: str | None) -> list[pathlib.Path]:
+  """The step directories of `stage` (chosen as `_stage_step_dir` does), newest first."""
   root = pathlib.Path(workdir).absolute()
   steps = [d for d in root.glob("*/checkpoints/*")
            if d.name.isdigit() and (d / "state").is_dir() and (d / "meta").is_dir()]
@@ -171,7 +176,32 @@ def _stage_step_dir(workdir, stage: str | None) -> pathlib.Path:
                             f"checkpoints: {names or 'none'})")
   if stage is None:
     stage = max(steps, key=lambda d: d.stat().st_mtime).parents[1].name
-  return max((d for d in steps if d.parents[1].name == stage), key=lambda d: int(d.name))
+  return sorted((d for d in steps if d.parents[1].name == stage), key=lambda d: -int(d.name))
+
+
+def _newest_readable(workdir, stage: str | None, read):
+  """read(step_dir, meta) of the newest step of `stage` that can be read, as the training
+  loop and `sparse_lm.train.load` fall back: a step that fails (a truncated or damaged write)
+  is skipped with a RuntimeWarning naming it and the step used. Raises the newest step's error
+  (with every step's reason) when none can be read."""
+  import warnings  # pylint: disable=g-import-not-at-top
+  dirs, failed = _stage_step_dirs(workdir, stage), []
+  for step_dir in dirs:
+    try:
+      out = read(step_dir, _step_meta(step_dir))
+    except Exception as e:  # pylint: disable=broad-except
+      from sparse_lm.train.checkpoint import read_failure  # pylint: disable=g-import-not-at-top
+      failed.append((step_dir, e, read_failure(e)))
+      continue
+    if failed:
+      warnings.warn(
+          f"{step_dir.parents[1].name}: step(s) "
+          + ", ".join(f"{d.name} ({why})" for d, _, why in failed)
+          + f" could not be read; using step {step_dir.name}", RuntimeWarning, stacklevel=3)
+    return out
+  raise RuntimeError(
+      f"no checkpoint step of {dirs[0].parents[1].name} in {dirs[0].parents[1]} can be read: "
+      + "; ".join(f"step {d.name}: {why}" for d, _, why in failed)) from failed[0][1]
 
 
 def stage_tokenizer(workdir, stage: str | None = None):
@@ -195,13 +225,14 @@ def _meta_tokenizer(meta: dict):
 
 def load_stage_checkpoint(workdir, stage: str | None = None) -> tuple[nnx.Module, ModelConfig]:
   """(model on the first device, cfg) of the newest step of `stage` (default: the stage whose
-  newest checkpoint is the most recent) under `workdir/<stage>/checkpoints/`.
+  newest checkpoint is the most recent) under `workdir/<stage>/checkpoints/`; a step that
+  cannot be read is skipped with a RuntimeWarning naming it and the step used.
 
   Raises:
     FileNotFoundError: no such checkpoint (the message lists the stages found).
+    RuntimeError: none of the stage's steps can be read (each step's reason named).
   """
-  step_dir = _stage_step_dir(workdir, stage)
-  return _load_step(step_dir, _step_meta(step_dir))
+  return _newest_readable(workdir, stage, _load_step)
 
 
 def load_stage_with_tokenizer(
@@ -209,14 +240,16 @@ def load_stage_with_tokenizer(
   """(model, cfg, tokenizer or None) of the checkpoint `load_stage_checkpoint` reads, the
   tokenizer (a `sparse_lm.data.Tokenizer`) from that same step's meta, as `stage_tokenizer`
   reads it: the step directory is resolved once, so a stage written meanwhile cannot pair one
-  step's weights with another step's tokenizer.
+  step's weights with another step's tokenizer. Falls back over unreadable steps as
+  `load_stage_checkpoint` does.
 
   Raises:
     FileNotFoundError: no such checkpoint (the message lists the stages found).
+    RuntimeError: none of the stage's steps can be read.
   """
-  step_dir = _stage_step_dir(workdir, stage)
-  meta = _step_meta(step_dir)
-  return (*_load_step(step_dir, meta), _meta_tokenizer(meta))
+  return _newest_readable(workdir, stage,
+                          lambda step_dir, meta: (*_load_step(step_dir, meta),
+                                                  _meta_tokenizer(meta)))
 
 
 def _load_step(step_dir: pathlib.Path, meta: dict) -> tuple[nnx.Module, ModelConfig]:
