@@ -22,6 +22,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import pathlib
+import re
 
 from flax import nnx  # the model is imported only where one is built (StageConfig reads this)
 
@@ -179,6 +180,15 @@ def _stage_step_dirs(workdir, stage: str | None) -> list[pathlib.Path]:
   return sorted((d for d in steps if d.parents[1].name == stage), key=lambda d: -int(d.name))
 
 
+def read_failure(e: BaseException) -> str:
+  """A failed checkpoint read as one line: the error's type and the first line of its message
+  without TensorStore's spec dump (" [tensorstore_spec ...", or a "<bound method ... spec of
+  TensorStore({...})" repr), at most 300 characters of it (the training loop's checkpoint fallback uses it too)."""
+  first = str(e).split("\n")[0]
+  why = re.split(r" \[tensorstore_spec|<bound method|TensorStore\(\{", first)[0]
+  return f"{type(e).__name__}: {why.rstrip(' ,:;(')[:300]}"
+
+
 def _newest_readable(workdir, stage: str | None, read):
   """read(step_dir, meta) of the newest step of `stage` that can be read, as the training
   loop and `sparse_lm.train.load` fall back: a step that fails (a truncated or damaged write)
@@ -190,7 +200,6 @@ def _newest_readable(workdir, stage: str | None, read):
     try:
       out = read(step_dir, _step_meta(step_dir))
     except Exception as e:  # pylint: disable=broad-except
-      from sparse_lm.train.checkpoint import read_failure  # pylint: disable=g-import-not-at-top
       failed.append((step_dir, e, read_failure(e)))
       continue
     if failed:

@@ -23,7 +23,6 @@ import json
 import logging
 import os
 import pathlib
-import re
 import shutil
 import sys
 import time
@@ -38,6 +37,7 @@ from jax.experimental import multihost_utils
 
 from sparse_lm.config import PRESETS, ModelConfig
 from sparse_lm.data import DataConfig
+from sparse_lm.interop.workdir import read_failure  # re-exported: generate, tests
 from sparse_lm.sharding import MeshLayout
 from sparse_lm.train.config import StageConfig
 from sparse_lm.train.optimizer import OptimizerConfig
@@ -183,15 +183,6 @@ class _AbandonedReadFilter(logging.Filter):
 
 _READ_MARKS = ("orbax", "tensorstore", "OCDBT")
 _QUIET = []
-
-
-def read_failure(e: BaseException) -> str:
-  """A failed checkpoint read as one line: the error's type and the first line of its message
-  without TensorStore's spec dump (" [tensorstore_spec ...", or a "<bound method ... spec of
-  TensorStore({...})" repr), at most 300 characters of it."""
-  first = str(e).split("\n")[0]
-  why = re.split(r" \[tensorstore_spec|<bound method|TensorStore\(\{", first)[0]
-  return f"{type(e).__name__}: {why.rstrip(' ,:;(')[:300]}"
 
 
 def quiet_abandoned_reads() -> None:
