@@ -204,6 +204,14 @@ def plan_steps(stage, devices, *, hbm: int, rss, steps=("train",),
   return reports
 
 
+def _params(n: int) -> str:
+  """A parameter count for a line of text: 2.80T, 451.0M, 1.94M, 12.3K."""
+  for unit, div in (("T", 1e12), ("B", 1e9), ("M", 1e6), ("K", 1e3)):
+    if n >= div:
+      return f"{n / div:.{2 if unit in 'TB' else 1}f}{unit}"
+  return str(n)
+
+
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   p.add_argument("--stage", default="stage_8k", help="experiments/<stage>.py")
@@ -291,7 +299,7 @@ def main(argv=None) -> int:
       return 1
   peak = rss.peak()  # resident high-water, or resident + swapped where swap was used
   r0 = reports[0]
-  print(f"[aot_plan] mesh {r0['mesh']}; {r0['num_params'] / 1e9:.2f}B params; train state "
+  print(f"[aot_plan] mesh {r0['mesh']}; {_params(r0['num_params'])} params; train state "
         f"{r0['state_bytes_global'] / GB:.1f} GB global = "
         f"{r0['state_bytes_global'] / len(devices) / GB:.2f} GB/device if evenly sharded")
   print(f"[aot_plan] host memory: {rss.report()}")

@@ -41,3 +41,10 @@ def test_topology_and_slices_flags_are_the_ones_the_mesh_is_checked_against(monk
                    "--num-slices", "2", "--set", "mesh=dcn_data=2,fsdp=-1,expert=128,context=8",
                    "--lower-only", "--malloc-arenas", "0"])
   assert seen == {"topology": "v5p:8x16x8", "num_slices": 2}
+
+
+def test_parameter_counts_print_in_a_readable_unit():
+  """The tiny preset printed as '0.00B params'."""
+  assert [aot_plan._params(n) for n in (2_801_000_000_000, 1_994_500_000, 451_000_000,
+                                        1_940_000, 12_300, 7)] == [
+      "2.80T", "1.99B", "451.0M", "1.9M", "12.3K", "7"]
