@@ -63,8 +63,14 @@ def open_split(data_cfg, split: str):
   src = image_sources.open_images(data_cfg.images, split=split,
                                   eval_fraction=data_cfg.eval_fraction)
   if len(src) == 0:
-    raise ValueError(f"image source {data_cfg.images!r} has no {split} images "
-                     f"(eval_fraction={data_cfg.eval_fraction})")
+    everything = len(image_sources.open_images(data_cfg.images, split="train",
+                                               eval_fraction=0.0))
+    raise ValueError(
+        f"image source {data_cfg.images!r} has no {split} images ({everything} images in all, "
+        f"data.eval_fraction={data_cfg.eval_fraction} held out by a hash of each image's "
+        "name). " + ("Add images, or raise data.eval_fraction (it holds out text and images "
+                     "alike), or set data.eval_fraction=0 to train without a held-out split."
+                     if split == "eval" else "Add images, or lower data.eval_fraction."))
   return src
 
 
@@ -84,7 +90,11 @@ def mix_images(text_chunks: grain.IterDataset, data_cfg, tokenizer, *, split: st
   ds = grain.MapDataset.source(idx)
   if shuffle:
     ds = ds.shuffle(seed=data_cfg.seed + 1)
-  ds = ds.repeat(num_epochs if split == "train" else 1)
+  # The held-out images repeat (in order) so that the mix below, which ends with its shorter
+  # input, ends with the held-out text: a few held-out images used to cut the held-out
+  # batches short, the same handful of documents at every length.
+  ds = ds.repeat(num_epochs if split == "train" else
+                 None if data_cfg.image_ratio < 1.0 else 1)
   load = _LoadExample(src, tokenizer, seq_len=seq_len, patch_size=patch_size,
                       max_side=data_cfg.image_max_side,
                       max_patches=patches_per_row(data_cfg, seq_len))

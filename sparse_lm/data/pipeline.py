@@ -399,7 +399,8 @@ def make_eval_batches(data_cfg: DataConfig, tokenizer: Tokenizer, *, seq_len: in
     if len(batches) == num_batches:
       break
   if len(batches) < num_batches:
-    _log.warning("held-out split of %s has only %d batches of %dx%d tokens (asked for %d)",
+    _log.warning("held-out split of %s has only %d batches of %dx%d tokens (asked for %d): "
+                 "its text runs out; give more text or raise data.eval_fraction",
                  data_cfg.source, len(batches), batch_size, seq_len, num_batches)
   return batches
 

@@ -243,3 +243,39 @@ def test_eval_batches_with_images(mixed_cfg, stdlib_tok):
   for x, y in zip(a, b):
     for k in x:
       np.testing.assert_array_equal(x[k], y[k])
+
+
+def test_a_few_held_out_images_do_not_cut_the_held_out_batches_short(tmp_path, stdlib_tok):
+  """A newcomer's folder of a few images: the held-out batches ended when the held-out images
+  ran out (the mix ends with its shorter input), the same rows at every length; and a split
+  with no held-out image is refused with the fix named."""
+  rng = np.random.default_rng(3)
+  for i in range(12):
+    Image.fromarray(rng.integers(0, 256, (30, 40, 3), dtype=np.uint8)).save(
+        tmp_path / f"picture_{i}.png")
+  frac = 0.2
+  held = len(image_sources.open_images(f"imagefolder:{tmp_path}", split="eval",
+                                       eval_fraction=frac))
+  assert 1 <= held <= 4  # a few held-out images (a hash of the names picks them)
+  cfg = DataConfig(images=f"imagefolder:{tmp_path}", image_ratio=0.5, eval_fraction=frac,
+                   prefetch=0, image_patches_per_row=64)
+  batches = make_eval_batches(cfg, stdlib_tok, seq_len=64, batch_size=2, num_batches=8,
+                              patch_size=P)
+  assert len(batches) == 8
+  assert sum(int((b["tokens"] == IMG).sum()) for b in batches) > 0
+  again = make_eval_batches(cfg, stdlib_tok, seq_len=64, batch_size=2, num_batches=8,
+                            patch_size=P)
+  for x, y in zip(batches, again):  # still deterministic
+    for k in x:
+      np.testing.assert_array_equal(x[k], y[k])
+  only = tmp_path / "one"
+  only.mkdir()
+  Image.fromarray(rng.integers(0, 256, (30, 40, 3), dtype=np.uint8)).save(only / "a.png")
+  none_held = DataConfig(images=f"imagefolder:{only}", image_ratio=0.5, eval_fraction=0.02,
+                         prefetch=0)
+  if len(image_sources.open_images(f"imagefolder:{only}", split="eval", eval_fraction=0.02)):
+    pytest.skip("the hash held out the only image")  # not with this name
+  with pytest.raises(ValueError, match=r"has no eval images \(1 images in all.*"
+                     r"data.eval_fraction=0 to train without"):
+    make_eval_batches(none_held, stdlib_tok, seq_len=64, batch_size=2, num_batches=1,
+                      patch_size=P)
