@@ -49,10 +49,19 @@ _NESTED = {"grpo": GRPOConfig, "sft_optim": OptimizerConfig, "grpo_optim": Optim
 def _typed(key: str, text: str, value, current):
   """value (parsed from text) as the type of the field's current value: an int or a float
   where the preset has a number, true/false where it has a bool, the text where it has a
-  string; fields whose preset value is None or a tuple take the parsed value as it is.
-  Raises ValueError naming the key, the value and the type wanted."""
+  string, ((name, value), ...) where it has a tuple (model_overrides, env_overrides: a JSON
+  list of [name, value] pairs or a JSON object); fields whose preset value is None take the
+  parsed value as it is. Raises ValueError naming the key, the value and the form wanted."""
   def bad(kind):
     return ValueError(f"--set {key}={text!r} must be {kind} (the preset has {current!r})")
+  if isinstance(current, tuple):
+    if isinstance(value, dict):
+      value = list(value.items())
+    if not (isinstance(value, list) and all(
+        isinstance(p, (list, tuple)) and len(p) == 2 and isinstance(p[0], str) for p in value)):
+      raise bad(f"a JSON list of [name, value] pairs, e.g. {key}='[[\"name\", 1]]' (or a "
+                "JSON object)")
+    return tuple((name, v) for name, v in value)
   if isinstance(current, bool):
     if not isinstance(value, bool):
       raise bad("true or false")
@@ -72,9 +81,9 @@ def _typed(key: str, text: str, value, current):
 
 def apply_sets(cfg: RLConfig, sets: list[str]) -> RLConfig:
   """`cfg` with each "field=value" (or "grpo.field=value", "sft_optim.field=value", ...)
-  replaced; values parse as JSON (numbers, true/false, null) and must have the type of the
-  preset's value (`_typed`). Raises ValueError naming an unknown field or a value of the wrong
-  type."""
+  replaced; values parse as JSON (numbers, true/false, null, lists) and must have the type of
+  the preset's value (`_typed`). "env=X" drops the preset's env_overrides as --env X does
+  (`with_env`). Raises ValueError naming an unknown field or a value of the wrong type."""
   top, nested = {}, {k: {} for k in _NESTED}
   for item in sets:
     key, sep, text = item.partition("=")
@@ -96,7 +105,17 @@ def apply_sets(cfg: RLConfig, sets: list[str]) -> RLConfig:
   for prefix, changes in nested.items():
     if changes:
       top[prefix] = dataclasses.replace(getattr(cfg, prefix), **changes)
+  if "env" in top:  # as --env: a --set env_overrides applies on top
+    cfg = with_env(cfg, top.pop("env"))
   return dataclasses.replace(cfg, **top)
+
+
+def with_env(cfg: RLConfig, env: str) -> RLConfig:
+  """`cfg` with environment `env`; the preset's env_overrides are its own env's settings
+  (the small preset's doc_chars is the passkey env's), so they are dropped when env changes."""
+  if env == cfg.env:
+    return cfg
+  return dataclasses.replace(cfg, env=env, env_overrides=())
 
 
 def main(argv=None) -> int:
@@ -113,10 +132,10 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   cfg = PRESETS[args.preset]
   try:
+    if args.env is not None:  # before the --sets: a --set env_overrides applies to this env
+      cfg = with_env(cfg, args.env)
     cfg = apply_sets(cfg, args.sets)
-    if args.env is not None and args.env != cfg.env:  # the preset's env settings are its env's
-      cfg = dataclasses.replace(cfg, env_overrides=())
-    for name in ("init_from", "env", "seed"):
+    for name in ("init_from", "seed"):
       if getattr(args, name) is not None:
         cfg = dataclasses.replace(cfg, **{name: getattr(args, name)})
     cfg.validate()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import pathlib
 import time
 from typing import Any
@@ -42,6 +43,10 @@ from sparse_lm.train.workdir import WorkdirLock, local_workdir
 EVAL_SEED_OFFSET = 1_000_003  # the held-out task stream
 # RLConfig fields a resumed phase may change: what is evaluated and how often it is saved.
 RESUMABLE_CHANGES = ("eval_tasks", "eval_every", "checkpoint_every")
+# RLConfig fields the SFT phase never reads (only GRPO's rollouts, rewards and steps do), so one
+# SFT checkpoint serves GRPO runs under other settings. seq_len too when sft_seq_len is set.
+GRPO_ONLY = ("grpo_steps", "prompts_per_step", "grpo", "grpo_optim", "partial_credit",
+             "max_turn_tokens")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,24 +86,22 @@ class RLConfig:
     """Raise ValueError naming the offending field."""
     for f in ("seq_len", "max_turn_tokens", "sft_batch", "prompts_per_step", "eval_tasks",
               "checkpoint_every"):
-      if not isinstance(getattr(self, f), int) or getattr(self, f) <= 0:
+      if not _is_int(getattr(self, f)) or getattr(self, f) <= 0:
         raise ValueError(f"RLConfig: {f}={getattr(self, f)!r} must be an integer > 0")
     for f in ("sft_steps", "grpo_steps", "eval_every", "seed"):
       value = getattr(self, f)
-      if not isinstance(value, int) or value < 0:
+      if not _is_int(value) or value < 0:
         raise ValueError(f"RLConfig: {f}={value!r} must be an integer >= 0"
                          + (" (0: evaluate only at the phases' ends)" if f == "eval_every"
                             else ""))
-    if self.sft_seq_len is not None and self.sft_seq_len <= 0:
-      raise ValueError(f"RLConfig: sft_seq_len={self.sft_seq_len} must be > 0 (or None)")
-    if not 0.0 <= self.partial_credit < 1.0:
-      raise ValueError(f"RLConfig: partial_credit={self.partial_credit} must be in [0, 1) (a "
+    if self.sft_seq_len is not None and (not _is_int(self.sft_seq_len)
+                                         or self.sft_seq_len <= 0):
+      raise ValueError(f"RLConfig: sft_seq_len={self.sft_seq_len!r} must be an integer > 0 "
+                       "(or None: seq_len)")
+    if not _is_number(self.partial_credit) or not 0.0 <= self.partial_credit < 1.0:
+      raise ValueError(f"RLConfig: partial_credit={self.partial_credit!r} must be in [0, 1) (a "
                        "success earns 1)")
-    if not self.grpo.temperature > 0:
-      raise ValueError(f"RLConfig: grpo.temperature={self.grpo.temperature} must be > 0")
-    if self.grpo.group_size < 2:
-      raise ValueError(f"RLConfig: grpo.group_size={self.grpo.group_size} must be >= 2 (the "
-                       "advantage is relative to the group)")
+    self._validate_grpo()
     for name in ("sft_optim", "grpo_optim"):  # before SFT runs, not when GRPO starts
       try:
         getattr(self, name).validate()
@@ -106,6 +109,37 @@ class RLConfig:
         raise ValueError(f"RLConfig: {str(e).replace('optim.', name + '.', 1)}") from None
     self.env_instance()
     get_preset(self.preset, **dict(self.model_overrides))
+
+  def _validate_grpo(self) -> None:
+    """Raise ValueError naming the `grpo.` field and its valid range (grpo.py's loss)."""
+    g = self.grpo
+    if not _is_int(g.group_size) or g.group_size < 2:
+      raise ValueError(f"RLConfig: grpo.group_size={g.group_size!r} must be an integer >= 2 "
+                       "(the advantage is relative to the group)")
+    if not isinstance(g.scale_by_std, bool):
+      raise ValueError(f"RLConfig: grpo.scale_by_std={g.scale_by_std!r} must be true or false")
+    # field: (test on a finite number, what it must be); `not test` also refuses NaN
+    ranges = {
+        "clip_low": (lambda x: 0 <= x <= 1, "in [0, 1] (the ratio is clipped below at "
+                     "1 - clip_low; DAPO uses 0.2)"),
+        "clip_high": (lambda x: x >= 0, ">= 0 (the ratio is clipped above at 1 + clip_high; "
+                      "DAPO uses 0.28)"),
+        "kl_coef": (lambda x: x >= 0, ">= 0 (0: no KL term, no reference policy)"),
+        "eps": (lambda x: x > 0, "> 0 (a group of equal rewards gets advantage 0, not 0/0)"),
+        "temperature": (lambda x: x > 0, "> 0 (the sampling policy is softmax(logits / T))"),
+    }
+    for name, (test, want) in ranges.items():
+      value = getattr(g, name)
+      if not _is_number(value) or not math.isfinite(value) or not test(value):
+        raise ValueError(f"RLConfig: grpo.{name}={value!r} must be a finite number {want}")
+
+
+def _is_int(x) -> bool:
+  return isinstance(x, int) and not isinstance(x, bool)
+
+
+def _is_number(x) -> bool:
+  return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def fit_lengths(cfg: RLConfig, tok, log=print, *, samples: int = 256) -> RLConfig:
@@ -191,22 +225,29 @@ def check_resume(meta: dict, cfg: RLConfig, phase: str) -> None:
   `meta["rl"]` is the config the checkpoint was saved with (`to_json`; checkpoints of older
   runs have none and are not checked). Fields outside RESUMABLE_CHANGES change what the
   resumed steps draw or optimise (env, seed, lengths, batch, optimiser, GRPO settings, the
-  model), so a run that continued under them would be neither the old run nor a new one.
+  model), so a run that continued under them would be neither the old run nor a new one. The
+  "sft" phase also ignores the fields it never reads (GRPO_ONLY, and seq_len when sft_seq_len
+  is set): its checkpoints serve GRPO runs under other GRPO settings.
 
   Raises:
-    ConfigMismatchError: the configs differ outside RESUMABLE_CHANGES (the message lists
-      "field: saved vs now" and the two ways on).
+    ConfigMismatchError: the configs differ outside the fields `phase` may change (the
+      message lists "field: saved vs now" and the ways on).
   """
   saved = meta.get("rl")
   if not saved:
     return
+  ignored = RESUMABLE_CHANGES
+  if phase == "sft":
+    ignored += GRPO_ONLY + (("seq_len",) if cfg.sft_seq_len is not None else ())
   diff = {k: v for k, v in differences(saved, to_json(cfg)).items()
-          if k.split(".")[0] not in RESUMABLE_CHANGES}
+          if k.split(".")[0] not in ignored}
   if diff:
+    hint = (" (or move <workdir>/grpo aside to run GRPO anew from the saved SFT phase)"
+            if phase == "grpo" else "")
     raise ConfigMismatchError(
         f"[{phase}] the checkpoint at step {meta.get('step')} was written with another RL "
         f"config: {listing(diff)}. Run with the saved settings to resume, or use a new "
-        "--workdir.")
+        f"--workdir{hint}.")
 
 
 def pretraining_stages(init_from: str) -> list[pathlib.Path]:
@@ -403,19 +444,24 @@ def grpo_batch(eps, rewards, cfg: RLConfig, logp_fn, state: TrainState, ref=None
 
 def run_grpo(cfg: RLConfig, workdir: pathlib.Path, model, tok, engine, log=print,
              progress: bool = False, preemption=None) -> tuple:
-  """The GRPO phase from `model` (the SFT result); returns (model, per-step metrics). Raises
-  Preempted (after a save) once `preemption` has a signal."""
+  """The GRPO phase from `model` (the SFT result), which is also the frozen reference policy of
+  the KL term (`grpo.kl_coef > 0`), in a resumed phase too; returns (model, per-step metrics).
+  Raises Preempted (after a save) once `preemption` has a signal."""
   env = cfg.env_instance()
   G, P = cfg.grpo.group_size, cfg.prompts_per_step
+  # The KL reference is the frozen SFT policy, `model`, taken before the phase restores a
+  # resumed run's GRPO state (which it is not). A copy: the step donates (deletes) the state's
+  # buffers, which are `model`'s own in a fresh phase; the reference must outlive them.
+  ref = None
+  if cfg.grpo.kl_coef > 0:
+    _, ref_params, ref_vars = split_model(model)
+    ref = jax.tree.map(jnp.copy, (ref_params, ref_vars))
   phase = _Phase(cfg, workdir, "grpo", model, cfg.grpo_optim, cfg.grpo_steps, progress,
                  preemption)
   graphdef, state = phase.graphdef, phase.state
   step_fn = jax.jit(grpo.make_grpo_step(graphdef, phase.tx, phase.schedule, cfg.grpo),
                     donate_argnums=0)
   logp_fn = make_logp_fn(graphdef)
-  # a copy: the step donates (deletes) the state's buffers, the reference must outlive them
-  ref = (jax.tree.map(jnp.copy, (state.params, state.model_vars)) if cfg.grpo.kl_coef > 0
-         else None)
   history = []
   # a resumed phase repeats the steps after its checkpoint: their old evals are dropped
   drop_lines_after(workdir / "grpo" / "eval_curve.jsonl", int(state.step))

@@ -2,6 +2,7 @@
 phase does not resume under another config."""
 
 import dataclasses
+import re
 import shutil
 import types
 
@@ -203,3 +204,107 @@ def test_a_second_run_in_the_same_workdir_stops_at_once(tmp_path, capsys):
   err = capsys.readouterr().err
   assert "is in use by another run: pid" in err, err
   assert not (tmp_path / "tokenizer.json").exists()
+
+
+def test_grpo_settings_are_validated_naming_the_field_and_range(tmp_path, capsys):
+  """`--set grpo.clip_low=-1` was accepted (a clip range above 1 on both sides); every GRPO
+  setting with an obvious range is now refused before anything compiles."""
+  cfg = PRESETS["tiny"]
+  for field, value, want in (
+      ("clip_low", -1.0, r"grpo.clip_low=-1.0 must be a finite number in \[0, 1\]"),
+      ("clip_low", 1.5, r"grpo.clip_low=1.5 must be a finite number in \[0, 1\]"),
+      ("clip_high", -0.2, r"grpo.clip_high=-0.2 must be a finite number >= 0"),
+      ("kl_coef", -0.05, r"grpo.kl_coef=-0.05 must be a finite number >= 0"),
+      ("kl_coef", float("nan"), r"grpo.kl_coef=nan must be"),
+      ("eps", 0.0, r"grpo.eps=0.0 must be a finite number > 0"),
+      ("temperature", 0.0, r"grpo.temperature=0.0 must be a finite number > 0"),
+      ("temperature", float("inf"), r"grpo.temperature=inf must be a finite number"),
+      ("group_size", 1, r"grpo.group_size=1 must be an integer >= 2"),
+      ("group_size", 2.5, r"grpo.group_size=2.5 must be an integer >= 2"),
+      ("scale_by_std", "yes", r"grpo.scale_by_std='yes' must be true or false")):
+    with pytest.raises(ValueError, match=want):
+      dataclasses.replace(cfg, grpo=dataclasses.replace(cfg.grpo, **{field: value})).validate()
+  for field, value, want in (("partial_credit", "x", "partial_credit='x' must be in"),
+                             ("sft_seq_len", "32", "sft_seq_len='32' must be an integer > 0")):
+    with pytest.raises(ValueError, match=want):
+      dataclasses.replace(cfg, **{field: value}).validate()
+  dataclasses.replace(cfg, grpo=dataclasses.replace(  # the edges of the ranges are valid
+      cfg.grpo, clip_low=0.0, clip_high=0.0, kl_coef=0.0, group_size=2)).validate()
+  # the CLI refuses it before the workdir, the tokenizer or a compile
+  from experiments import agentic_rl
+  with pytest.raises(SystemExit) as e:
+    agentic_rl.main(["--preset=tiny", f"--workdir={tmp_path}/rl", "--set", "grpo.clip_low=-1"])
+  assert e.value.code == 2
+  assert "grpo.clip_low=-1.0 must be a finite number in [0, 1]" in capsys.readouterr().err
+  assert not (tmp_path / "rl").exists()
+
+
+def test_set_env_drops_the_presets_env_settings_as_env_does(tmp_path, capsys):
+  """`--preset small --set env=lookup` kept the passkey env's doc_chars (LookupEnv got an
+  unexpected keyword argument 'doc_chars'); it now does what `--env lookup` does, and a
+  `--set env_overrides` given with either applies to the new env."""
+  small = PRESETS["small"]
+  assert small.env_overrides  # the passkey env's doc_chars
+  out = apply_sets(small, ["env=lookup"])
+  assert (out.env, out.env_overrides) == ("lookup", ())
+  out.validate()
+  out = apply_sets(small, ['env_overrides=[["num_keys", 8]]', "env=lookup"])
+  assert (out.env, out.env_overrides) == ("lookup", (("num_keys", 8),))
+  assert out.env_instance().num_keys == 8
+  assert apply_sets(small, ["env=passkey"]).env_overrides == small.env_overrides  # same env
+  from experiments import agentic_rl
+  for args in (["--set", "env=lookup"], ["--env=lookup"],
+               ["--env=lookup", "--set", 'env_overrides=[["num_keys", 8]]']):
+    with pytest.raises(SystemExit) as e:  # validation reaches the model config, past the env
+      agentic_rl.main(["--preset=small", f"--workdir={tmp_path}/rl", *args, "--set",
+                       'model_overrides=[["not_a_field", 1]]'])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert "not_a_field" in err and "doc_chars" not in err, err
+
+
+def test_tuple_fields_name_the_key_and_the_form():
+  """`--set model_overrides=num_layers` (not JSON) said "dictionary update sequence element #0
+  has length 1"; a tuple field now takes a JSON list of [name, value] pairs (or an object)
+  and names the key and that form otherwise."""
+  cfg = PRESETS["tiny"]
+  for text in ("num_layers", "[1, 2]", '[["num_layers"]]', '[[3, "num_layers"]]', "3"):
+    with pytest.raises(ValueError, match=r"--set model_overrides=.* must be a JSON list of "
+                       r"\[name, value\] pairs"):
+      apply_sets(cfg, [f"model_overrides={text}"])
+  with pytest.raises(ValueError, match=r"--set env_overrides='num_keys=8' must be a JSON list"):
+    apply_sets(cfg, ["env_overrides=num_keys=8"])
+  for text in ('[["num_layers", 3], ["mla_every", 2]]', '{"num_layers": 3, "mla_every": 2}'):
+    out = apply_sets(cfg, [f"model_overrides={text}"])
+    assert out.model_overrides == (("num_layers", 3), ("mla_every", 2))
+    out.validate()
+
+
+def test_sft_phase_resumes_under_other_grpo_settings():
+  """One SFT checkpoint serves GRPO runs with other GRPO settings (a finished workdir rerun
+  with `--set grpo_steps=3` stopped with "[sft] ... grpo_steps: 2 (saved) vs 3 (now)"); the
+  GRPO phase and SFT's own settings are still checked. The end-to-end resume is in
+  test_grpo_resume.py."""
+  cfg = PRESETS["tiny"]  # sft_seq_len set: seq_len is GRPO's alone
+  meta = {"step": 125, "rl": ckpt_lib.to_json(cfg)}
+  grpo_only = dataclasses.replace(
+      cfg, grpo_steps=3, prompts_per_step=4, partial_credit=0.0, max_turn_tokens=16,
+      seq_len=96, grpo=dataclasses.replace(cfg.grpo, kl_coef=0.05, clip_high=0.28),
+      grpo_optim=dataclasses.replace(cfg.grpo_optim, peak_lr=1e-4))
+  trainer.check_resume(meta, grpo_only, "sft")
+  with pytest.raises(ckpt_lib.ConfigMismatchError) as e:
+    trainer.check_resume(meta, grpo_only, "grpo")
+  assert "[grpo]" in str(e.value) and "grpo_steps: 40 (saved) vs 3 (now)" in str(e.value)
+  assert "move <workdir>/grpo aside" in str(e.value)
+  for change, want in ((dict(sft_batch=8), "sft_batch: 64 (saved) vs 8 (now)"),
+                       (dict(seed=1), "seed: 0 (saved) vs 1 (now)"),
+                       (dict(sft_seq_len=48), "sft_seq_len: 32 (saved) vs 48 (now)"),
+                       (dict(sft_optim=dataclasses.replace(cfg.sft_optim, peak_lr=1e-3)),
+                        "sft_optim.peak_lr")):
+    with pytest.raises(ckpt_lib.ConfigMismatchError, match=re.escape(want)):
+      trainer.check_resume(meta, dataclasses.replace(grpo_only, **change), "sft")
+  # without sft_seq_len, seq_len is SFT's length too
+  no_sft_len = dataclasses.replace(cfg, sft_seq_len=None)
+  meta = {"step": 125, "rl": ckpt_lib.to_json(no_sft_len)}
+  with pytest.raises(ckpt_lib.ConfigMismatchError, match=r"seq_len: 64 \(saved\) vs 96"):
+    trainer.check_resume(meta, dataclasses.replace(no_sft_len, seq_len=96), "sft")
