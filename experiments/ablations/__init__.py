@@ -1,7 +1,7 @@
 """Ablations of the seed's claims: per claim, stage configs that differ in one field, trained
 by the stage pipeline (`sparse_lm.train.loop.run`, built by `sparse_lm.train.builder`) on the
 same data, steps and seeds. `python -m experiments.ablations.report --preset=tiny` runs them and
-writes docs/ablations.md (see report.py).
+writes docs/ablations.md (see report.py). A preset is a budget on stage_8k's tiny model (PRESETS).
 
 Each `Ablation` names the `--set` key that differs (`field`), the values compared (`variants`,
 label -> value text as `--set` parses it), the `--set` items every variant shares (`common`),
@@ -25,6 +25,13 @@ class Ablation:
   not_measured: str = ""  # what the claim asks for that this harness does not measure yet
 
 
+# The presets are ablation budgets (steps, batch, sequence length, checkpoints) applied to
+# stage_8k's tiny stage: every preset trains the tiny model (sparse_lm/config.py `tiny`,
+# d_model 64), never stage_8k's `small` (1.6B) model, whatever its name. `small` is the tiny
+# model as stage_8k has it (9 layers, rows of 256) for 2,000 steps; `tiny` cuts it down (below).
+# BUDGETS says so in --help and the report (tests/ablations/test_report.py checks them against
+# the resolved configs).
+#
 # Every ablation at the tiny preset: stage_8k's tiny stage, shortened to a 5-layer model (3 KDA
 # + 2 MLA layers; a dense FFN in the first, MoE in the other 4), 80 steps of 16 x 128 tokens, the "blocked" grouped
 # matmul (moe/gmm.py; XLA's CPU ragged_dot works densely over the experts). Configurations that
@@ -46,6 +53,13 @@ PRESETS = {
               "sample_tokens=0", "optim.warmup_steps=1"),
 }
 SEEDS = (0, 1)
+# What each budget trains, for --help and the report (the balancing claim's `common` items
+# set its own 3-layer model and 256 x 32-token batch in every budget).
+BUDGETS = {
+    "tiny": "tiny model cut to 5 layers, 80 steps of 16 x 128 tokens",
+    "small": "tiny model at its own 9 layers, 2,000 steps of 8 x 256 tokens",
+    "smoke": "tiny model cut to 5 layers, 2 steps of 4 x 64 tokens (tests)",
+}
 
 ABLATIONS = (
     Ablation(

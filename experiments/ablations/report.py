@@ -1,7 +1,10 @@
 """Run the ablations and write docs/ablations.md with tables and plots from the run's numbers.
 
   python -m experiments.ablations.report --preset=tiny [--only balancing,gate]
-      [--workdir runs/ablations] [--seeds 0,1] [--from-results]
+      [--workdir runs/ablations] [--seeds 0,1] [--jobs 2] [--from-results]
+
+Every run trains stage_8k's tiny model; `--preset` names the ablation budget (steps, batch,
+sequence length: experiments/ablations/__init__.py, PRESETS and BUDGETS), never a larger model.
 
 Each run's record is stored in docs/ablations/results.json (records of ablations not rerun are
 kept); the report (tables: mean ± half-range over seeds; PNG plots under docs/ablations/) is
@@ -17,12 +20,13 @@ import json
 import os
 import pathlib
 import platform
+import signal
 import subprocess
 import sys
 import time
 from typing import Any
 
-from experiments.ablations import ABLATIONS, BY_NAME, PRESETS, SEEDS
+from experiments.ablations import ABLATIONS, BUDGETS, BY_NAME, PRESETS, SEEDS
 
 ROOT = pathlib.Path(__file__).resolve().parents[2]
 
@@ -72,7 +76,7 @@ def plot(record: dict[str, Any], out_dir: pathlib.Path) -> list[str]:
     ax.axhline(88.7, color="red", linestyle=":", label="fp32 exp overflow (88.7)")
     ax.set_xlabel("training tokens")
     ax.set_ylabel("dense-tile exponent, worst KDA layer (nats)")
-    ax.set_title(f"gate ({record['preset']}, mean of seeds {record['seeds']})")
+    ax.set_title(f"gate (budget {record['preset']}, mean of seeds {record['seeds']})")
     ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(out_dir / "gate_exponent.png", dpi=90)
@@ -89,7 +93,8 @@ def plot(record: dict[str, Any], out_dir: pathlib.Path) -> list[str]:
       ax.set_yscale("log")
     ax.set_xlabel("training tokens")
     ax.set_ylabel(ylabel)
-    ax.set_title(f"{record['name']} ({record['preset']}, mean of seeds {record['seeds']})")
+    ax.set_title(f"{record['name']} (budget {record['preset']}, mean of seeds "
+                 f"{record['seeds']})")
     ax.legend(fontsize=8)
     fig.tight_layout()
     name = f"{record['name']}_{key}.png"
@@ -102,8 +107,11 @@ def plot(record: dict[str, Any], out_dir: pathlib.Path) -> list[str]:
 def _balancing_verdict(v: dict[str, Any]) -> str:
   from experiments.ablations.run import _mean_spread, _tail_mean  # pylint: disable=g-import-not-at-top
   tail = lambda label: _mean_spread([_tail_mean(r["max_mean_load"]) for r in v[label]["runs"]])
+  # A seed without the value (its loads lost) makes the mean nan: left out, never a mean over
+  # the other seeds passed off as all of them.
   over = lambda label, key: _mean_spread([max(r.get(key) or [float("nan")]) if isinstance(
-      r.get(key), list) else r.get(key, float("nan")) for r in v[label]["runs"]])
+      r.get(key), list) else (r.get(key) if r.get(key) is not None else float("nan"))
+                                          for r in v[label]["runs"]])
   held = lambda label: _mean_spread([max((r.get("probe") or {}).get("load", {}).get(
       "heldout_max_mean_load") or [float("nan")]) for r in v[label]["runs"]])
   run = v["quantile (midpoint)"]["runs"][0]
@@ -127,9 +135,17 @@ def _balancing_verdict(v: dict[str, Any]) -> str:
              "(`python -m experiments.ablations.qb_probe`, docs/ablations/SIZING.md).")
   wq, wn = over("quantile (midpoint)", "window_max_mean_load"), over("none",
                                                                      "window_max_mean_load")
-  if wq[0] == wq[0]:
-    text += (f" With each expert's assignments summed over the whole second half of training "
-             f"(worst layer): QB {wq[0]:.3f}, `none` {wn[0]:.3f}.")
+  if wq[0] == wq[0] or wn[0] == wn[0]:
+    text += (" With each expert's assignments summed over the whole second half of training "
+             "(worst layer): " + ", ".join(
+                 f"{name} {x[0]:.3f}" if x[0] == x[0] else f"{name} not recorded"
+                 for name, x in (("QB", wq), ("`none`", wn))) + ".")
+  lost = [f"{label} seed {r['seed']}: {len(r['loads_missing_steps'])} of {r['steps']} steps"
+          for label, x in v.items() for r in x["runs"] if r.get("loads_missing_steps")]
+  if lost:
+    text += (" The per-step loads of some steps were lost (a run interrupted before they were "
+             f"kept: {'; '.join(lost)}), so the uniform-routing floor and the loads summed over "
+             "the second half are not given where they need them.")
   hq, hn = held("quantile (midpoint)"), held("none")
   if hq[0] == hq[0]:
     text += (f" On held-out tokens with the final router and bias (loads summed over all of "
@@ -207,6 +223,24 @@ def _num(x, spec: str, unit: str = "") -> str:
   return "not sampled" if x is None else f"{x:{spec}}{unit}"
 
 
+def budget_label(record: dict[str, Any]) -> str:
+  """The record's budget as the report names it, e.g. "budget `small` (tiny model: 9 layers,
+  d_model 64, 8 experts; 2,000 steps of 2,048 tokens in rows of 256)": the model as the budget
+  resolves today (run.stage_for), the steps and batch as its first run recorded them."""
+  from experiments.ablations.run import stage_for  # pylint: disable=g-import-not-at-top
+  parts = []
+  ablation = BY_NAME.get(record["name"])
+  if ablation is not None and record["preset"] in PRESETS:
+    m = stage_for(ablation, record["preset"], ablation.variants[0], 0).model_config()
+    parts.append(f"{m.name} model: {m.num_layers} layers, d_model {m.d_model}, "
+                 f"{m.num_experts} experts")
+  run = next((r for v in record["variants"].values() for r in v["runs"]), {})
+  if all(k in run for k in ("steps", "tokens_per_step", "seq_len")):
+    parts.append(f"{run['steps']:,} steps of {run['tokens_per_step']:,} tokens in rows of "
+                 f"{run['seq_len']}")
+  return f"budget `{record['preset']}`" + (f" ({'; '.join(parts)})" if parts else "")
+
+
 def write_report(results: dict[str, Any], docs: pathlib.Path) -> str:
   """Rewrite docs/ablations.md (and its plots) from `results` ({name: record}); returns it."""
   from experiments.ablations.run import extra_tables, summarize  # pylint: disable=g-import-not-at-top
@@ -215,7 +249,9 @@ def write_report(results: dict[str, Any], docs: pathlib.Path) -> str:
            "Written by `python -m experiments.ablations.report` from the recorded runs in "
            "`docs/ablations/results.json`; every number below comes from those runs. Tables: "
            "mean ± half the range over the seeds. Configurations of one claim differ in one "
-           "field and share data, steps and seeds (experiments/ablations/__init__.py).", ""]
+           "field and share data, steps and seeds (experiments/ablations/__init__.py). Every "
+           "run trains stage_8k's tiny model; a claim's budget (`--preset`) sets its steps, "
+           "batch and sequence length, never a larger model.", ""]
   for whole in meta.get("_runs", []):
     par = ""
     if whole.get("jobs", 1) > 1:
@@ -240,7 +276,7 @@ def write_report(results: dict[str, Any], docs: pathlib.Path) -> str:
       if m.get("attempt"):
         lines += [f"Attempted: {m['attempt']}", ""]
       continue
-    lines += [f"Run {m.get('date', '?')}, preset `{rec['preset']}`, seeds {rec['seeds']}, "
+    lines += [f"Run {m.get('date', '?')}, {budget_label(rec)}, seeds {rec['seeds']}, "
               f"commit `{m.get('commit', '?')}`, {m.get('seconds', 0):.0f} s"
               + (" (its runs' wall times summed; a run shared with another claim counts in "
                  "each)" if m.get("seconds_are") == "summed over its runs" else "")
@@ -276,7 +312,12 @@ def _run(args, names, seeds, results, store, docs, argv) -> dict[str, Any]:
   from experiments.ablations import jobs as jobs_lib  # pylint: disable=g-import-not-at-top
   from experiments.ablations.run import collect, run_ablation  # pylint: disable=g-import-not-at-top
   from experiments.base import enable_compilation_cache  # pylint: disable=g-import-not-at-top
-  jobs = args.jobs or jobs_lib.default_jobs()
+  # The workers started, not those asked for: one per core this process may use at most.
+  jobs = jobs_lib.worker_count(args.jobs or jobs_lib.default_jobs())
+  if args.jobs and jobs < args.jobs:
+    print(f"[ablations] --jobs {args.jobs}: this process may use {jobs} core(s) "
+          f"({sorted(os.sched_getaffinity(0))}); running {jobs} "
+          + ("worker(s)" if jobs > 1 else "(in this process)"), flush=True)
   t_start, load_start = time.time(), os.getloadavg()[0]
   used: dict[str, Any] = {}
   if jobs > 1:
@@ -284,6 +325,7 @@ def _run(args, names, seeds, results, store, docs, argv) -> dict[str, Any]:
     print(f"[ablations] {len(tasks)} distinct configurations x {len(seeds)} seeds for "
           f"{', '.join(names)}, {jobs} workers", flush=True)
     used = jobs_lib.run_tasks(tasks, jobs, args.preset, args.workdir)
+    jobs = used.get("jobs", jobs)
   else:
     enable_compilation_cache(os.path.join(args.workdir, "xla_cache"))
   for name in names:
@@ -319,6 +361,7 @@ def _run(args, names, seeds, results, store, docs, argv) -> dict[str, Any]:
       "load_start": load_start, "load_end": os.getloadavg()[0],
       "load_mean": sum(loads) / len(loads) if loads else None,
       "load_max": max(loads) if loads else None, "jobs": jobs,
+      **({"jobs_asked": args.jobs} if args.jobs and args.jobs != jobs else {}),
       "worker_peak_rss_gb": used.get("worker_peak_rss_gb"),
       "machine": f"{_machine(False)}, affinity {sorted(os.sched_getaffinity(0))}"
                  + (f", workers pinned to cores {used['cores']}" if used.get("cores") else "")})
@@ -329,7 +372,10 @@ def _run(args, names, seeds, results, store, docs, argv) -> dict[str, Any]:
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m experiments.ablations.report",
                               description=__doc__.split("\n\n")[0])
-  p.add_argument("--preset", default="tiny", choices=sorted(PRESETS))
+  p.add_argument("--preset", default="tiny", choices=sorted(PRESETS), help=(
+      "the ablation budget, always on stage_8k's tiny model (never a larger one): "
+      + "; ".join(f"{k} = {v}" for k, v in BUDGETS.items())
+      + " (the balancing claim sets its own 3-layer model and 256 x 32-token batch)"))
   p.add_argument("--only", default="", help="comma-separated ablation names (default: all of "
                  f"{', '.join(BY_NAME)})")
   p.add_argument("--workdir", default="runs/ablations")
@@ -359,9 +405,22 @@ def main(argv=None) -> int:
     p.error(f"--seeds={args.seeds}: at least 2 seeds (the tables report a spread over seeds)")
   docs = pathlib.Path(args.docs)
   store = docs / "ablations" / "results.json"
+  if args.from_results and not docs.is_dir():
+    p.error(f"--docs={args.docs}: no such directory (--from-results rewrites "
+            f"{docs / 'ablations.md'} from {store})")
+  if args.from_results and not store.exists():
+    p.error(f"--from-results: no recorded results at {store}; run the ablations first "
+            "(without --from-results) or point --docs at the directory that holds them")
   results = json.loads(store.read_text()) if store.exists() else {}
   if not args.from_results:
-    results = _run(args, names, seeds, results, store, docs, argv)
+    try:
+      results = _run(args, names, seeds, results, store, docs, argv)
+    except KeyboardInterrupt as e:  # jobs.Stopped, or train_run's stop in this process
+      signum = getattr(e, "signum", signal.SIGINT)
+      print(f"[ablations] {e or 'interrupted'}" + ("" if "Rerun" in str(e) else
+            " Rerun the same command to resume (finished runs are read back, interrupted "
+            "ones resume)."), file=sys.stderr, flush=True)
+      return 128 + signum
   write_report(results, docs)
   print(f"[ablations] wrote {docs / 'ablations.md'}")
   return 0

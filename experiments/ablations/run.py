@@ -11,6 +11,8 @@ process; `jobs.run_tasks` does it in worker processes, and `collect` gathers the
   {"name", "field", "preset", "seeds", "variants": {label: {"value", "runs": [per seed:
      {"seed", "loss": {step: train loss}, "max_mean_load": {step: worst layer's max/mean
       expert load}, "dead_frac": {step: ...}, "final": {"eval_loss@L": ..., "eval_loss@2L": ...},
+      "window_max_mean_load", "load_noise_floor" (from the per-step loads, `load_stats`),
+      "loads_missing_steps": steps whose loads were lost (a resumed run keeps its loads),
       "probe": {...}, "seconds": wall time of the run and its probes}]}}}
 
 `summarize(record)` turns it into the rows of the report's table (mean and spread over seeds).
@@ -93,13 +95,15 @@ def train_run(stage, workdir: str | pathlib.Path, probes: tuple[str, ...] = (),
     tok = pathlib.Path(workdir) / "tokenizer.json"
     if tok.exists() and not (d / "tokenizer.json").exists():
       (d / "tokenizer.json").write_bytes(tok.read_bytes())
-    loads = {}
-    record_load = lambda step, m: loads.__setitem__(step, m["moe/load"]) if "moe/load" in m \
-        else None
-    result = run(stage, d, progress=progress, progress_every=max(stage.steps // 4, 1),
-                 on_step=record_load)
-    if len(loads) == stage.steps:  # a whole run seen here (not resumed): keep its loads
-      np.save(d / "loads.npy", np.stack([loads[s] for s in sorted(loads)]))
+    # Each step's loads are appended as it completes, so a resumed run continues the file.
+    with (d / LOADS).open("a") as f:
+      def record_load(step, m):
+        if "moe/load" in m:
+          f.write(json.dumps({"step": step, "load": m["moe/load"].tolist(),
+                              "dtype": str(m["moe/load"].dtype)}) + "\n")
+          f.flush()
+      result = run(stage, d, progress=progress, progress_every=max(stage.steps // 4, 1),
+                   on_step=record_load)
     if result.preempted:
       raise KeyboardInterrupt(f"{d} stopped at step {result.end_step}; rerun to resume")
     if not tok.exists() and (d / "tokenizer.json").exists():
@@ -107,9 +111,8 @@ def train_run(stage, workdir: str | pathlib.Path, probes: tuple[str, ...] = (),
     entry = {"seed": stage.seed, "steps": stage.steps, "run_dir": str(d),
              "tokens_per_step": stage.tokens_per_batch, "seq_len": stage.seq_len,
              **_curves(d / stage.name / "tb" / "metrics.jsonl"),
-             "final": dict(result.final_eval), "probe": {},
-             "window_max_mean_load": window_load(d / "loads.npy"),
-             "load_noise_floor": noise_floor(d / "loads.npy"), "seconds": 0.0}
+             "final": dict(result.final_eval), "probe": {}, **load_stats(d, stage.steps),
+             "seconds": 0.0}
   if todo:
     found = probe.probe_run(d, todo)
     entry["probe"].update({k: found for k in todo})
@@ -155,6 +158,41 @@ def run_ablation(ablation: Ablation, preset: str, workdir: str | pathlib.Path,
       print(f"[ablations] {ablation.name} / {variant[0]} / seed {seed}: "
             f"{time.time() - t0:.0f} s ({run_dir(workdir, stage)})", flush=True)
   return collect(ablation, preset, workdir, seeds)
+
+
+LOADS = "loads.jsonl"  # per step {"step", "load": [layers][E], "dtype"}, appended by train_run
+
+
+def read_loads(d: pathlib.Path) -> dict[int, np.ndarray]:
+  """The per-step expert loads ([layers, E] each) that the runs in `d` appended to LOADS, by
+  step; a step recorded twice (redone after a resume from an earlier checkpoint) keeps its last
+  record; a line cut short by a killed process is skipped."""
+  loads = {}
+  if not (d / LOADS).exists():
+    return loads
+  for line in (d / LOADS).open():
+    try:
+      r = json.loads(line)
+    except json.JSONDecodeError:
+      continue
+    loads[int(r["step"])] = np.asarray(r["load"], dtype=r.get("dtype", "float32"))
+  return loads
+
+
+def load_stats(d: pathlib.Path, steps: int) -> dict[str, Any]:
+  """The run's entries from its per-step loads: "window_max_mean_load" and "load_noise_floor"
+  (None for a model without MoE layers, or where a step they need lost its loads) and
+  "loads_missing_steps" (the steps in 0..steps-1 without loads, where any step has them:
+  e.g. the first part of a run interrupted before its loads were kept). Writes loads.npy
+  [steps, layers, E] when every step is there."""
+  loads = read_loads(d)
+  missing = [s for s in range(steps) if s not in loads] if loads else []
+  out = {"window_max_mean_load": None, "load_noise_floor": None, "loads_missing_steps": missing}
+  if loads and not missing:
+    np.save(d / "loads.npy", np.stack([loads[s] for s in range(steps)]))
+    out.update(window_max_mean_load=window_load(d / "loads.npy"),
+               load_noise_floor=noise_floor(d / "loads.npy"))
+  return out
 
 
 def window_load(path: pathlib.Path, frac: float = 0.5) -> list[float] | None:
@@ -225,8 +263,11 @@ def summarize(record: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
       last = lambda r: r["max_mean_load"][max(r["max_mean_load"], key=int)]
       held = [max(_probe(r, "load", "heldout_max_mean_load") or [float("nan")]) for r in runs]
       window = [max(r.get("window_max_mean_load") or [float("nan")]) for r in runs]
+      lost = [f"seed {r['seed']}: {len(r['loads_missing_steps'])} of {r['steps']} steps"
+              for r in runs if r.get("loads_missing_steps")]
+      window = f"not recorded (loads lost, {'; '.join(lost)})" if lost else ms(window)
       rows.append([label, loss, ms([_tail_mean(r["max_mean_load"]) for r in runs]),
-                   ms([last(r) for r in runs]), ms(window), ms(held),
+                   ms([last(r) for r in runs]), window, ms(held),
                    ms([_tail_mean(r["dead_frac"]) for r in runs])])
     elif kind == "gate":
       exps = [_probe(r, "gate", "gate_exponent") or {} for r in runs]

@@ -118,3 +118,62 @@ def test_a_rerun_that_reuses_every_run_keeps_the_claims_date_and_commit(tmp_path
   rec["variants"]["a"]["runs"][0]["seconds"] = 13.0  # a retrained run: new numbers, new meta
   out = report._run(args, ["length"], (0,), out, store, tmp_path, ["--only", "length"])
   assert out["_meta"]["length"]["date"] != old["date"]
+
+
+def test_a_budget_is_named_as_one_on_the_tiny_model(tmp_path, capsys):
+  """`--preset small` trains stage_8k's tiny model (9 layers, d_model 64) for 2,000 steps, not
+  the small model: --help, BUDGETS and the report's label say so, from the resolved config."""
+  from experiments.ablations import BUDGETS, PRESETS
+  assert set(BUDGETS) == set(PRESETS)
+  for preset, text in BUDGETS.items():
+    stage = stage_for(BY_NAME["gate"], preset, BY_NAME["gate"].variants[0], 0)
+    model = stage.model_config()
+    assert model.name == "tiny" and text.startswith("tiny model")
+    assert f"{model.num_layers} layers" in text and f"{stage.steps:,} steps" in text
+    assert f"{stage.tokens_per_batch // stage.seq_len} x {stage.seq_len} tokens" in text
+  with pytest.raises(SystemExit):
+    report.main(["--help"])
+  assert "small = tiny model at its own 9 layers, 2,000 steps" in " ".join(
+      capsys.readouterr().out.split())
+  record = {"name": "optimizer", "preset": "small", "seeds": [0],
+            "variants": {"AdamW": {"value": "adamw", "runs": [
+                {"seed": 0, "steps": 2000, "tokens_per_step": 2048, "seq_len": 256,
+                 "loss": {"0": 5.0, "1": 4.0}, "max_mean_load": {}, "dead_frac": {},
+                 "final": {"eval_loss@256": 4.0}, "probe": {}, "seconds": 1.0}]}}}
+  label = ("budget `small` (tiny model: 9 layers, d_model 64, 8 experts; 2,000 steps of "
+           "2,048 tokens in rows of 256)")
+  assert report.budget_label(record) == label
+  text = report.write_report({"optimizer": record}, tmp_path)
+  assert f", {label}, seeds [0]," in text and "preset `small`" not in text, text
+
+
+def test_jobs_beyond_the_cores_are_printed_and_recorded_as_run(tmp_path, monkeypatch, capsys):
+  """--jobs 2 with one allowed core runs one (here, in this process) and says so."""
+  from experiments.ablations import run as run_lib
+  rec = {"name": "length", "variants": {"a": {"value": 1, "runs": [{"seconds": 1.0}]}}}
+  monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0})
+  monkeypatch.setattr(run_lib, "run_ablation", lambda *a, **k: json.loads(json.dumps(rec)))
+  monkeypatch.setattr(run_lib, "collect", lambda *a, **k: json.loads(json.dumps(rec)))
+  monkeypatch.setattr(jobs, "plan", lambda *a: [])
+  monkeypatch.setattr(jobs, "run_tasks", lambda *a, **k: {"jobs": 1, "cores": [0]})
+  monkeypatch.setattr(report, "write_report", lambda results, docs: None)
+  args = type("A", (), {"jobs": 2, "workdir": str(tmp_path), "preset": "smoke"})()
+  out = report._run(args, ["length"], (0,), {}, tmp_path / "results.json", tmp_path,
+                    ["--jobs", "2"])
+  printed = capsys.readouterr().out
+  assert "2 workers" not in printed and "--jobs 2: this process may use 1 core" in printed
+  (whole,) = out["_meta"]["_runs"]
+  assert whole["jobs"] == 1 and whole["jobs_asked"] == 2
+
+
+@pytest.mark.parametrize("make,needle", [
+    (lambda docs: None, "no such directory"),
+    (lambda docs: docs.mkdir(), "no recorded results at"),
+])
+def test_from_results_without_results_stops_with_a_clear_error(tmp_path, capsys, make, needle):
+  docs = tmp_path / "docs"
+  make(docs)
+  with pytest.raises(SystemExit) as e:
+    report.main(["--from-results", f"--docs={docs}"])
+  assert e.value.code == 2 and needle in capsys.readouterr().err
+  assert not (docs / "ablations.md").exists()
