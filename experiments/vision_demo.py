@@ -189,6 +189,9 @@ def main(argv=None) -> int:
   args = parser.parse_args(argv)
   if args.steps is not None and args.steps < 1:
     parser.error(f"--steps={args.steps} must be >= 1")
+  if os.path.exists(args.workdir) and not os.path.isdir(args.workdir):
+    parser.error(f"--workdir={args.workdir} is a file; give a directory (it holds the "
+                 "tokenizer)")
   demo = PRESETS[args.preset]
   if args.steps is not None:
     demo = dataclasses.replace(demo, steps=args.steps)

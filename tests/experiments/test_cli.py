@@ -245,3 +245,14 @@ def test_vision_demo_refuses_a_step_count_below_one(capsys):
     vision_demo.main(["--steps", "-5"])
   assert e.value.code == 2
   assert "--steps=-5 must be >= 1" in capsys.readouterr().err
+
+
+def test_vision_demo_refuses_a_file_as_its_workdir(capsys, tmp_path):
+  """A file given as --workdir ended in a FileExistsError traceback."""
+  from experiments import vision_demo
+  f = tmp_path / "notes.txt"
+  f.write_text("x")
+  with pytest.raises(SystemExit) as e:
+    vision_demo.main(["--workdir", str(f)])
+  assert e.value.code == 2
+  assert f"--workdir={f} is a file" in capsys.readouterr().err
