@@ -227,8 +227,10 @@ def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
 
   try:
     sampling = SamplingParams(temperature=args.temperature, top_k=args.top_k, top_p=args.top_p)
-    if args.max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens={args.max_new_tokens} must be >= 1")
+    if not 1 <= args.max_new_tokens < 2**31:
+      raise ValueError(f"max_new_tokens={args.max_new_tokens} must be >= 1 (and < 2**31)")
+    if not -2**63 <= args.seed < 2**63 - 2**20:  # the interactive turns add their number
+      raise ValueError(f"--seed={args.seed} must be a 64-bit int")
     if args.max_length < 1 or args.prefill_chunk < 1:
       raise ValueError(f"max_length={args.max_length} and prefill_chunk={args.prefill_chunk} "
                        "must be >= 1")
@@ -295,9 +297,12 @@ def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
   state, full = None, False
   if args.prompt:
     state, full = turn(args.prompt, None, args.seed, echo=args.prompt) or (None, False)
-  for n, line in enumerate(sys.stdin, start=1):
-    if full:
+  n = 0
+  while not full:  # a full history ends the session now, not after one more line is read
+    line = sys.stdin.readline()
+    if not line:
       break
+    n += 1
     state, full = turn(line.rstrip("\n"), state, args.seed + n) or (state, False)
   return 0
 

@@ -245,16 +245,19 @@ class Engine:
                        f"{type(prompts).__name__}; encode text with the tokenizer first")
     if not prompts:
       raise ValueError("prompts is empty: give at least one prompt")
-    if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
-      raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int >= 1")
+    if (not isinstance(max_new_tokens, (int, np.integer)) or isinstance(max_new_tokens, bool)
+        or not 1 <= max_new_tokens < 2**31):
+      raise ValueError(f"max_new_tokens={max_new_tokens!r} must be an int in [1, 2**31)")
     if not isinstance(sampling, SamplingParams):
       raise ValueError(f"sampling must be a SamplingParams, got {type(sampling).__name__}")
-    if isinstance(seed, Sequence):
-      if len(seed) != len(prompts) or not all(isinstance(x, (int, np.integer)) for x in seed):
+    if isinstance(seed, (Sequence, np.ndarray)):
+      if len(seed) != len(prompts) or not all(
+          isinstance(x, (int, np.integer)) and not isinstance(x, bool) for x in seed):
         raise ValueError(f"seed: a list of seeds needs one int per prompt ({len(prompts)}), "
                          f"got {seed!r}")
-    elif not isinstance(seed, (int, np.integer)):
-      raise ValueError(f"seed={seed!r} must be an int or one int per prompt")
+    elif (not isinstance(seed, (int, np.integer)) or isinstance(seed, bool)
+          or not -2**63 <= seed < 2**63):
+      raise ValueError(f"seed={seed!r} must be a 64-bit int or one int per prompt")
     if states is not None and len(states) != len(prompts):
       raise ValueError(f"states has {len(states)} entries for {len(prompts)} prompts: give one "
                        "per prompt (None for a fresh conversation)")
@@ -323,8 +326,9 @@ class Engine:
     sampling = SamplingParams() if sampling is None else sampling
     feeds = self._check(prompts, max_new_tokens, sampling, seed, states)
     n, B, P = len(feeds), self.max_batch, self.prefill_chunk
-    if isinstance(seed, Sequence):
-      req_keys = np.asarray(jax.vmap(jax.random.PRNGKey)(jnp.asarray(seed, jnp.uint32)))
+    if isinstance(seed, (Sequence, np.ndarray)):  # each seed's low 32 bits, negatives too
+      req_keys = np.asarray(jax.vmap(jax.random.PRNGKey)(
+          jnp.asarray([int(x) % 2**32 for x in seed], jnp.uint32)))
     else:
       req_keys = np.asarray(jax.vmap(jax.random.fold_in, (None, 0))(
           jax.random.PRNGKey(seed), jnp.arange(n, dtype=jnp.uint32)))

@@ -15,6 +15,7 @@ from typing import Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,8 +41,11 @@ class SamplingParams:
     if not self.temperature >= 0:
       raise ValueError(f"SamplingParams: temperature={self.temperature} must be >= 0 "
                        "(0 = greedy)")
-    if not isinstance(self.top_k, int) or self.top_k < 0:
-      raise ValueError(f"SamplingParams: top_k={self.top_k!r} must be an int >= 0 (0 = all)")
+    if (not isinstance(self.top_k, (int, np.integer)) or isinstance(self.top_k, bool)
+        or not 0 <= self.top_k < 2**31):
+      raise ValueError(f"SamplingParams: top_k={self.top_k!r} must be an int in [0, 2**31) "
+                       "(0 = all; a k past the vocabulary keeps all)")
+    object.__setattr__(self, "top_k", int(self.top_k))
     if not 0 < self.top_p <= 1:
       raise ValueError(f"SamplingParams: top_p={self.top_p} must be in (0, 1] (1 = no nucleus "
                        "truncation)")

@@ -2,7 +2,8 @@
 
   from sparse_lm.train import load
   model, tokenizer, stage = load("runs/tiny")            # the newest stage in the workdir
-  logits = model(jnp.asarray([tokenizer.encode("def ")]))  # [1, T, vocab] fp32, train=False
+  ids = [tokenizer.bos_id] + tokenizer.encode("def ")    # <bos> first, as in training
+  logits = model(jnp.asarray([ids]))                     # [1, T, vocab] fp32, train=False
 
 The stage config and the tokenizer come from the checkpoint itself (what the run saved), so
 the model is the one that was trained whatever the stage files say today.

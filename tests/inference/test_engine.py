@@ -192,6 +192,11 @@ def test_bad_input_is_refused_before_compiling(setup):
       (dict(prompts=[[-1]]), r"prompts\[0\].*token id -1"),
       (dict(prompts=ok, max_new_tokens=0), "max_new_tokens"),
       (dict(prompts=ok, seed=[1, 2]), "seed"),
+      # past the int32 / 64-bit ranges (OverflowError tracebacks before) and bools
+      (dict(prompts=ok, max_new_tokens=2**31), r"max_new_tokens=2147483648 .*\[1, 2\*\*31\)"),
+      (dict(prompts=ok, max_new_tokens=True), "max_new_tokens"),
+      (dict(prompts=ok, seed=2**70), "64-bit"),
+      (dict(prompts=ok, seed=[True]), "seed"),
       (dict(prompts="hello"), "prompts"),
       (dict(prompts=ok, states=[None, None]), "states"),
   ]
@@ -205,12 +210,23 @@ def test_bad_input_is_refused_before_compiling(setup):
       SamplingParams(top_p=top_p)
   with pytest.raises(ValueError, match="temperature"):
     SamplingParams(temperature=-1)
+  for top_k in (3_000_000_000, -1, True, 2.0):
+    with pytest.raises(ValueError, match="top_k"):
+      SamplingParams(top_k=top_k)
+  assert SamplingParams(top_k=np.int64(5)).top_k == 5  # numpy ints are ints
   with pytest.raises(ValueError, match="stop_tokens"):
     engine.generate(ok, sampling=SamplingParams(stop_tokens=[10**6]))
   other = Transformer(get_preset("tiny", d_model=32, vocab_size=256), rngs=nnx.Rngs(0))
   with pytest.raises(ValueError, match=r"load_weights.*\['vocab_size', 'd_model'\]"):
     engine.load_weights(other)
   assert _compiled() == compiled
+  # a list of seeds takes each one's low 32 bits: negatives and numpy arrays work, and
+  # a seed and its value + 2**32 draw the same tokens
+  sp = SamplingParams(temperature=1.0)
+  a = engine.generate(ok, max_new_tokens=3, sampling=sp, seed=[7])[0].tokens
+  assert engine.generate(ok, max_new_tokens=3, sampling=sp, seed=np.array([7]))[0].tokens == a
+  assert engine.generate(ok, max_new_tokens=3, sampling=sp, seed=[7 + 2**32])[0].tokens == a
+  engine.generate(ok, max_new_tokens=3, sampling=sp, seed=[-1])
 
 
 def test_engine_keeps_its_own_weights_and_a_second_call_compiles_nothing():

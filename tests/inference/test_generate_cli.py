@@ -5,6 +5,7 @@ import io
 import os
 import re
 import shutil
+import sys
 
 import jax
 import numpy as np
@@ -115,6 +116,10 @@ def test_cli_interactive_continues_the_state(workdir, monkeypatch):
     (["--temperature", "-1"], r"--temperature=-1.0 must be >= 0"),
     (["--top-p", "1.5"], r"--top-p"),
     (["--max-new-tokens", "0"], r"--max-new-tokens=0 must be >= 1"),
+    # out of the engine's integer ranges: OverflowError tracebacks before
+    (["--max-new-tokens", "2147483648"], r"--max-new-tokens=2147483648 must be >= 1 \(and < "),
+    (["--top-k", "3000000000"], r"--top-k=3000000000 must be an int in \[0, 2\*\*31\)"),
+    (["--seed", str(2**70)], r"--seed=1180591620717411303424 must be a 64-bit int"),
 ])
 def test_cli_errors_name_the_flag_before_loading(flags, want, capsys, tmp_path):
   """Bad numbers stop with argparse's status 2 and the flag's name (not the engine's argument
@@ -170,6 +175,9 @@ def test_cli_refusals_echo_nothing_and_a_full_session_ends_cleanly(workdir, monk
   assert "[not sent: " in err and "--max-length" in err
   assert err.count("the session ends") == 1
   assert out.getvalue().startswith("def ") and out.getvalue().count("\n") == 3
+  # ended at once: the line after the last turn was not read (at a terminal the session
+  # used to wait for one more line, then drop it)
+  assert sys.stdin.read() == "value\nindex\nlist\ndict\nprint\n"
   with pytest.raises(FileNotFoundError, match=r"is a stage directory: pass --workdir "
                      + re.escape(str(root)) + " --stage stage_8k"):
     cli.main(["--workdir", str(root / "stage_8k"), "--prompt", "x"])
