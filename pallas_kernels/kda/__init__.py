@@ -18,14 +18,15 @@ in tiles.py; the context-parallel state passing in context_parallel.py.
 
 Segment semantics (packed documents, segment_ids [B, T] int32, 0 = padding): the state resets
 to zero at every t > 0 whose id is non-zero and differs from the id at t - 1; padding tokens are
-identity steps (g = 0, beta = 0) with zero output. See `tiles.segment_resets`.
+identity steps (g = 0, beta = 0) with zero output. See `tiles.segment_resets`. fla's varlen
+`cu_seqlens` converts with `segment_ids_from_cu_seqlens` (one packed row, one state per row).
 """
 
 from __future__ import annotations
 
-from pallas_kernels.kda.api import chunk_kda
+from pallas_kernels.kda.api import chunk_kda, segment_ids_from_cu_seqlens
 from pallas_kernels.kda.gate import kda_gate
 from pallas_kernels.kda.reference import recurrent_kda, recurrent_step
 from pallas_kernels.kda.tiles import segment_resets
 
-__all__ = ["chunk_kda", "recurrent_kda", "recurrent_step", "kda_gate", "segment_resets"]
+__all__ = ["chunk_kda", "segment_ids_from_cu_seqlens", "recurrent_kda", "recurrent_step", "kda_gate", "segment_resets"]

@@ -114,8 +114,8 @@ class _Gate:
     C, BK = g.shape
     self.n = n
     row = _iota((C, BK), 0)
-    lr = jax.lax.rem(row, SUB)
-    self.tile = jax.lax.div(row, SUB)
+    lr = jax.lax.rem(row, jnp.int32(SUB))
+    self.tile = jax.lax.div(row, jnp.int32(SUB))
     g3 = jnp.where(lr == 0, 0.0, g).reshape(n, SUB, BK)
     self.Lx = jnp.cumsum(g3, axis=1).reshape(C, BK)  # Σ_{s_a<m≤i} g_m
     g0 = [jnp.sum(jnp.where(row == c * SUB, g, 0.0), axis=0) for c in range(n)]
@@ -259,14 +259,14 @@ def _inverse(A, n, hi):
   C = A.shape[0]
   r, c = _iota((C, C), 0), _iota((C, C), 1)
   eye = jnp.where(r == c, 1.0, 0.0).astype(f32)
-  L = jnp.where(jax.lax.div(r, 4) == jax.lax.div(c, 4), -A, 0.0)
+  L = jnp.where(jax.lax.div(r, jnp.int32(4)) == jax.lax.div(c, jnp.int32(4)), -A, 0.0)
   P = eye + L
   X = P + _dot(P, _dot(L, L, hi), hi)  # the inverses of the 4 × 4 diagonal blocks
   s = 4
   while s < C:
     big = min(4 * s, C)
-    rpos, cpos = jax.lax.rem(jax.lax.div(r, s), big // s), jax.lax.rem(jax.lax.div(c, s), big // s)
-    same_big = jax.lax.div(r, big) == jax.lax.div(c, big)
+    rpos, cpos = (jax.lax.rem(jax.lax.div(x, jnp.int32(s)), jnp.int32(big // s)) for x in (r, c))
+    same_big = jax.lax.div(r, jnp.int32(big)) == jax.lax.div(c, jnp.int32(big))
     Xd = X  # block diagonal with s × s blocks
     for j in range(1, big // s):
       R = _dot(jnp.where(same_big & (rpos == j) & (cpos < j), A, 0.0), X, hi)

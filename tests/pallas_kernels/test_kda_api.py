@@ -105,3 +105,52 @@ def test_wrong_rank_inputs_name_the_argument_and_its_layout():
     args = dict(q=q, k=q, v=q, g=g, beta=beta) | bad
     with pytest.raises(ValueError, match=rf"^{name} has shape .*: expected {dims}"):
       chunk_kda(**args, backend="xla")
+
+
+def test_checked_mode_reports_a_positive_decay():
+  """g > 0 (a growing state) gave all-NaN outputs with checked=True silent: it tested only
+  the lower bound."""
+  inp = _inputs(SEED + 3, -2.0, -0.1)
+  g = np.asarray(inp["g"]).copy()
+  g[0, 5, 1, 3] = 0.7
+  inp["g"] = jnp.asarray(g)
+  args, f = _run(inp, checked=True)
+  err, _ = checkify.checkify(jax.jit(f))(*args)
+  msg = err.get()
+  assert msg is not None and "g is positive (max g = 0.69999" in msg, msg
+
+
+def test_cu_seqlens_give_the_segment_ids_of_one_packed_row():
+  """fla's varlen form: documents [0, 3), [3, 3) (empty), [3, 7), then padding to 9. Each
+  document computed through the ids equals that document alone from a zero state."""
+  ids = np.asarray(api.segment_ids_from_cu_seqlens(np.array([0, 3, 3, 7]), 9))
+  np.testing.assert_array_equal(ids, [[1, 1, 1, 3, 3, 3, 3, 0, 0]])
+  assert api.segment_ids_from_cu_seqlens(jnp.array([0, 4], jnp.int32), 4).dtype == jnp.int32
+  for bad in ([1, 4], [0, 5, 3], [0, 10]):
+    with pytest.raises(ValueError, match="cu_seqlens"):
+      api.segment_ids_from_cu_seqlens(np.array(bad), 9)
+  inp = kt.make_inputs(SEED + 4, 1, 9, 2, 16, 16, dtype=jnp.float32, initial_state=False)
+  args = [inp[n] for n in ("q", "k", "v", "g", "beta")]
+  o, _ = chunk_kda(*args, segment_ids=jnp.asarray(ids), backend="xla", chunk_size=16)
+  for lo, hi in ((0, 3), (3, 7)):
+    alone, _ = reference.recurrent_kda(*[a[:, lo:hi] for a in args])
+    np.testing.assert_allclose(np.asarray(o[:, lo:hi]), np.asarray(alone), atol=1e-5)
+  assert not np.asarray(o[:, 7:]).any()  # padding outputs zero
+
+
+def test_static_arguments_and_the_state_are_checked_by_name():
+  inp = _inputs(SEED + 5, -1.0, -0.1)
+  args = [inp[n] for n in ("q", "k", "v", "g", "beta")]
+  B, T, H, K = inp["q"].shape
+  V = inp["v"].shape[-1]
+  with pytest.raises(ValueError, match="initial_state dtype int32: expected float32"):
+    chunk_kda(*args, initial_state=jnp.zeros((B, H, K, V), jnp.int32), backend="xla")
+  with pytest.raises(ValueError, match="initial_state is a list"):
+    chunk_kda(*args, initial_state=[[0.0]], backend="xla")
+  with pytest.raises(ValueError, match="gate_lower_bound must be a Python float"):
+    jax.jit(lambda b: chunk_kda(*args, gate_lower_bound=b, backend="xla")[0])(-5.0)
+  with pytest.raises(ValueError, match="scale must be a Python float for backend='pallas_tpu'"):
+    jax.jit(lambda s: chunk_kda(*args, scale=s, backend="pallas_tpu", interpret=True)[0])(0.25)
+  # the xla backend takes a traced scale (and differentiates through it)
+  d = jax.grad(lambda s: chunk_kda(*args, scale=s, backend="xla")[0].sum())(0.25)
+  assert np.isfinite(float(d))

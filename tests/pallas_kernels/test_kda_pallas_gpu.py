@@ -410,6 +410,23 @@ def test_auto_intra_is_wy_for_bf16_where_it_applies_else_xla():
         assert not np.array_equal(auto, run(dtype, bound, other))
 
 
+def test_wy_kernels_run_with_x64_enabled():
+  """A user with `jax_enable_x64` on (an fp64 reference beside the model, say) and bf16
+  inputs: the wy kernels' integer tile arithmetic mixed int32 iotas with int64 Python
+  constants (`lax.div` TypeError). Same numbers as with x64 off."""
+  def run():
+    inp = kt.make_inputs(13, 1, 40, 1, 32, 32, dtype=BF16, initial_state=False)
+    o, S = pallas_gpu.chunk_kda_pallas_gpu(*[inp[n] for n in NAMES], interpret=INTERPRET,
+                                           output_final_state=True, gate_lower_bound=-5.0,
+                                           intra="wy")
+    return np.asarray(o, np.float32), np.asarray(S, np.float32)
+  want = run()
+  with jax.enable_x64(True):
+    got = run()
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(a, b)
+
+
 def _tf32(x):
   """x rounded to TF32 (10 explicit mantissa bits, round to nearest): what a GPU's TF32
   tensor-core product sees of an fp32 operand."""
