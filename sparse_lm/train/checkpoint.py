@@ -223,8 +223,8 @@ def check_tokenizer(meta: dict[str, Any], fingerprint: str, where: str,
   a stage run without the earlier stage's `--set data.source=...` gets another tokenizer)."""
   saved = (meta.get("tokenizer") or {}).get("fingerprint")
   if saved is not None and saved != fingerprint:
-    data = ((meta.get("stage") or {}).get("data") or {}) if isinstance(meta.get("stage"),
-                                                                       dict) else {}
+    stage = meta.get("stage")
+    data = stage.get("data") or {} if isinstance(stage, dict) else {}
     then, then_tok = data.get("source"), data.get("tokenizer")
     hint = ""
     if then is not None and source is not None and then != source:

@@ -339,8 +339,9 @@ class _StageLoop:
           raise
         # The batch, length or data changed on purpose: the saved position means nothing in
         # the new stream, which starts from its beginning.
-        print(f"[{stage.name}] --allow-config-change: the data stream starts over ({e})",
-              flush=True)
+        if jax.process_index() == 0:  # as `say`: one line per run, not per host
+          print(f"[{stage.name}] --allow-config-change: the data stream starts over ({e})",
+                flush=True)
     self.eval_rows = stage.eval_batch_size or stage.global_batch
     self.eval_batches = self._eval_batches(stage.seq_len)
     # a resumed run logs from start_step on: lines a killed run wrote past it are dropped
