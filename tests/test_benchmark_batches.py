@@ -52,7 +52,7 @@ def test_real_batches_are_the_stage_pipeline_batches_with_the_step_shapes(tmp_pa
 def test_compile_only_fills_the_cache_that_the_timed_run_then_hits(tmp_path):
   """--compile-only compiles the step from the abstract state and batch into
   --compilation-cache; the timed run of the same configuration finds it there (jax writes a
-  new program on a miss, so the count stays 1) and prints its table. Subprocesses: the
+  new program on a miss, so the step's entry stays the one) and prints its table. Subprocesses: the
   cache directory is process-wide jax configuration."""
   import os
   import subprocess
@@ -72,4 +72,8 @@ def test_compile_only_fills_the_cache_that_the_timed_run_then_hits(tmp_path):
                        cwd=_PATH.parents[1])
   assert out.returncode == 0, out.stderr[-3000:]
   assert "| step time" in out.stdout and "| tokens/s" in out.stdout, out.stdout
-  assert programs() == entries
+  # The step's program is the one entry of its name: a miss would have written a second one.
+  # (The timed run's small helper programs, such as jax.random.normal's, are written too when
+  # their compile passes jax's 1 s minimum, as on a loaded machine: they are not the step.)
+  name = entries[0].rsplit("-", 2)[0]
+  assert [e for e in programs() if e.rsplit("-", 2)[0] == name] == entries, programs()
