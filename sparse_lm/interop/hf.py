@@ -34,7 +34,7 @@ from flax import nnx
 from sparse_lm import sharding as shd
 from sparse_lm.config import ModelConfig
 from sparse_lm.interop import hf_config, hf_names, mxfp4, workdir
-from sparse_lm.interop.safetensors_io import CheckpointReader, ShardWriter
+from sparse_lm.interop.safetensors_io import CheckpointReader, ShardWriter, write_text_atomic
 from sparse_lm.model.transformer import Transformer
 
 # HF tensors a text-model import leaves out on purpose (the K3 vision tower and projector).
@@ -62,7 +62,8 @@ def _expected(srcs, flat) -> dict[str, tuple[int, ...]]:
 
 
 def check_tensors(reader: CheckpointReader, expected: dict[str, tuple[int, ...]]) -> None:
-  """Raise ValueError naming the first missing, unexpected or wrongly shaped tensors."""
+  """Raise ValueError naming the first missing, unexpected or wrongly shaped tensors (and an
+  MXFP4 pair whose dtypes or scale shape are wrong), from the headers alone."""
   have = {n for n in reader.names() if not _SKIPPED.match(n)}
   missing = sorted(set(expected) - have)
   if missing:
@@ -78,6 +79,7 @@ def check_tensors(reader: CheckpointReader, expected: dict[str, tuple[int, ...]]
     if got != tuple(shape):
       raise ValueError(f"{reader.path}: tensor {name} has shape {list(got)}, expected "
                        f"{list(shape)} from config.json")
+  reader.check_mxfp4(expected)
 
 
 def _shardings(cfg: ModelConfig, state, mesh):
@@ -180,29 +182,47 @@ def save_pretrained(model: Transformer, cfg: ModelConfig, path: str | os.PathLik
   Returns:
     the shard file names. Tensors are gathered from the devices one at a time.
 
+  Into an existing directory: its config.json is removed first and the new one written last
+  (atomically), so a write that fails half-way leaves no loadable mix; shards of an earlier
+  checkpoint that the new index does not list (and a `model.safetensors`) are removed; other
+  files (e.g. tokenizer files) are kept.
+
   Raises:
-    ValueError: a layout that cannot express cfg (hf_config.config_to_hf), quantize_experts
-      with the kimi_linear layout, or (while the shards are written) an expert matrix whose
-      input dimension is not a multiple of 32, MXFP4's block (mxfp4.quantize).
+    ValueError: a layout that cannot express cfg (hf_config.config_to_hf: named fields, e.g.
+      quantize_experts with the kimi_linear layout, or an expert input dimension that is not a
+      multiple of MXFP4's block of 32), before anything is written.
   """
   path = pathlib.Path(path)
   conf = hf_config.config_to_hf(cfg, layout, quantized=quantize_experts, extra=extra_config)
+  begin_checkpoint(path)
   writer = ShardWriter(path, max_shard_bytes)
   flat = dict(nnx.to_flat_state(nnx.state(model)))
-  for s in hf_names.sources(cfg, layout):
-    arr = flat[s.path][...]
-    for idx in itertools.product(*[range(n) for n in s.lead]):
-      block = np.asarray(jax.device_get(arr[idx] if idx else arr))
-      for name, t in zip(s.names(idx), s.to_hf(block)):
-        if quantize_experts and _EXPERT.search(name):
-          packed, scale = mxfp4.quantize(t.astype(np.float32))
-          writer.add(name + "_packed", packed)
-          writer.add(name + "_scale", scale)
-        else:
-          writer.add(name, t)
+  try:
+    for s in hf_names.sources(cfg, layout):
+      arr = flat[s.path][...]
+      for idx in itertools.product(*[range(n) for n in s.lead]):
+        block = np.asarray(jax.device_get(arr[idx] if idx else arr))
+        for name, t in zip(s.names(idx), s.to_hf(block)):
+          if quantize_experts and _EXPERT.search(name):
+            packed, scale = mxfp4.quantize(t.astype(np.float32))
+            writer.add(name + "_packed", packed)
+            writer.add(name + "_scale", scale)
+          else:
+            writer.add(name, t)
+  except BaseException:
+    writer.abort()
+    raise
   files = writer.close()
-  (path / "config.json").write_text(json.dumps(conf, indent=2) + "\n")
+  write_text_atomic(path / "config.json", json.dumps(conf, indent=2) + "\n")  # last: the commit
   return files
+
+
+def begin_checkpoint(path: pathlib.Path) -> None:
+  """Remove `path`'s config.json before a checkpoint is (re)written there: a write that stops
+  half-way then leaves a directory that neither `load_pretrained` nor transformers loads
+  ("no config.json"), not an earlier config.json over a mix of old and new files. The new
+  config.json is written last."""
+  (pathlib.Path(path) / "config.json").unlink(missing_ok=True)
 
 
 # ------------------------------------------------------------------ CLI
@@ -250,7 +270,9 @@ def export_from_workdir(workdir_path, out, *, stage: str | None = None,
   `layout` None: `kimi_k3` with `quantize`, else `hf_config.default_layout` (`kimi_linear`
   when transformers' KimiLinearForCausalLM can hold the model, else `kimi_k3`).
   A SentencePiece tokenizer has no HF file to write: the weights are exported without it
-  (with a warning).
+  (with a warning). An existing `out` loses its earlier checkpoint files (config.json, shards,
+  tokenizer.json / tiktoken.model / tokenizer_config.json), so nothing of an earlier export is
+  read back with this one.
 
   Raises:
     FileNotFoundError: no checkpoint of `stage` (or of any stage, and no import).
@@ -261,6 +283,10 @@ def export_from_workdir(workdir_path, out, *, stage: str | None = None,
   if layout is None:
     layout = "kimi_k3" if quantize else hf_config.default_layout(cfg)
   hf_config.config_to_hf(cfg, layout, quantized=quantize)  # refuses before a file is written
+  out = pathlib.Path(out)
+  begin_checkpoint(out)
+  for f in _TOKENIZER_FILES:  # an earlier export's (import reads tokenizer.json first)
+    (out / f).unlink(missing_ok=True)
   if tokenizer is not None:
     try:
       extra = {**extra, **tokenizer_hf.write_checkpoint_files(tokenizer, out)}
@@ -268,6 +294,11 @@ def export_from_workdir(workdir_path, out, *, stage: str | None = None,
       warnings.warn(f"{e}: exporting {out} without a tokenizer")
   return save_pretrained(model, cfg, out, layout=layout, quantize_experts=quantize,
                          extra_config=extra)
+
+
+# The tokenizer files of an HF checkpoint that `import` reads (tokenizer.json before
+# tiktoken.model): an export removes them from --out, then writes its own.
+_TOKENIZER_FILES = ("tokenizer.json", "tiktoken.model", "tokenizer_config.json")
 
 
 def main(argv=None) -> None:

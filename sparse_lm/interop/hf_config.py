@@ -21,6 +21,10 @@ from typing import Any
 from sparse_lm.config import ModelConfig
 
 LAYOUTS = ("kimi_linear", "kimi_k3")
+# What the HF side fixes (no config key): the KDA q/k L2-norm eps (inside the square root, as
+# the reference's kernels) and the eps of transformers' Kimi-Linear MLA latent norms.
+HF_L2_NORM_EPS = 1e-6
+HF_MLA_NORM_EPS = 1e-6
 TOKEN_KEYS = ("bos_token_id", "eos_token_id", "pad_token_id")
 
 # Keys that do not change the text model's math.
@@ -166,7 +170,7 @@ def config_from_hf(raw: dict[str, Any], *, dtype: str | None = None,
   f["kda_output_gate_rank"] = 0 if lac.get("use_full_rank_gate") else f["kda_head_dim"]
   f["q_lora_rank"] = c.get("q_lora_rank") or 0
   f["mla_output_gate"] = bool(c.get("mla_use_output_gate", False))
-  f["mla_norm_eps"] = 1e-6 if layout == "kimi_linear" else None  # transformers' default eps
+  f["mla_norm_eps"] = HF_MLA_NORM_EPS if layout == "kimi_linear" else None  # transformers' eps
   f["num_experts"] = _get(c, "num_experts")
   f["experts_per_token"] = _get(c, "num_experts_per_token")
   f["num_shared_experts"] = _get(c, "num_shared_experts", 0)
@@ -220,8 +224,10 @@ def config_to_hf(cfg: ModelConfig, layout: str, *, quantized: bool = False,
   the text config; token ids default to None (transformers then uses no padding index).
 
   Raises:
-    ValueError: unknown layout, `quantized` with a layout other than kimi_k3, or a cfg the
-      layout cannot express (named field).
+    ValueError: unknown layout, `quantized` with a layout other than kimi_k3 or with expert
+      input dims that are not multiples of 32, or a cfg the layout cannot express (named
+      field), including eps values that `config_from_hf` would not give back (l2_norm_eps,
+      mla_norm_eps): an export never changes the model's math silently.
   """
   if layout not in LAYOUTS:
     raise ValueError(f"layout={layout!r} must be one of {LAYOUTS}")
@@ -237,6 +243,30 @@ def config_to_hf(cfg: ModelConfig, layout: str, *, quantized: bool = False,
     raise ValueError("kda_head_dim != kda_value_dim has no HF spelling (one head_dim)")
   if cfg.shared_expert_hidden != cfg.expert_hidden and cfg.num_shared_experts:
     raise ValueError("shared_expert_hidden must equal expert_hidden (HF: moe_intermediate_size)")
+  if cfg.l2_norm_eps != HF_L2_NORM_EPS:
+    raise ValueError(f"l2_norm_eps={cfg.l2_norm_eps} has no HF spelling: Kimi-Linear / K3 fix "
+                     f"the KDA q/k L2-norm eps at {HF_L2_NORM_EPS} (import would give "
+                     f"{HF_L2_NORM_EPS} back): set l2_norm_eps={HF_L2_NORM_EPS}")
+  mla_eps = cfg.norm_eps if cfg.mla_norm_eps is None else cfg.mla_norm_eps
+  want = HF_MLA_NORM_EPS if layout == "kimi_linear" else cfg.norm_eps
+  if mla_eps != want:
+    where = ("transformers' KimiLinearForCausalLM builds q_a_layernorm / kv_a_layernorm with "
+             f"eps {HF_MLA_NORM_EPS}" if layout == "kimi_linear" else
+             f"the kimi_k3 config has one rms_norm_eps (norm_eps={cfg.norm_eps}) for every norm")
+    raise ValueError(f"mla_norm_eps={cfg.mla_norm_eps} (MLA latent norms at eps {mla_eps}) has "
+                     f"no spelling in layout={layout!r}: {where}; import would give eps {want} "
+                     f"back (set mla_norm_eps={want}"
+                     + (", or use layout='kimi_linear'" if layout == "kimi_k3"
+                        and mla_eps == HF_MLA_NORM_EPS and not kimi_linear_cannot_express(cfg)
+                        else "") + ")")
+  if quantized:
+    width = "moe_latent_dim" if cfg.moe_latent else "d_model"  # w1 / w3 input; w2: hidden
+    ins = {width: getattr(cfg, width), "expert_hidden": cfg.expert_hidden}
+    bad = {k: v for k, v in ins.items() if v % 32}
+    if bad:
+      raise ValueError(f"quantize_experts=True: MXFP4 packs the routed experts' input columns in "
+                       f"blocks of 32, and {', '.join(f'{k}={v}' for k, v in bad.items())} "
+                       "is not a multiple of 32 (export without quantize_experts / --quantize)")
   types = cfg.layer_types
   full = [i + 1 for i, t in enumerate(types) if t == "mla"]
   lac = {"full_attn_layers": full, "kda_layers": [i + 1 for i, t in enumerate(types) if t == "kda"],

@@ -6,7 +6,10 @@ NumPy array (the file format: an 8-byte little-endian header length, a JSON head
 {name: {dtype, shape, data_offsets}}, then the data), so reading a tensor costs that tensor's
 bytes and no more (the `safetensors` package's `get_tensor` peaks at twice that: it reads into
 a bytes object first). `ShardWriter` fills shards up to a byte budget with the package's
-`save_file` and writes the index.
+`save_file` (each shard as a temporary file, renamed when all are written) and writes the index
+atomically (a temporary file, then `os.replace`); `close` removes the shards of an earlier
+checkpoint in the same directory that the new index does not list, and `abort` the temporary
+files of a write that failed.
 """
 
 from __future__ import annotations
@@ -16,6 +19,7 @@ import os
 import pathlib
 import re
 import struct
+import tempfile
 
 import ml_dtypes
 import numpy as np
@@ -69,6 +73,24 @@ class CheckpointReader:
 
   def names(self) -> set[str]:
     return set(self._raw)
+
+  def check_mxfp4(self, names=None) -> None:
+    """Check every MXFP4 pair among `names` (default: all) from the headers alone: both uint8,
+    weight_scale [..., n/32] for weight_packed [..., n/2]. Raises ValueError naming the
+    tensors (else a bad pair failed only when its value was read, after the other tensors,
+    without its name)."""
+    for name in sorted(self._mx if names is None else set(names) & set(self._mx)):
+      packed, scale = self._raw[name], self._mx[name]
+      ep, es = self._entry(packed)[2], self._entry(scale)[2]
+      if ep["dtype"] != "U8" or es["dtype"] != "U8":
+        raise ValueError(f"{self.path}: MXFP4 {packed} is {ep['dtype']} and {scale} is "
+                         f"{es['dtype']}: both must be U8 (uint8)")
+      sp, ss = list(ep["shape"]), list(es["shape"])
+      n = sp[-1] * 2 if sp else 0
+      if not sp or n % mxfp4.GROUP or ss != sp[:-1] + [n // mxfp4.GROUP]:
+        raise ValueError(f"{self.path}: MXFP4 {scale} has shape {ss}, expected "
+                         f"{sp[:-1] + [n // mxfp4.GROUP]} for {packed} of shape {sp} ({n} "
+                         f"columns, one E8M0 scale per {mxfp4.GROUP})")
 
   def _entry(self, raw: str) -> tuple[str, int, dict]:
     fn = self._files[raw]
@@ -138,14 +160,27 @@ class ShardWriter:
 
   def _flush(self) -> None:
     k = len(self._shards)
+    self._shards.append(list(self._cur))  # before the write: `abort` removes a partial file
     save_file(self._cur, self.path / f"shard-{k:05d}.tmp", metadata={"format": "pt"})
-    self._shards.append(list(self._cur))
     self._cur, self._cur_bytes = {}, 0
 
+  def abort(self) -> None:
+    """Remove the temporary shard files of a write that failed (the directory's finished
+    files are left as they were)."""
+    for k in range(len(self._shards)):
+      (self.path / f"shard-{k:05d}.tmp").unlink(missing_ok=True)
+    self._shards, self._cur, self._cur_bytes = [], {}, 0
+
   def close(self) -> list[str]:
-    """Flush, rename the shards to their final names, write the index; returns the files."""
-    if self._cur:
-      self._flush()
+    """Flush, rename the shards to their final names, write the index (atomically) and remove
+    the shards of an earlier checkpoint that the index does not list (and a single-file
+    `model.safetensors`, which transformers would load before the index); returns the files."""
+    try:
+      if self._cur:
+        self._flush()
+    except BaseException:
+      self.abort()
+      raise
     n = len(self._shards)
     weight_map, files = {}, []
     umask = os.umask(0)
@@ -159,5 +194,25 @@ class ShardWriter:
       files.append(fn)
       weight_map.update({nm: fn for nm in names})
     index = {"metadata": {"total_size": self._total}, "weight_map": dict(sorted(weight_map.items()))}
-    (self.path / INDEX).write_text(json.dumps(index, indent=2) + "\n")
+    write_text_atomic(self.path / INDEX, json.dumps(index, indent=2) + "\n")
+    for old in [*self.path.glob("model-*-of-*.safetensors"), self.path / SINGLE]:
+      if old.name not in files and old.is_file():
+        old.unlink()  # stale: another checkpoint's shard in the same directory
     return files
+
+
+def write_text_atomic(path: str | os.PathLike, text: str) -> None:
+  """Write `path` through a temporary file in its directory and `os.replace`: a reader sees
+  the old file or the new one, never a part (mode 0666 less the umask, as `write_text`)."""
+  path = pathlib.Path(path)
+  fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+  try:
+    with os.fdopen(fd, "w", encoding="utf-8") as f:
+      f.write(text)
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(tmp, 0o666 & ~umask)
+    os.replace(tmp, path)
+  except BaseException:
+    pathlib.Path(tmp).unlink(missing_ok=True)
+    raise

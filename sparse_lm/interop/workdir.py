@@ -90,19 +90,65 @@ def save_import(model: nnx.Module, cfg: ModelConfig, raw_config: dict, workdir, 
   the checkpoint's tokenizer (a `sparse_lm.data.Tokenizer` or None) as `<workdir>/hf_import/`;
   returns that directory."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
+  from sparse_lm.interop.safetensors_io import write_text_atomic  # pylint: disable=g-import-not-at-top
   out = _dir(workdir)
   out.mkdir(parents=True, exist_ok=True)
+  # The meta file marks a complete import: removed first, written last (atomically), so an
+  # import that stops half-way (over an earlier one) leaves "no HF import", never an earlier
+  # config over new weights, or the new weights with the earlier tokenizer.
+  (out / META).unlink(missing_ok=True)
+  (out / TOKENIZER).unlink(missing_ok=True)  # also what a re-import without one must leave
   _, params, rest = nnx.split(model, nnx.Param, ...)
   with ocp.StandardCheckpointer() as ckpt:
     ckpt.save(out / "params", nnx.to_pure_dict(params), force=True)
     ckpt.save(out / "model_vars", nnx.to_pure_dict(rest), force=True)
-  meta = {"model_config": dataclasses.asdict(cfg), "hf_extra": hf_config.token_ids(raw_config)}
-  (out / META).write_text(json.dumps(meta, indent=2) + "\n")
   if tokenizer is not None:
-    tokenizer.save(str(out / TOKENIZER))
-  elif (out / TOKENIZER).exists():
-    (out / TOKENIZER).unlink()  # a re-import of a checkpoint without one
+    tokenizer.save(str(out / TOKENIZER))  # atomic
+  meta = {"model_config": dataclasses.asdict(cfg), "hf_extra": hf_config.token_ids(raw_config)}
+  write_text_atomic(out / META, json.dumps(meta, indent=2) + "\n")
   return out
+
+
+# Model variables that hold balancer statistics (BalancerStats): accumulated between two
+# balancer updates and reset by each, so a stage whose balancer settings differ from the
+# import's (balancer, balancer_bins) starts them at zero instead of restoring them.
+_STATS = ("balancer_hist", "balancer_load")
+
+
+def _leaves(tree, prefix=()):
+  """(path of str keys, leaf) of a nested dict."""
+  if isinstance(tree, dict):
+    for k, v in tree.items():
+      yield from _leaves(v, prefix + (str(k),))
+  else:
+    yield prefix, tree
+
+
+def _nest(flat: dict) -> dict:
+  out = {}
+  for path, v in flat.items():
+    node = out
+    for k in path[:-1]:
+      node = node.setdefault(k, {})
+    node[path[-1]] = v
+  return out
+
+
+def _zeros(leaf):
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  sharding = getattr(leaf, "sharding", None) or jax.sharding.SingleDeviceSharding(
+      jax.devices()[0])
+  return jax.make_array_from_callback(
+      leaf.shape, sharding, lambda idx: np.zeros(leaf.shape, leaf.dtype)[idx])
+
+
+def _replicated(leaf):
+  import jax  # pylint: disable=g-import-not-at-top
+  sh = getattr(leaf, "sharding", None)
+  if isinstance(sh, jax.sharding.NamedSharding):
+    return jax.sharding.NamedSharding(sh.mesh, jax.sharding.PartitionSpec())
+  return jax.sharding.SingleDeviceSharding(jax.devices()[0])
 
 
 def restore_variables(workdir, abstract_params: nnx.State, abstract_model_vars: nnx.State
@@ -110,10 +156,17 @@ def restore_variables(workdir, abstract_params: nnx.State, abstract_model_vars: 
   """(params, model_vars) of the import, restored into the abstract states' shapes and
   shardings (leaves are jax.ShapeDtypeStruct with `.sharding`, as a stage's restore target).
 
+  The shapes are compared with the stored ones before any value is read. Balancer statistics
+  (`balancer_hist`, `balancer_load`) whose shape or presence differs (a stage with another
+  `balancer` or `balancer_bins`) start at zero, as after a balancer update.
+
   Raises:
-    FileNotFoundError: no import in `workdir`. Orbax errors on a shape mismatch (a stage whose
-      model_overrides change the architecture).
+    FileNotFoundError: no import in `workdir`.
+    ValueError: a variable whose shape differs from the import's, or that one side lacks (a
+      stage whose model_overrides change the architecture): the variable, both shapes and
+      the fix are named.
   """
+  import jax  # pylint: disable=g-import-not-at-top
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   d = _dir(workdir)
   if not (d / META).exists():
@@ -122,10 +175,48 @@ def restore_variables(workdir, abstract_params: nnx.State, abstract_model_vars: 
   with ocp.StandardCheckpointer() as ckpt:
     for name, target in (("params", abstract_params), ("model_vars", abstract_model_vars)):
       state = nnx.State(target) if not isinstance(target, nnx.State) else target
-      restored = ckpt.restore(d / name, nnx.to_pure_dict(state))
+      want = nnx.to_pure_dict(state)
+      meta = ckpt.metadata(d / name)
+      meta = getattr(meta, "item_metadata", meta)
+      meta = getattr(meta, "tree", meta)
+      stored = {p: tuple(m.shape) for p, m in _leaves(meta)}
+      wanted = dict(_leaves(want))
+      bad = []
+      for p in sorted(set(wanted) | set(stored)):
+        a = wanted[p].shape if p in wanted else None
+        b = stored.get(p)
+        if (a is None or b is None or tuple(a) != b) and p[-1] not in _STATS:
+          bad.append(f"{'.'.join(p)}: the import has "
+                     + (f"shape {list(b)}" if b is not None else "no such variable")
+                     + ", the model " + (f"shape {list(a)}" if a is not None else "has none"))
+      if bad:
+        raise ValueError(
+            f"{d}: the model to restore is not the import's architecture ({'; '.join(bad[:3])}"
+            + (f"; {len(bad) - 3} more" if len(bad) > 3 else "") + f"). A stage with "
+            "init_from=<import> takes the import's ModelConfig (sparse_lm_model.json): drop "
+            "the --set model.* overrides that change the architecture (num_experts, d_model, "
+            "num_layers, ...); non-architecture ones (remat_policy, kda_chunk_size, balancer, "
+            "balancer_bins, dtype, ...) may differ")
+      same = {p for p in wanted if stored.get(p) == tuple(wanted[p].shape)}
+      if same == set(wanted) == set(stored):
+        restored = ckpt.restore(d / name, want)
+      else:  # balancer statistics differ: read what is stored, keep what matches, zeros else
+        arg = {p: wanted[p] if p in same else jax.ShapeDtypeStruct(
+            stored[p], m.dtype, sharding=_replicated(next(iter(wanted.values()))))
+               for p, m in _leaves(meta)}
+        got = dict(_leaves(ckpt.restore(d / name, _nest(arg))))
+        flat = {p: got[p] if p in same else _zeros(wanted[p]) for p in wanted}
+        restored = _nest_like(want, flat)
       nnx.replace_by_pure_dict(state, restored)
       out.append(state)
   return out[0], out[1]
+
+
+def _nest_like(tree, flat: dict, prefix=()):
+  """`tree` (a nested dict) with each leaf replaced by flat[its path of str keys]."""
+  if isinstance(tree, dict):
+    return {k: _nest_like(v, flat, prefix + (str(k),)) for k, v in tree.items()}
+  return flat[prefix]
 
 
 def token_ids(workdir) -> dict:

@@ -106,3 +106,23 @@ def test_cli_takes_dashed_and_underscored_flags(tmp_path, capsys):
     assert e.value.code == 2
     err = capsys.readouterr().err
     assert "missing" in err and "required" not in err, err
+
+
+@pytest.mark.parametrize("what", ["scale dtype", "packed dtype", "scale shape"])
+def test_mxfp4_pair_errors_come_from_the_headers_naming_the_tensor(tmp_path, what):
+  """A bad MXFP4 pair failed only when its value was read (after every tensor before it) and
+  the message named no tensor."""
+  from tests.interop.hf_testlib import K3
+  n = "language_model.model.layers.4.block_sparse_moe.experts.3.w2.weight"
+
+  def edit(t):
+    s, p = t[n + "_scale"], t[n + "_packed"]
+    if what == "scale dtype":
+      return {**t, n + "_scale": s.astype(np.int8)}
+    if what == "packed dtype":
+      return {**t, n + "_packed": p.view(np.int8)}
+    return {**t, n + "_scale": np.concatenate([s, s], 1)}
+
+  d = rewrite(K3, tmp_path / "c", edit_tensors=edit)
+  with pytest.raises(ValueError, match=f"MXFP4 .*{n}_(scale|packed)"):
+    load_pretrained(d)

@@ -209,3 +209,47 @@ def test_cli_errors_are_one_line_with_status_2(tmp_path, capsys):
       hf_config.kimi_linear_cannot_express(cfg)
   hf.main(["export", "--workdir", str(w), "--out", str(tmp_path / "o3")])
   assert json.loads((tmp_path / "o3" / "config.json").read_text())["model_type"] == "kimi_linear"
+
+
+@pytest.mark.parametrize("override", [("balancer_bins", 256), ("balancer", "bias_sign")])
+def test_stage_from_the_import_with_other_balancer_settings(tmp_path, override):
+  """`--set model.balancer_bins=256` (or another balancer) with init_from=W: the balancer
+  statistics have another shape (or none), and the restore failed with Orbax's "Requested
+  shape ... not compatible" (or "tree structures do not match") and pages of TensorStore
+  specs. They are statistics reset at every balancer update: they start at zero; the weights
+  and the balancer bias are the import's."""
+  w = tmp_path / "w"
+  import_to_workdir(KIMI_LINEAR, w)
+  stage = small_stage(name="ft", init_from=str(w), model_overrides=(
+      ("remat_policy", "none"), ("kda_chunk_size", 16), override))
+  mesh = shd.make_mesh(stage.mesh)
+  parts = loop.build(stage, mesh)
+  with shd.use_mesh(mesh, stage.mesh.rules):
+    target = shd.with_shardings(parts.abstract_state, parts.state_shardings)
+    state = loop._init_from(stage, tmp_path, target, "unused", parts,  # pylint: disable=protected-access
+                            print)
+  imported, _ = load_pretrained(KIMI_LINEAR)
+  want = dict(nnx.to_flat_state(nnx.state(imported)))
+  got = {**dict(nnx.to_flat_state(state.params)), **dict(nnx.to_flat_state(state.model_vars))}
+  for p, v in got.items():
+    if p[-1] in ("balancer_hist", "balancer_load"):
+      assert not np.asarray(v[...]).any(), p
+    else:
+      assert np.array_equal(np.asarray(want[p][...]), np.asarray(v[...])), p
+
+
+def test_stage_from_the_import_with_another_architecture_names_it(tmp_path):
+  """`--set model.num_experts=16` with init_from=W: Orbax's "Requested shape (64, 16) is not
+  compatible with the stored shape" named neither the variable nor the override to drop."""
+  w = tmp_path / "w"
+  import_to_workdir(KIMI_LINEAR, w)
+  stage = small_stage(name="ft", init_from=str(w), model_overrides=(
+      ("remat_policy", "none"), ("kda_chunk_size", 16), ("num_experts", 16)))
+  mesh = shd.make_mesh(stage.mesh)
+  parts = loop.build(stage, mesh)
+  with shd.use_mesh(mesh, stage.mesh.rules):
+    target = shd.with_shardings(parts.abstract_state, parts.state_shardings)
+    with pytest.raises(ValueError, match=r"not the import's architecture \(.*expert_down: the "
+                       r"import has shape \[1, 8, .*\], the model shape \[1, 16, .*drop the --set "
+                       r"model\.\* overrides"):
+      loop._init_from(stage, tmp_path, target, "unused", parts, print)  # pylint: disable=protected-access
