@@ -68,3 +68,21 @@ def test_bad_param_shapes_raise():
     kda_gate(z, A_log[:2], dt_bias)
   with pytest.raises(ValueError):
     kda_gate(z, A_log, dt_bias[:5])
+
+
+def test_the_spec_spelling_lower_bound():
+  """ARCHITECTURE §2.3 writes `kda_gate(z, A_log, dt_bias, *, lower_bound=-5.0)`: that call
+  works, with the values of the formula (not of gate_lower_bound's default)."""
+  z, A_log, dt_bias, _ = _params(5, z_scale=10.0)
+  x = np.asarray(z) + np.asarray(dt_bias).reshape(H, K)
+  a = np.exp(np.asarray(A_log))[:, None]
+  with np.errstate(over="ignore"):
+    want = -3.0 / (1 + np.exp(-a * x))
+  np.testing.assert_allclose(np.asarray(kda_gate(z, A_log, dt_bias, lower_bound=-3.0)), want,
+                             rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(np.asarray(kda_gate(z, A_log, dt_bias, lower_bound=None)),
+                             -a * np.logaddexp(0, x), rtol=1e-5, atol=1e-6)
+  with pytest.raises(TypeError, match="not both"):
+    kda_gate(z, A_log, dt_bias, gate_lower_bound=-2.0, lower_bound=-3.0)
+  with pytest.raises(ValueError, match="must be in"):
+    kda_gate(z, A_log, dt_bias, lower_bound=1.0)
