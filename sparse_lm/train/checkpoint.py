@@ -104,12 +104,16 @@ class Checkpointer:
     """The JSON metadata saved with checkpoint `step` (no arrays are read)."""
     return self._mgr.restore(step, args=ocp.args.Composite(meta=ocp.args.JsonRestore())).meta
 
-  def restore_latest(self, abstract_state: Any,
+  def restore_latest(self, abstract_state: Any | Callable[[dict[str, Any]], Any],
                      check_meta: Callable[[dict[str, Any]], None] | None = None, *,
                      set_aside: bool = True) -> tuple[TrainState, dict, dict] | None:
-    """(state, data_state, meta) of the newest readable checkpoint, or None if there is none.
+    """(state, data_state, meta) of the newest readable checkpoint, or None if there is none;
+    `meta` is the one saved with the step restored.
 
-    `abstract_state` is a tree of `jax.ShapeDtypeStruct`s with shardings. `check_meta(meta)` is
+    `abstract_state` is a tree of `jax.ShapeDtypeStruct`s with shardings, or a function of a
+    checkpoint's meta returning that step's tree (called after `check_meta`, for each step
+    tried: a reader that restores each step as the config saved with it, `sparse_lm.train.load`;
+    what it raises counts as that step's read failure). `check_meta(meta)` is
     called with a checkpoint's meta before its arrays are read; what it raises (e.g.
     ConfigMismatchError) stops the search at once. An unreadable (truncated, corrupt)
     checkpoint is skipped with a warning and the previous one is tried; once an older one
@@ -133,8 +137,9 @@ class Checkpointer:
         if check_meta is not None:
           check_meta(meta)
         try:
+          target = abstract_state(meta) if callable(abstract_state) else abstract_state
           restored = self._mgr.restore(step, args=ocp.args.Composite(
-              state=ocp.args.StandardRestore(abstract_state), data=ocp.args.JsonRestore()))
+              state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
           if set_aside:
             self._set_aside(unreadable)
           return restored.state, dict(restored.data or {}), meta

@@ -20,7 +20,7 @@ from flax import nnx
 from sparse_lm import sharding as shd
 from sparse_lm.data import Tokenizer
 from sparse_lm.train.builder import build
-from sparse_lm.train.checkpoint import Checkpointer, UnreadableCheckpointError, stage_from_json
+from sparse_lm.train.checkpoint import Checkpointer, stage_from_json
 from sparse_lm.train.config import StageConfig
 
 
@@ -48,12 +48,14 @@ def load(workdir: str | pathlib.Path, stage: str | None = None, *,
   Returns:
     (model, tokenizer, stage_config): the `Transformer` with its trained parameters and
     balancer biases (call it with `train=False`, the default), the run's `Tokenizer`, and the
-    `StageConfig` saved with the checkpoint.
+    `StageConfig` saved with the step restored (when the newest step cannot be read and an
+    older one is restored, with a RuntimeWarning naming both, the older step's config).
 
   Raises:
     FileNotFoundError: no checkpoint of `stage` (or of any stage) in `workdir`; the message
       lists the stages there.
-    UnreadableCheckpointError (a RuntimeError): checkpoints exist but none can be read.
+    UnreadableCheckpointError (a RuntimeError): checkpoints exist but none can be read (the
+      message names each step and why).
   """
   workdir = pathlib.Path(workdir).absolute()
   stages = _stage_dirs(workdir) if workdir.is_dir() else []
@@ -66,25 +68,24 @@ def load(workdir: str | pathlib.Path, stage: str | None = None, *,
         f"{names or 'none'}); train one with `python -m experiments.<stage> "
         f"--workdir={workdir}`")
   ckpt = Checkpointer(workdir / stage / "checkpoints", keep=10**6)
+  mesh = shd.make_mesh(shd.MeshLayout(), devices)
+
+  def target_for(meta):
+    # Each step is restored as the stage config saved with it: a stage resumed with
+    # --allow-config-change may have changed its optimizer (another opt-state tree) between
+    # steps, and the config returned must be the restored step's, not the newest step's.
+    parts = build(stage_from_json(meta["stage"]), mesh)
+    return shd.with_shardings(parts.abstract_state, parts.state_shardings)
+
   try:
-    stage_cfg = None
-    for step in reversed(ckpt.all_steps()):
-      try:
-        stage_cfg = stage_from_json(ckpt.read_meta(step)["stage"])
-        break
-      except Exception:  # pylint: disable=broad-except  (unreadable: try the one before)
-        continue
-    if stage_cfg is None:
-      raise UnreadableCheckpointError(
-          f"no readable checkpoint in {ckpt.directory}: every step's meta.json failed to "
-          "read")
-    mesh = shd.make_mesh(shd.MeshLayout(), devices)
-    parts = build(stage_cfg, mesh)
     with shd.use_mesh(mesh):
-      target = shd.with_shardings(parts.abstract_state, parts.state_shardings)
-      restored = ckpt.restore_latest(target, set_aside=False)
+      restored = ckpt.restore_latest(target_for, set_aside=False)
   finally:
     ckpt.close()
+  if restored is None:  # the steps were removed since they were listed
+    raise FileNotFoundError(f"no checkpoint of {stage} in {workdir}: {ckpt.directory} is empty")
   state, _, meta = restored
+  stage_cfg = stage_from_json(meta["stage"])  # the restored step's (restore_latest's meta)
+  parts = build(stage_cfg, mesh)  # cached: the build `target_for` made for this step
   model = nnx.merge(parts.graphdef, state.params, state.model_vars)
   return model, Tokenizer.from_json(meta["tokenizer"]["json"]), stage_cfg
