@@ -3,8 +3,10 @@
 The shape of the Flax Gemma example's loop: the mesh is made once, the state is built (or
 restored) under it with explicit shardings, one jitted step with donated state runs per batch,
 a checkpoint manager saves every `checkpoint_every` steps, at the end and on SIGTERM or SIGINT
-(Ctrl-C), and a metrics writer and a progress bar (or, off a terminal, a plain line every
-`progress_every` steps) report as it goes. The stage directory is locked for the run.
+(Ctrl-C; at the next step boundary, or at once while the loop waits for a batch: batches are
+fetched on a worker thread, `BatchFetcher`, so a stalled data pipeline cannot keep the process
+from stopping), and a metrics writer and a progress bar (or, off a terminal, a plain line
+every `progress_every` steps) report as it goes. The stage directory is locked for the run.
 
 Starting point of a stage, in order: its own latest checkpoint in `<workdir>/<stage>/`
 (resume: model, optimizer, step, RNG and data position; the stage and model configs saved with
@@ -19,6 +21,7 @@ import contextlib
 import dataclasses
 import gc
 import pathlib
+import queue
 import signal
 import threading
 import time
@@ -66,7 +69,8 @@ class RunResult:
 
 class Preemption:
   """SIGTERM / SIGINT (Ctrl-C) handler: ask the loop to save and stop after the current step
-  (`requested` holds the signal's name). A second SIGINT interrupts at once
+  (`requested` holds the signal's name; a wait for the next batch ends at once,
+  `BatchFetcher`). A second SIGINT interrupts at once
   (KeyboardInterrupt). The stage loop and the RL phases (sparse_lm/rl/trainer.py) use it."""
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
@@ -89,6 +93,79 @@ class Preemption:
   def __exit__(self, *exc):
     for s, handler in self._previous.items():
       signal.signal(s, handler)
+
+
+class BatchFetcher:
+  """`next(iterator)` run on a worker thread, the caller waiting in polls of `poll` seconds so
+  that a stop request (SIGTERM / SIGINT, `Preemption.requested`) is honoured while the data
+  pipeline is stalled.
+
+  Called on the main thread, a `next()` that blocks (a packer waiting for text that never
+  comes, a read from a hung file system) never returns to the step loop: the signal handler
+  only records the request, which the loop reads at the next step boundary, so the process
+  could not be stopped gracefully. Here the main thread waits on a queue with a timeout
+  (Python runs the signal handler during that wait) and checks `stop()` at each timeout; a
+  batch that is ready is returned at once (one hand-over between threads, tens of
+  microseconds, per step).
+
+  `next(stop)` returns the batch, or None when `stop()` became true while waiting: that fetch
+  is abandoned (its thread may stay blocked: a daemon thread, it does not keep the process
+  alive) and the iterator must not be used again; `state_before` then holds the iterator's
+  state from before that fetch (the position of a consistent checkpoint). The iterator's
+  exceptions (StopIteration included) are raised in the caller.
+  """
+
+  def __init__(self, iterator, poll: float = 0.1):
+    self._it, self.poll = iterator, poll
+    # queue.Queue, not SimpleQueue: on CPython 3.11 a signal that interrupts
+    # SimpleQueue.get(timeout=...) near its deadline can turn the wait into one without end
+    # (the remaining time goes negative, which means "block"; reproducer in
+    # tests/train/test_train_units.py), exactly the wait a stop request must end.
+    self._requests: queue.Queue = queue.Queue()
+    self._results: queue.Queue = queue.Queue()
+    self._thread: threading.Thread | None = None
+    self.state_before: Any = None
+    self.abandoned = False
+    self.waited = 0.0  # seconds the abandoned fetch had been waited for
+
+  def _work(self) -> None:
+    while self._requests.get():
+      try:
+        self._results.put((True, next(self._it)))
+      except BaseException as e:  # pylint: disable=broad-except  (raised in the caller)
+        self._results.put((False, e))
+
+  def next(self, stop: Callable[[], bool]):
+    if self.abandoned:
+      raise RuntimeError("BatchFetcher: a fetch was abandoned; the iterator's position is "
+                         "unknown, so it cannot be read again")
+    if self._thread is None:
+      self._thread = threading.Thread(target=self._work, name="sparse_lm-batch-fetch",
+                                      daemon=True)
+      self._thread.start()
+    get_state = getattr(self._it, "get_state", None)  # the worker is idle: a consistent read
+    self.state_before = get_state() if get_state is not None else None
+    self._requests.put(True)
+    t0 = time.perf_counter()
+    while True:
+      try:
+        ok, value = self._results.get(timeout=self.poll)
+      except queue.Empty:
+        if stop():
+          self.abandoned, self.waited = True, time.perf_counter() - t0
+          return None
+        continue
+      if ok:
+        return value
+      raise value
+
+  def close(self) -> None:
+    """End the worker thread: now if idle, else (an abandoned fetch) once its `next()`
+    returns, if ever (a daemon thread: it does not keep the process alive)."""
+    if self._thread is not None:
+      self._requests.put(False)
+      if not self.abandoned:
+        self._thread.join(timeout=1.0)
 
 
 class _StepGC:
@@ -384,11 +461,17 @@ class _StageLoop:
     self.pre.wait("train")
     clock = self.clock = _HostClock()
     step_gc = _StepGC(stage.gc_every)
+    fetch = BatchFetcher(self.train_iter)
     with Preemption() as preemption, contextlib.ExitStack() as stack:
+      stack.callback(fetch.close)
       for step in range(start, stage.steps):
         clock.lap("other")
         t0 = time.perf_counter()
-        batch = _put(next(self.train_iter), self.batch_sh, stage.global_batch)
+        rows = fetch.next(lambda: preemption.requested is not None)
+        if rows is None:  # stopped while the data pipeline stalled
+          self._stop_waiting_for_data(state, step, start, preemption.requested, fetch)
+          return state, True
+        batch = _put(rows, self.batch_sh, stage.global_batch)
         clock.lap("data")
         state, m = self.parts.train_step(state, batch)
         clock.lap("dispatch")
@@ -435,10 +518,36 @@ class _StageLoop:
     self.pre.start(stage, parts, self.batch_sh, self.eval_rows if self.eval_batches else 0,
                    sample if stage.sample_tokens > 0 and self.mesh.size == 1 else None)
 
-  def save(self, state, final=False):
-    data_state = data_item(data_lib.state_to_json_compatible(self.train_iter.get_state()),
-                           self.shard)
+  def save(self, state, final=False, iter_state=None):
+    """Save `state` with the data iterator's position (`iter_state`: one read before, for a
+    save while the iterator cannot be read)."""
+    if iter_state is None:
+      iter_state = self.train_iter.get_state()
+    data_state = data_item(data_lib.state_to_json_compatible(iter_state), self.shard)
     self.last_saved = self.ckpt.save(state, data_state=data_state, meta=self.meta, final=final)
+
+  def _stop_waiting_for_data(self, state, step, start, signame, fetch) -> None:
+    """A stop request (`signame`) came while the loop waited for the batch of `step`: save
+    `state` (after `step` steps) with the data position from before that batch, as a stop at
+    a step boundary does, and say so. Not saved: a stop before this run's first step (nothing
+    new), and a stop on several processes (the save's collectives need every process, and
+    the others wait in the step for this one's batch); the last checkpoint stays."""
+    stage = self.stage
+    self.drain(state)  # the previous step's metrics (may raise NonFiniteLossError)
+    why = (f"[{stage.name}] {signame} while waiting {fetch.waited:.1f} s for the batch of "
+           f"step {step} (the data pipeline is stalled or slow)")
+    if step > start and jax.process_count() == 1:
+      self.save(state, iter_state=fetch.state_before)
+      self.ckpt.wait()
+      self.bar.print(f"{why}: saved step {step} to {self.ckpt.directory} with the data "
+                     "position before that batch; run the same command again to resume.")
+      return
+    kept = (f"the last checkpoint is step {self.last_saved} in {self.ckpt.directory}"
+            if self.last_saved is not None else "no checkpoint of this stage was saved")
+    reason = ("no step was trained since the start" if step == start else
+              "a save needs every process, and the others wait for this one's batch")
+    self.bar.print(f"{why}: stopped without saving ({reason}); {kept}; run the same command "
+                   "again to resume from it.")
 
   def drain(self, state):
     """Read the metrics of the last dispatched step; stop on a non-finite loss."""

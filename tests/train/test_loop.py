@@ -9,11 +9,14 @@ import json
 import os
 import re
 import signal
+import threading
+import time
 import warnings
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import orbax.checkpoint as ocp
 import pytest
 from flax import nnx
 
@@ -143,3 +146,97 @@ def test_nan_loss_stops_and_keeps_last_good_checkpoint(workdir):
     loop.run(stage, workdir, progress=False)
   assert Checkpointer(workdir / stage.name / "checkpoints").all_steps() == [2]
 
+
+
+class _StallingIterator:
+  """The real training iterator until `stall_at` batches were read, then a stalled pipeline:
+  the next `next()` blocks, sends SIGTERM to this process `kill_after` s into the block, and
+  raises if released (the guard, after `guard_s`), so that a loop that cannot act on the
+  signal fails the test instead of hanging it."""
+
+  def __init__(self, real, stall_at: int, kill_after: float = 0.3, guard_s: float = 60.0):
+    self.real, self.stall_at, self.kill_after, self.guard_s = real, stall_at, kill_after, guard_s
+    self.n = 0
+    self.release = threading.Event()
+    self.killed_at: float | None = None
+
+  def __next__(self):
+    if self.n == self.stall_at:
+      def kill():
+        self.killed_at = time.perf_counter()
+        os.kill(os.getpid(), signal.SIGTERM)
+      threading.Timer(self.kill_after, kill).start()
+      if self.release.wait(self.guard_s):
+        raise RuntimeError("the stalled data iterator was released at the test's end")
+      raise RuntimeError(
+          f"the stalled data iterator was released by the test's guard after {self.guard_s} "
+          "s: the loop did not act on SIGTERM while it waited for a batch (SIGTERM sent: "
+          f"{self.killed_at is not None}; handler now: {signal.getsignal(signal.SIGTERM)})")
+    self.n += 1
+    return next(self.real)
+
+  def get_state(self):
+    return self.real.get_state()
+
+  def set_state(self, state):
+    self.real.set_state(state)
+
+  def close(self):
+    self.release.set()
+
+
+def test_sigterm_while_the_data_pipeline_stalls_saves_and_stops(workdir, monkeypatch, capsys):
+  """A data iterator that blocks forever before step 3's batch, and SIGTERM during the block:
+  the run stops within seconds (it used to wait for the batch forever), saves step 3 with the
+  data position before the batch it waited for (a resumed run reads exactly that batch), and
+  returns preempted (the CLI exits 0). A stall before a run's first step stops without a save."""
+  stage = small_stage()
+  real_make = loop.data_lib.make_train_iterator
+  made = []
+
+  def stalling(stall_at):
+    def make(*args, **kwargs):
+      made.append(_StallingIterator(real_make(*args, **kwargs), stall_at))
+      return made[-1]
+    return make
+
+  previous = signal.signal(signal.SIGTERM, lambda *_: None)  # a stray SIGTERM spares pytest
+  try:
+    monkeypatch.setattr(loop.data_lib, "make_train_iterator", stalling(3))
+    first = loop.run(stage, workdir, progress=False)
+    returned = time.perf_counter()
+    assert made[-1].killed_at is not None and returned - made[-1].killed_at < 10.0
+    assert first.preempted and first.end_step == 3 and sorted(first.losses) == [0, 1, 2]
+    out = capsys.readouterr().out
+    assert re.search(r"\[stage_8k\] SIGTERM while waiting [\d.]+ s for the batch of step 3 "
+                     r"\(the data pipeline is stalled or slow\): saved step 3 to ", out), out
+    ckpt = Checkpointer(workdir / stage.name / "checkpoints")
+    assert ckpt.all_steps() == [2, 3]
+    # The saved position is the one before the batch the loop waited for: the 4th batch.
+    data = ckpt._mgr.restore(  # pylint: disable=protected-access
+        3, args=ocp.args.Composite(data=ocp.args.JsonRestore())).data
+    ckpt.close()
+    tokenizer = loop.data_lib.load_or_train_tokenizer(stage.data, str(workdir), 512)
+    kwargs = dict(seq_len=stage.seq_len, batch_size=stage.global_batch)
+    resumed_it = real_make(stage.data, tokenizer, **kwargs)
+    resumed_it.set_state(data["shards"]["0"])
+    fresh = real_make(stage.data, tokenizer, **kwargs)
+    for _ in range(3):
+      next(fresh)
+    want, got = next(fresh), next(resumed_it)
+    assert all(np.array_equal(want[k], got[k]) for k in want)
+
+    # Stalled before the resumed run's first step: nothing new to save; it says so and stops.
+    monkeypatch.setattr(loop.data_lib, "make_train_iterator", stalling(0))
+    second = loop.run(stage, workdir, progress=False)
+    assert second.preempted and second.start_step == second.end_step == 3
+    assert re.search(r"SIGTERM while waiting [\d.]+ s for the batch of step 3 .*: stopped "
+                     r"without saving \(no step was trained since the start\); the last "
+                     r"checkpoint is step 3 in ", capsys.readouterr().out)
+  finally:
+    for it in made:
+      it.release.set()  # the abandoned fetches' threads end
+    signal.signal(signal.SIGTERM, previous)
+  monkeypatch.undo()
+  third = loop.run(stage, workdir, progress=False)
+  assert third.start_step == 3 and third.end_step == 5 and not third.preempted

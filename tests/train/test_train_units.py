@@ -3,8 +3,11 @@ checkpoint fallback on a truncated checkpoint, tokenizer check, schedule reset."
 
 import os
 import pathlib
+import signal
 import subprocess
 import sys
+import threading
+import time
 
 import jax
 import jax.numpy as jnp
@@ -374,3 +377,120 @@ def test_read_failure_drops_tensorstore_spec_dumps():
   e = RuntimeError("DATA_LOSS: reading chunk failed: <bound method pybind11_detail_function_"
                    "record_v1 spec of TensorStore({'driver': 'zarr', 'kvstore': ...})>")
   assert read_failure(e) == "RuntimeError: DATA_LOSS: reading chunk failed"
+
+
+class _Blocking:
+  """A data iterator that yields `ready` batches, then blocks until `release` is set (a stalled
+  pipeline); released, it raises, so a test without the fix fails instead of hanging."""
+
+  def __init__(self, ready: int, release_after: float = 30.0):
+    self.n, self.ready, self.release_after = 0, ready, release_after
+    self.release = threading.Event()
+    self.blocked = threading.Event()
+
+  def __next__(self):
+    if self.n >= self.ready:
+      self.blocked.set()
+      self.release.wait(self.release_after)
+      raise RuntimeError("the stalled iterator was released by the test's guard")
+    self.n += 1
+    return {"n": self.n}
+
+  def get_state(self):
+    return {"n": self.n}
+
+
+def test_batch_fetcher_passes_batches_and_errors_through():
+  from sparse_lm.train.loop import BatchFetcher
+
+  class Failing:
+    def __init__(self, exc):
+      self.exc = exc
+
+    def __next__(self):
+      raise self.exc
+
+  it = _Blocking(ready=2)
+  fetch = BatchFetcher(it)
+  assert fetch.next(lambda: False) == {"n": 1} and fetch.state_before == {"n": 0}
+  assert fetch.next(lambda: False) == {"n": 2} and fetch.state_before == {"n": 1}
+  fetch.close()
+  for exc in (ValueError("bad document"), StopIteration()):
+    fetch = BatchFetcher(Failing(exc))
+    with pytest.raises(type(exc)):
+      fetch.next(lambda: False)
+    fetch.close()
+
+
+def test_batch_fetcher_honours_a_stop_request_while_the_iterator_blocks():
+  """A stall: the iterator never returns; the stop flag set during the wait ends it at once
+  (within the poll), with the iterator's state from before the abandoned fetch."""
+  from sparse_lm.train.loop import BatchFetcher
+  it = _Blocking(ready=1)
+  fetch = BatchFetcher(it, poll=0.05)
+  try:
+    assert fetch.next(lambda: False) == {"n": 1}
+    stop = threading.Event()
+    threading.Timer(0.3, stop.set).start()
+    t0 = time.perf_counter()
+    assert fetch.next(stop.is_set) is None
+    assert time.perf_counter() - t0 < 5.0 and it.blocked.is_set()
+    assert fetch.abandoned and fetch.state_before == {"n": 1} and fetch.waited >= 0.25
+    with pytest.raises(RuntimeError, match="abandoned"):
+      fetch.next(lambda: False)
+  finally:
+    it.release.set()  # the worker's next() ends (raises); close() lets the thread go
+    fetch.close()
+
+
+def test_sigterm_during_a_stalled_fetch_is_acted_on():
+  """The real signal under the loop's handler (`Preemption`): SIGTERM sent while the main
+  thread waits for a batch that never comes ends the wait within a poll."""
+  from sparse_lm.train.loop import BatchFetcher, Preemption
+  it = _Blocking(ready=0)
+  fetch = BatchFetcher(it)
+  try:
+    with Preemption() as preemption:
+      killer = threading.Thread(target=lambda: it.blocked.wait(30) and os.kill(
+          os.getpid(), signal.SIGTERM), daemon=True)
+      killer.start()
+      t0 = time.perf_counter()
+      assert fetch.next(lambda: preemption.requested is not None) is None
+      assert time.perf_counter() - t0 < 5.0
+      killer.join(5)  # the signal was sent inside the handler's scope
+    assert preemption.requested == "SIGTERM" and fetch.state_before == {"n": 0}
+  finally:
+    it.release.set()
+    fetch.close()
+
+
+def test_batch_fetcher_wait_survives_a_stream_of_signals():
+  """Signals landing on the poll's wait (a handler that returns) never turn it into a wait
+  without end. On CPython 3.11 `queue.SimpleQueue.get(timeout=...)` interrupted near its
+  deadline blocks for good (about 1 SIGTERM in 10 was missed by the training loop that way);
+  the fetcher polls a `queue.Queue`. Guarded: the iterator gives up after 10 s."""
+  from sparse_lm.train.loop import BatchFetcher
+  it = _Blocking(ready=0, release_after=10.0)
+  fetch = BatchFetcher(it, poll=0.005)
+  done = threading.Event()
+  previous = signal.signal(signal.SIGUSR1, lambda *_: None)
+
+  def pester():
+    rng = np.random.default_rng(0)
+    while not done.is_set():
+      time.sleep(float(rng.uniform(0.0, 0.006)))
+      os.kill(os.getpid(), signal.SIGUSR1)
+
+  pest = threading.Thread(target=pester, daemon=True)
+  try:
+    pest.start()
+    deadline = time.perf_counter() + 2.0
+    t0 = time.perf_counter()
+    assert fetch.next(lambda: time.perf_counter() > deadline) is None
+    assert time.perf_counter() - t0 < 5.0
+  finally:
+    done.set()
+    pest.join(5)
+    signal.signal(signal.SIGUSR1, previous)
+    it.release.set()
+    fetch.close()
