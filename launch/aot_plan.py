@@ -38,6 +38,7 @@ import importlib
 import json
 import math
 import os
+import re
 import sys
 from typing import Any
 
@@ -239,6 +240,13 @@ def main(argv=None) -> int:
       "SPARSE_LM_MMAP_THRESHOLD", 0)), help="bytes from which malloc uses mmap (0 = glibc's "
                  "dynamic threshold)")
   args = p.parse_args(argv)
+  accelerator = re.fullmatch(r"(v\d+[a-z]*|tpu7x)-(\d+)", args.topology or "")
+  if accelerator:  # launch.tpu's --tpu form; the mesh check only said "unknown TPU generation"
+    gen, n = accelerator.group(1), int(accelerator.group(2))
+    chips = n // 2 if gen in ("v4", "v5p") else n  # v4-N / v5p-N count TensorCores
+    p.error(f"--topology {args.topology}: that is an accelerator type (launch.tpu --tpu); "
+            f"give the slice's chip grid as generation:XxYxZ ({chips} chips), e.g. "
+            "v5p:4x4x8 for v5p-256, v5p:16x16x16 for v5p-8192, v6e:16x16 for v6e-256")
   steps = (tuple(args.steps.split(",")) if args.steps else
            ("train", "eval", "eval_2x") if args.eval else ("train",))
   if any(s not in STEPS for s in steps):

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import re
 import shlex
 import subprocess
 import sys
@@ -140,10 +141,23 @@ def run_commands(pod: Pod, command: list[str], run_name: str,
 
 
 def tail_commands(pod: Pod, run_name: str, worker: str = "0", lines: int = 100,
-                  follow: bool = True) -> list[list[str]]:
+                  follow: bool = True, slice_id: int = 0) -> list[list[str]]:
+  if not 0 <= slice_id < pod.num_slices:
+    raise ValueError(f"--slice {slice_id}: the pod has slices 0..{pod.num_slices - 1} "
+                     "(give --num-slices as for create)")
   flag = "-F" if follow else ""
-  return [ssh(pod, pod.nodes[0], f"tail -n {lines} {flag} {REMOTE_DIR}/logs/{run_name}.log"
+  return [ssh(pod, pod.nodes[slice_id], f"tail -n {lines} {flag} {REMOTE_DIR}/logs/{run_name}.log"
               .replace("  ", " "), worker=worker)]
+
+
+RUN_NAME = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]*")
+
+
+def check_run_name(run_name: str) -> None:
+  """The run name is a file name in the workers' shell commands (logs/<run-name>.log)."""
+  if not RUN_NAME.fullmatch(run_name):
+    raise ValueError(f"--run-name {run_name!r}: use letters, digits, '.', '_' and '-' (it names "
+                     "the log file logs/<run-name>.log in the workers' shell commands)")
 
 
 def delete_commands(pod: Pod) -> list[list[str]]:
@@ -156,17 +170,24 @@ def render(cmds: list[list[str]], pod: Pod | None = None) -> str:
   lines = []
   for c in cmds:
     if c[:5] == ["gcloud", "compute", "tpus", "tpu-vm", "describe"]:
-      lines.append(f"COORDINATOR_IP=$({shlex.join(c)})")
+      # an empty answer (a node without network endpoints yet) would give every worker
+      # MEGASCALE_COORDINATOR_ADDRESS=:8080; stop here instead, naming the node
+      lines.append(f"COORDINATOR_IP=$({shlex.join(c)}) && test -n \"$COORDINATOR_IP\" || "
+                   f"{{ echo {shlex.quote(f'launch.tpu: no internal IP for {c[5]} (is the queued resource ACTIVE? gcloud compute tpus queued-resources list)')} >&2; exit 1; }}")
     else:
-      # keep $COORDINATOR_IP expandable on this machine: double-quote the --command argument
+      # $COORDINATOR_IP expands on this machine, all else reaches the worker as written (_quote)
       lines.append(" ".join(_quote(a) for a in c))
   return "\n".join(lines)
 
 
 def _quote(arg: str) -> str:
-  if "$COORDINATOR_IP" in arg:
-    return '"' + arg.replace("\\", "\\\\").replace('"', '\\"') + '"'
-  return shlex.quote(arg)
+  """shlex.quote, except that `$COORDINATOR_IP` stays a variable of this machine's shell.
+
+  Only that token is expanded here: the rest is single-quoted, so a `$`, a backtick or a `\\`
+  of the experiment's flags (`--set data.source=text:/gcs/$USER/*.txt`) reaches the worker
+  as written (double-quoting the whole argument expanded them on this machine)."""
+  parts = arg.split("$COORDINATOR_IP")
+  return '"$COORDINATOR_IP"'.join(shlex.quote(p) if p else "" for p in parts)
 
 
 def main(argv=None) -> int:
@@ -187,7 +208,9 @@ def main(argv=None) -> int:
   g.add_argument("--best-effort", action="store_const", dest="prov", const="best-effort")
   p.add_argument("--run-name", default="run")
   p.add_argument("--env", action="append", default=[], metavar="KEY=VALUE")
-  p.add_argument("--worker", default="0", help="tail: which worker")
+  p.add_argument("--worker", default="0", help="tail: which worker (of --slice)")
+  p.add_argument("--slice", dest="slice_id", type=int, default=0,
+                 help="tail: which slice (0..--num-slices - 1)")
   p.add_argument("--dry-run", action="store_true", help="print the commands, run nothing")
   argv = list(sys.argv[1:] if argv is None else argv)
   command = argv[argv.index("--") + 1:] if "--" in argv else []
@@ -200,6 +223,8 @@ def main(argv=None) -> int:
             topology=a.topology, num_slices=a.num_slices, runtime_version=a.runtime_version,
             provisioning=a.prov or "on-demand")
   try:
+    if a.action in ("run", "tail"):
+      check_run_name(a.run_name)
     if a.action == "create":
       cmds = create_commands(pod)
     elif a.action == "setup":
@@ -212,7 +237,7 @@ def main(argv=None) -> int:
       env = dict(kv.split("=", 1) for kv in a.env)
       cmds = run_commands(pod, command, a.run_name, env)
     elif a.action == "tail":
-      cmds = tail_commands(pod, a.run_name, worker=a.worker)
+      cmds = tail_commands(pod, a.run_name, worker=a.worker, slice_id=a.slice_id)
     else:
       cmds = delete_commands(pod)
   except ValueError as e:

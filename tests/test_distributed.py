@@ -1,5 +1,9 @@
 """sparse_lm.distributed.detect: which multi-host start-up applies, from the environment."""
 
+import re
+
+import pytest
+
 from sparse_lm.distributed import detect
 
 
@@ -18,3 +22,95 @@ def test_multi_host_tpu_slice_and_explicit_coordinator():
   assert kind == "explicit" and kw == {"coordinator_address": "10.0.0.2:1234",
                                        "num_processes": 2, "process_id": 1}
   assert detect({}) == (None, {})
+
+
+def test_a_cloud_tpu_vm_initialises_without_a_host_list_in_the_environment():
+  """On GCE TPU VMs (queued resources, launch.tpu) no environment variable lists the slice's
+  hosts: a single-slice multi-host pod (v5p-256: 32 hosts) ran without jax.distributed, whose
+  client orbax's checkpoint barriers need. A Cloud TPU VM now initialises (JAX reads the
+  hosts from the metadata server); TPU_SKIP_MDS_QUERY (set by JAX on hosts without TPU chips,
+  and by the tests) opts out."""
+  assert detect({}, tpu_vm=True) == ("tpu", {})
+  assert detect({"TPU_SKIP_MDS_QUERY": "1"}, tpu_vm=True) == (None, {})
+  assert detect({}, tpu_vm=False) == (None, {})
+  assert detect({}) == (None, {})  # an explicit environment is never probed
+  # precedence: an explicit coordinator beats the probe
+  assert detect({"JAX_COORDINATOR_ADDRESS": "h:1"}, tpu_vm=True) == (
+      "explicit", {"coordinator_address": "h:1"})
+
+
+_WORKER = r"""
+import os, sys, time
+from sparse_lm.distributed import maybe_initialize
+assert maybe_initialize()
+import jax, numpy as np
+from jax.experimental import multihost_utils
+multihost_utils.sync_global_devices("up")
+if jax.process_index() == int(os.environ["FAIL_PID"]):
+  raise RuntimeError("boom on process %d" % jax.process_index())
+multihost_utils.process_allgather(np.ones(3))  # waits for the failed process
+print("no failure seen", flush=True)
+"""
+
+
+@pytest.mark.parametrize("fail_pid", [0, 1])
+def test_one_process_failing_stops_the_job_instead_of_hanging(tmp_path, fail_pid):
+  """Two CPU processes joined by jax.distributed; one raises. Before, it then waited at JAX's
+  shutdown barrier (300 s) while the other waited for it in a collective: the job stood still
+  for five minutes. Now the failing process leaves at once and the other one fails too."""
+  import os
+  import pathlib
+  import socket
+  import subprocess
+  import sys
+  import time
+  root = pathlib.Path(__file__).resolve().parents[1]
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  script = tmp_path / "worker.py"
+  script.write_text(_WORKER)
+  procs = []
+  t0 = time.monotonic()
+  for pid in range(2):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+               JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid), FAIL_PID=str(fail_pid),
+               SPARSE_LM_HEARTBEAT_TIMEOUT="10",
+               PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_FLAGS", None)  # one CPU device per process
+    procs.append(subprocess.Popen([sys.executable, str(script)], env=env, cwd=root,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+  outs = []
+  try:
+    for p in procs:
+      outs.append(p.communicate(timeout=max(1, 50 - (time.monotonic() - t0)))[0])
+  except subprocess.TimeoutExpired:
+    for p in procs:
+      p.kill()
+    pytest.fail("a process of the job still ran 50 s after one of them failed:\n" +
+                "\n".join((p.communicate()[0] or "")[-2000:] for p in procs))
+  assert all(p.returncode != 0 for p in procs), [(p.returncode, o[-1500:])
+                                                 for p, o in zip(procs, outs)]
+  assert f"RuntimeError: boom on process {fail_pid}" in outs[fail_pid]
+  assert "this process failed (RuntimeError)" in outs[fail_pid]
+  assert not any("no failure seen" in o for o in outs)
+
+
+@pytest.mark.parametrize("env,want", [
+    ({"JAX_NUM_PROCESSES": "2"}, "JAX_COORDINATOR_ADDRESS is set but JAX_PROCESS_ID is not: set"),
+    ({"JAX_PROCESS_ID": "1"}, "but JAX_NUM_PROCESSES is not: set JAX_NUM_PROCESSES"),
+    ({"JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "2"}, "JAX_PROCESS_ID=2 is not in 0..1"),
+    ({"JAX_NUM_PROCESSES": "two", "JAX_PROCESS_ID": "0"}, "JAX_NUM_PROCESSES='two': expected a "
+                                                          "whole number"),
+    ({"JAX_COORDINATOR_ADDRESS": "host0", "JAX_NUM_PROCESSES": "2", "JAX_PROCESS_ID": "0"},
+     "JAX_COORDINATOR_ADDRESS='host0': expected host:port"),
+])
+def test_a_worker_missing_or_misspelling_a_variable_is_told_which(env, want):
+  """JAX said "The process id of the current process must be defined." (or "Number of
+  processes must be defined.", or an IndexError for an address without a port, or int()'s
+  message): none named the variable to set."""
+  env = {"JAX_COORDINATOR_ADDRESS": "10.0.0.2:1234", **env}
+  with pytest.raises(ValueError, match=re.escape(want)):
+    detect(env)
+  # under Slurm (or mpirun, a TPU pod) JAX fills in what is missing itself
+  assert detect({"SLURM_NTASKS": "8", "JAX_COORDINATOR_ADDRESS": "h:1"})[0] == "explicit"

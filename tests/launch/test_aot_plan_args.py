@@ -48,3 +48,15 @@ def test_parameter_counts_print_in_a_readable_unit():
   assert [aot_plan._params(n) for n in (2_801_000_000_000, 1_994_500_000, 451_000_000,
                                         1_940_000, 12_300, 7)] == [
       "2.80T", "1.99B", "451.0M", "1.9M", "12.3K", "7"]
+
+
+@pytest.mark.parametrize("topology,chips", [("v5p-256", 128), ("v6e-256", 256)])
+def test_an_accelerator_type_as_topology_is_refused_with_the_grid_form(capsys, topology, chips):
+  """`--topology v5p-256` (launch.tpu's --tpu form) was refused as "unknown TPU generation
+  'v5p-256'", which does not say what to write instead."""
+  with pytest.raises(SystemExit) as e:
+    aot_plan.main(["--stage", "stage_8k", "--preset", "tiny", "--topology", topology])
+  assert e.value.code == 2
+  err = capsys.readouterr().err
+  assert f"--topology {topology}: that is an accelerator type" in err
+  assert f"({chips} chips), e.g. v5p:4x4x8 for v5p-256" in err

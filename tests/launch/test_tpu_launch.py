@@ -90,7 +90,8 @@ def test_run_env_without_key_and_value_names_the_flag(capsys, bad):
                                            ("python3", "~/venv/bin/python -m x 'a b'"),
                                            ("bash", "bash -m x 'a b'")])
 def test_run_uses_the_setup_venvs_python(capsys, head, expected):
-  out = "\n".join(dry(capsys, "run", cmd=(head, "-m", "x", "a b")))
+  lines = dry(capsys, "run", cmd=(head, "-m", "x", "a b"))
+  out = "\n".join(a for l in lines for a in shlex.split(l.replace("$COORDINATOR_IP", "h")))
   assert f"nohup {expected} > logs/run.log" in out
 
 
@@ -123,3 +124,78 @@ def test_bad_slice_count_or_two_accelerator_forms_are_refused(capsys, extra, wan
     tpu.main(["create", *POD, *extra, "--dry-run"])
   assert e.value.code == 2
   assert want in capsys.readouterr().err
+
+
+def _run_rendered(tmp_path, text):
+  """Run the dry-run text as `main` would (bash -euo pipefail) with a fake gcloud that prints
+  its arguments one per line (the coordinator lookup answers 10.0.0.2)."""
+  import os
+  import subprocess
+  fake = tmp_path / "gcloud"
+  fake.write_text('#!/bin/bash\nif [ "$4" = describe ]; then echo 10.0.0.2; exit 0; fi\n'
+                  'for a in "$@"; do printf "%s\\n" "$a"; done\n')
+  fake.chmod(0o755)
+  env = {k: v for k, v in os.environ.items() if k != "USER"}
+  env["PATH"] = f"{tmp_path}{os.pathsep}{env['PATH']}"
+  proc = subprocess.run(["bash", "-euo", "pipefail", "-c", text], env=env, capture_output=True,
+                        text=True, timeout=30)
+  assert proc.returncode == 0, proc.stderr
+  return [l for l in proc.stdout.splitlines() if l.startswith("--command=")]
+
+
+@pytest.mark.parametrize("slices", ["1", "2"])
+def test_run_passes_dollar_and_backtick_of_the_command_to_the_worker_verbatim(
+    capsys, tmp_path, slices):
+  """Multislice double-quoted the remote command to expand $COORDINATOR_IP, so `$USER` in a
+  --set value was expanded on the launching machine (unbound under `bash -u`: the launch
+  failed), and a backtick ran there."""
+  argv = ["run", "--name", "lm", "--num-slices", slices, "--zone", "z", "--dry-run",
+          "--env", "A=x`id -u`", "--", "python", "-m", "experiments.stage_8k",
+          "--set", "data.source=text:/gcs/$USER/*.txt"]
+  assert tpu.main(argv) == 0
+  remotes = _run_rendered(tmp_path, capsys.readouterr().out)
+  assert len(remotes) == int(slices)
+  for i, remote in enumerate(remotes):
+    assert "--set 'data.source=text:/gcs/$USER/*.txt'" in remote, remote
+    assert "A='x`id -u`'" in remote, remote
+    if slices == "2":
+      assert "MEGASCALE_COORDINATOR_ADDRESS=10.0.0.2:8080" in remote
+      assert f"MEGASCALE_SLICE_ID={i}" in remote
+
+
+@pytest.mark.parametrize("name", ["my run", "s8k;reboot", "../x", "$(id)"])
+def test_run_name_that_the_workers_shell_would_split_is_refused(capsys, name):
+  """The run name went unquoted into `> logs/<run-name>.log`: `--run-name "my run"` logged to
+  logs/my and passed `run.log` to the experiment as an argument; `;` ran a second command."""
+  for action in ("run", "tail"):
+    with pytest.raises(SystemExit) as e:
+      tpu.main([action, *POD, "--dry-run", "--run-name", name, "--", "python", "-m", "x"])
+    assert e.value.code == 2
+    assert f"--run-name {name!r}: use letters, digits" in capsys.readouterr().err
+
+
+def test_tail_reaches_a_worker_of_any_slice(capsys):
+  """tail always followed slice 0 (lm-0): a failure on slice 1's workers could not be read."""
+  (line,) = dry(capsys, "tail", "--run-name", "s8k", "--slice", "1", "--worker", "3")
+  args = shlex.split(line)
+  assert args[5] == "lm-1" and "--worker=3" in args
+  with pytest.raises(SystemExit) as e:
+    tpu.main(["tail", *POD, "--dry-run", "--slice", "2"])
+  assert e.value.code == 2 and "--slice 2: the pod has slices 0..1" in capsys.readouterr().err
+
+
+def test_run_stops_when_the_coordinator_lookup_answers_nothing(capsys, tmp_path):
+  """An empty describe answer (node not ACTIVE yet) started every worker with
+  MEGASCALE_COORDINATOR_ADDRESS=:8080."""
+  import os
+  import subprocess
+  assert tpu.main(["run", *POD, "--dry-run", "--", "python", "-m", "x"]) == 0
+  text = capsys.readouterr().out
+  fake = tmp_path / "gcloud"
+  fake.write_text('#!/bin/bash\nif [ "$4" = describe ]; then exit 0; fi\necho STARTED\n')
+  fake.chmod(0o755)
+  env = dict(os.environ, PATH=f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+  proc = subprocess.run(["bash", "-euo", "pipefail", "-c", text], env=env, capture_output=True,
+                        text=True, timeout=30)
+  assert proc.returncode != 0 and "STARTED" not in proc.stdout
+  assert "no internal IP for lm-0" in proc.stderr
