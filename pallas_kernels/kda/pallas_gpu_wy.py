@@ -5,23 +5,18 @@ Source: Kimi Linear (arXiv 2510.26692) §3; ARCHITECTURE.md §2.4 (the equations
 safety). The same outputs as `xla._intra_chunk` (W, U, Q ⊙ Γ · scale, A_qk, Kdᵀ, the chunk
 decay), for the lower-bounded gate ("dense" diagonal tiles) only; `pallas_gpu.py` calls it.
 
-Four kernels (five with `PAIR_SPLIT` on), 4 warps each; the first runs as one call per
-16-row query tile a (n = C / 16 calls, named `kda_wy_fwd_scores_t0` ... `_t{n-1}`, each
-writing its tile's rows; call a reads the rows of X that the calls before it wrote). q, k, v,
-g, β are read in the caller's [B, T, H, ·] layout (no transposes).
+Four kernels, 4 warps each; the first runs as one call per 16-row query tile a (n = C / 16
+calls, named `kda_wy_fwd_scores_t0` ... `_t{n-1}`, each writing its tile's rows; call a
+reads the rows of X that the calls before it wrote). q, k, v, g, β are read in the caller's
+[B, T, H, ·] layout (no transposes).
 
   forward  `kda_wy_fwd_scores`  grid B·H × N:       rows of tile a of S_k, A_qk (16 × 16 tile
                                                     products) and X = (I + β S_k)⁻¹ (call a)
            `kda_wy_fwd_wu`      grid B·H × N × nb:  W, Q ⊙ Γ, Kd, d of key block j; U of
                                                     value block j (reads X)
   backward `kda_wy_bwd_dx`      grid B·H × N:       dX, ∂A, ∂V, U's part of ∂β (reads X, S_k)
-           `kda_wy_bwd_pair_q`  grid B·H × N × nk:  the query side of the pairwise scores'
-                                                    chain rule (P, R) by 16-row tiles: ∂q, and
-                                                    fp32 parts of ∂k, ∂g of key block j
-           `kda_wy_bwd_pair`    grid B·H × N × nk:  the key side (Z, Xᵀ∂W), added into those
-                                                    parts: ∂k, ∂g, the rest of ∂β of key block
-                                                    j (with `PAIR_SPLIT` off: both sides, ∂q
-                                                    too, in one call)
+           `kda_wy_bwd_pair`    grid B·H × N × nk:  ∂q, ∂k, ∂g, the rest of ∂β of key block j,
+                                                    by 16-row tiles
 
 X and S_k (2 · C² fp32 per chunk) are the forward's residuals, so the backward does not
 recompute the scores or the inverse. The split by channel block exists for occupancy (the
@@ -34,10 +29,11 @@ scores run as one call per tile, with the inverse folded in, since 2026-12-06: o
 that shape the four calls took 0.55 ms where the whole-chunk scores program (247 registers)
 and the inverse kernel (whole-chunk products, 255 registers and 224 B of stack) took
 0.61 + 0.33 ms. The same split of the pairwise backward (one call per tile i, each with the
-n + 1 blocks that meet tile i) was slower: 1.88 ms against 1.36 for one program per chunk.
-Its split by side (`PAIR_SPLIT`: the query-side sums in one call, the key-side sums in a
-second that adds into the first's ∂k, ∂g, both over the same grid; opt-in, not yet timed on a
-GPU) is for registers: the single call used 255 registers and 88 B of stack.
+n + 1 blocks that meet tile i) was slower: 1.88 ms against 1.36 for one program per chunk,
+and so was a split by side (2026-12-06: a query-side call, P and R, at 184 registers and no
+stack, then a key-side call, Z and Xᵀ∂W, at 255 and 16 B, adding into the first's fp32 ∂k,
+∂g through aliased outputs): the operator took 4.94 / 15.81 ms against 4.29 / 13.36 at
+B=1, H=16 and B=8, H=8, T=8K on one H100, though the single call spills 88 B.
 
 The math:
 
@@ -64,23 +60,18 @@ The backward reads X and S_k from the forward and applies the chain rule:
 
     dX = dW (β K Γ)ᵀ + dU (β V)ᵀ,   dA = −Xᵀ dX Xᵀ (strictly lower, same document)
     dS_k = β_i dA,  dS_q = scale · dA_qk (causal, same document)
-    for S = Σ_d a_id b_jd e^(G_id − G_jd), per 16-row tile i (`_PairTiles`):
-        Da_i = QF_i ⊙ Σ_{b≤i} dS[i, b] (b_b ⊙ KF_ib),          (query side, P and R)
-        Db_i = Σ_{a≥i} KF_ai ⊙ (dS[a, i]ᵀ (a_a ⊙ QF_a)),        (key side, Z)
+    for S = Σ_d a_id b_jd e^(G_id − G_jd), per 16-row tile i (`_bwd_pair_kernel`):
+        Da_i = QF_i ⊙ Σ_{b≤i} dS[i, b] (b_b ⊙ KF_ib),
+        Db_i = Σ_{a≥i} KF_ai ⊙ (dS[a, i]ᵀ (a_a ⊙ QF_a)),
         ∂a += Da,  ∂b += Db,  ∂G += a ⊙ Da − b ⊙ Db
     ∂g = reverse cumulative sum of ∂G in the chunk (+ ∂G_C on every row): inside each tile
-    by a [16, 16] triangular product, across tiles by a carried column sum. The sum is
-    linear, so with `PAIR_SPLIT` each side's call sums its own part of ∂G (∂G_C and the Kd
-    term in the query side's) and the key side's adds its result to the query side's.
+    by a [16, 16] triangular product, across tiles by a carried column sum.
 
 Status (docs/benchmarks.md, 2026-12-06, H100s): exact (the XLA intra-chunk step's outputs and
 gradients to 1e-5 in fp32 interpret mode; the kernels against the XLA step on the GPU too).
 The operator, fwd+bwd at B=1, H=16, T=8K, K=V=128, bf16: 4.29 ms against
 jax-linear-attention's 2.25 in the same run (one H100). Registers (pip Triton, block 32):
-the scores calls 92 / 170 / 188 / 201, no spill; pair 255 with 88 B of stack as one call,
-and split (`PAIR_SPLIT`) `kda_wy_bwd_pair_q` 184, no spill, `kda_wy_bwd_pair` 255 with 16 B
-(bf16 operands: one call 255 with 192 B, split 178 and 255 with 24 B; segments: 255 with
-120 B, split 178 and 255 with 56 B).
+the scores calls 92 / 170 / 188 / 201, no spill; pair 255 with 88 B of stack.
 
 Precision: `precision` (DEFAULT = TF32 for bf16 inputs, HIGHEST for fp32; or BF16_OPERANDS,
 bf16 operands) for the off-diagonal score products, W, U and the gradient products; DEFAULT
@@ -106,15 +97,6 @@ from pallas_kernels.kda.tiles import SAVE_NAME, SUB
 
 f32 = jnp.float32
 HI = jax.lax.Precision.HIGHEST
-
-# The pairwise backward as two calls over the same grid (read when `_bwd_call` is traced):
-# `kda_wy_bwd_pair_q` (`_bwd_pair_q_kernel`: P, R, ∂q, and fp32 parts of ∂k and ∂g) then
-# `kda_wy_bwd_pair` (`_bwd_pair_k_kernel`: Z, Xᵀ∂W, adding into those parts, ∂β), rather than
-# one (`_bwd_pair_kernel`, 255 registers and 88 B of stack, pip Triton, block 32; split: 184
-# and no stack, 255 and 16 B). Opt-in (set it to True before tracing) until it is timed on a
-# GPU: the split lowers the register pressure but writes and re-reads fp32 parts of ∂k, ∂g and
-# recomputes the gate factors. The two give the same numbers up to the order of fp32 sums.
-PAIR_SPLIT = False
 
 
 def _blocks(size, block):
@@ -512,169 +494,77 @@ def _bwd_dx_kernel(*refs, n, BK, BV, prec, hi, segs):
   dsk_ref[...] = beta[:, None] * dA
 
 
-class _PairTiles:
-  """The pieces of the pairwise backward for one chunk and key block, by 16-row tiles, read
-  from the refs `r` (a dict by name: q, k, g [C, BK], β, doc, m0, m_last [C], X, ∂S_k, ∂A_qk
-  [C, C], ∂W, ∂(Q ⊙ Γ) [C, BK], ∂Kdᵀ [BK, C], ∂d [BK]; each kernel has the ones it reads).
+def _bwd_pair_kernel(*refs, n, scale, prec, hi, segs):
+  """`_bwd_pair_kernel`'s outputs, computed by 16-row tiles: the same refs and grid.
 
-  Query tile a and key tile b ≤ a meet in one [16, 16] block of ∂S_q, ∂S_k, so each product
-  is a [16, 16] × [16, BK] tile product and no [C, C] or [C, BK] value is kept. Diagonal
-  blocks at `_diag(prec, hi)`, the others at `prec`."""
+  Query tile a and key tile b ≤ a meet in one [16, 16] block of ∂S_q, ∂S_k (read from the
+  refs), so each product is a [16, 16] × [16, BK] tile product and no [C, C] or [C, BK] value
+  is kept: for tile i, from the last to the first,
+    P_i = QF_i ⊙ Σ_{b≤i} ∂S_q[i, b] (k_b ⊙ KF_{i,b}),  R_i likewise with ∂S_k,
+    Z_i = Σ_{a≥i} KF_{a,i} ⊙ (∂S_q[a, i]ᵀ (q_a ⊙ QF_a) + ∂S_k[a, i]ᵀ (k_a ⊙ QF_a)),
+    Xᵀ ∂W on tile i = Σ_{a≥i} X[a, i]ᵀ ∂W_a,
+  then ∂q, ∂k, ∂G of the tile as in `_bwd_pair_kernel`, and ∂g = the reverse cumulative sum
+  of ∂G inside the tile plus a carry: ∂G_C and the column sums of ∂G of the later tiles."""
+  if segs:
+    (q_ref, k_ref, g_ref, b_ref, doc_ref, m0_ref, ml_ref, x_ref, dsk_ref, daqk_ref, dw_ref,
+     dqg_ref, dkd_ref, ddec_ref, dq_ref, dk_ref, dg_ref, db_ref) = refs
+  else:
+    (q_ref, k_ref, g_ref, b_ref, x_ref, dsk_ref, daqk_ref, dw_ref, dqg_ref, dkd_ref, ddec_ref,
+     dq_ref, dk_ref, dg_ref, db_ref) = refs
+  t = _TileGate(g_ref, n)
+  ii, jj = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
+  q = lambda c: q_ref[_tile(c), :].astype(f32)
+  k = lambda c: k_ref[_tile(c), :].astype(f32)
 
-  def __init__(self, r, n, scale, prec, hi, segs):
-    self.r, self.n, self.scale, self.prec, self.hi, self.segs = r, n, scale, prec, hi, segs
-    self.t = _TileGate(r["g"], n)
-    self.ii, self.jj = _iota((SUB, SUB), 0), _iota((SUB, SUB), 1)
-
-  def q(self, c):
-    return self.r["q"][_tile(c), :].astype(f32)
-
-  def k(self, c):
-    return self.r["k"][_tile(c), :].astype(f32)
-
-  def dsq(self, a, b):
-    """scale · ∂A_qk on block (a, b): causal on the diagonal, same document."""
-    keep = (self.ii >= self.jj) if a == b else None
-    if self.segs:
-      doc = self.r["doc"]
-      same = doc[_tile(a)][:, None] == doc[_tile(b)][None, :]
+  def dsq(a, b):  # scale · ∂A_qk on block (a, b): causal on the diagonal, same document
+    keep = (ii >= jj) if a == b else None
+    if segs:
+      same = doc_ref[_tile(a)][:, None] == doc_ref[_tile(b)][None, :]
       keep = same if keep is None else keep & same
-    m = self.scale * self.r["daqk"][_tile(a), _tile(b)].astype(f32)
+    m = scale * daqk_ref[_tile(a), _tile(b)].astype(f32)
     return m if keep is None else jnp.where(keep, m, 0.0)
 
-  def gamma(self, c):
-    """Γ = e^G ⊙ m0 on tile c."""
-    gam = jnp.exp(self.t.G(c))
-    return gam * self.r["m0"][_tile(c)].astype(f32)[:, None] if self.segs else gam
+  def factors(c):  # Γ, e^(G_C − G) (with the masks) and Kd on tile c
+    gam, ed = jnp.exp(t.G(c)), jnp.exp(t.E(c))
+    if segs:
+      gam = gam * m0_ref[_tile(c)].astype(f32)[:, None]
+      ed = ed * ml_ref[_tile(c)].astype(f32)[:, None]
+    return gam, ed, k(c) * ed
 
-  def factors(self, c):
-    """Γ, e^(G_C − G) ⊙ m_last and Kd on tile c."""
-    gam, ed = self.gamma(c), jnp.exp(self.t.E(c))
-    if self.segs:
-      ed = ed * self.r["ml"][_tile(c)].astype(f32)[:, None]
-    return gam, ed, self.k(c) * ed
-
-  def dkd(self, c):
-    """∂Kd on tile c, [16, BK]."""
-    return jnp.transpose(self.r["dkd"][:, _tile(c)].astype(f32))
-
-  def carry(self):
-    """∂G_C + Σ_c Σ_rows ∂Kd ⊙ Kd [BK]: the reverse cumulative sum's start, the Kd term's
-    part on every row (its per-row part −∂Kd ⊙ Kd is in ∂G)."""
-    t, r = self.t, self.r
-    dec = jnp.exp(t.Gtot)
-    if self.segs:
-      dec = dec * _last(r["m0"][_tile(self.n - 1)].astype(f32))
-    carry = r["ddec"][...].astype(f32) * dec
-    for c in range(self.n):
-      carry = carry + jnp.sum(self.dkd(c) * self.factors(c)[2], axis=0)
-    return carry
-
-  def query_side(self, i):
-    """P_i = QF_i ⊙ Σ_{b≤i} ∂S_q[i, b] (k_b ⊙ KF_{i,b}) and R_i likewise with ∂S_k."""
-    t, P, R = self.t, None, None
+  dkd = lambda c: jnp.transpose(dkd_ref[:, _tile(c)].astype(f32))  # [16, BK]
+  dec = jnp.exp(t.Gtot)
+  if segs:
+    dec = dec * _last(m0_ref[_tile(n - 1)].astype(f32))
+  carry = ddec_ref[...].astype(f32) * dec  # ∂G_C, then + the later tiles' Σ ∂G
+  for c in range(n):
+    carry = carry + jnp.sum(dkd(c) * factors(c)[2], axis=0)
+  rev = jnp.where(ii <= jj, 1.0, 0.0).astype(f32)  # Σ_{m≥i} inside a tile
+  for i in reversed(range(n)):
+    P = R = Z = dbk = None
     for b in range(i + 1):
-      kk = self.k(b) * t.kf(i, b)
-      pr = _diag(self.prec, self.hi) if b == i else self.prec
-      p = _dot(self.dsq(i, b), kk, pr)
-      r = _dot(self.r["dsk"][_tile(i), _tile(b)], kk, pr)
+      kk = k(b) * t.kf(i, b)
+      pr = _diag(prec, hi) if b == i else prec
+      p, r = _dot(dsq(i, b), kk, pr), _dot(dsk_ref[_tile(i), _tile(b)], kk, pr)
       P, R = (p, r) if P is None else (P + p, R + r)
     qf = t.qf(i)
-    return qf * P, qf * R
-
-  def key_side(self, i):
-    """Z_i = Σ_{a≥i} KF_{a,i} ⊙ (∂S_q[a, i]ᵀ (q_a ⊙ QF_a) + ∂S_k[a, i]ᵀ (k_a ⊙ QF_a)) and
-    (Xᵀ ∂W)_i = Σ_{a≥i} X[a, i]ᵀ ∂W_a."""
-    t, r, Z, dbk = self.t, self.r, None, None
-    for a in range(i, self.n):
+    P, R = qf * P, qf * R
+    for a in range(i, n):
       qf_a = t.qf(a)
-      pr = _diag(self.prec, self.hi) if a == i else self.prec
-      z = t.kf(a, i) * (_dot(self.dsq(a, i), self.q(a) * qf_a, pr, ta=True)
-                        + _dot(r["dsk"][_tile(a), _tile(i)], self.k(a) * qf_a, pr, ta=True))
-      w = _dot(r["x"][_tile(a), _tile(i)], r["dw"][_tile(a), :].astype(f32), self.prec, ta=True)
+      pr = _diag(prec, hi) if a == i else prec
+      z = t.kf(a, i) * (_dot(dsq(a, i), q(a) * qf_a, pr, ta=True)
+                        + _dot(dsk_ref[_tile(a), _tile(i)], k(a) * qf_a, pr, ta=True))
+      w = _dot(x_ref[_tile(a), _tile(i)], dw_ref[_tile(a), :].astype(f32), prec, ta=True)
       Z, dbk = (z, w) if Z is None else (Z + z, dbk + w)
-    return Z, dbk
-
-  def reverse_sum(self):
-    """f(∂G, carry [BK] or None) = Σ_{m≥i} ∂G_m inside a tile (a [16, 16] triangular product
-    at `hi`) + carry. The triangle is built here, before the tile loop, once (built in each
-    tile, the single call compiled to 104 B of stack rather than 88)."""
-    rev = jnp.where(self.ii <= self.jj, 1.0, 0.0).astype(f32)
-
-    def f(dG, carry):
-      out = _dot(rev, dG, self.hi)
-      return out if carry is None else out + carry[None, :]
-    return f
-
-
-def _bwd_pair_kernel(*refs, names, n, scale, prec, hi, segs):
-  """Grid (B·H, N, nk); program j: key block j. Refs by `names` (`_PairTiles`): q, k, g, β
-  (, doc, m0, m_last), X, ∂S_k, ∂A_qk, ∂W, ∂(Q ⊙ Γ), ∂Kdᵀ, ∂d -> ∂q, ∂k, ∂g [C, BK], ∂β's
-  part of key block j [C]. For tile i, from the last to the first: P_i, R_i
-  (`query_side`), Z_i, Xᵀ∂W (`key_side`), then
-    ∂q = P + scale Γ ⊙ ∂(QΓ),  ∂k = R + Z + β Γ ⊙ Xᵀ∂W + e^(G_C − G) ⊙ ∂Kd,
-    ∂G = q ⊙ ∂q + k ⊙ (R − Z) + β k ⊙ Γ ⊙ Xᵀ∂W − ∂Kd ⊙ Kd,  ∂β ∋ Σ_d Xᵀ∂W ⊙ k ⊙ Γ,
-  and ∂g = the reverse cumulative sum of ∂G inside the tile plus a carry: ∂G_C, the Kd term
-  (`_PairTiles.carry`) and the column sums of ∂G of the later tiles. `PAIR_SPLIT` runs the
-  same as `_bwd_pair_q_kernel` then `_bwd_pair_k_kernel`."""
-  r = dict(zip(names, refs))
-  s = _PairTiles(r, n, scale, prec, hi, segs)
-  carry, rsum = s.carry(), s.reverse_sum()
-  for i in reversed(range(n)):
-    P, R = s.query_side(i)
-    Z, dbk = s.key_side(i)
-    gam, ed, kd = s.factors(i)
-    qi, ki, dkdi = s.q(i), s.k(i), s.dkd(i)
-    beta = r["b"][_tile(i)].astype(f32)[:, None]
-    dqg = scale * gam * r["dqg"][_tile(i), :].astype(f32)
-    r["dq"][_tile(i), :] = (P + dqg).astype(r["dq"].dtype)
-    r["dk"][_tile(i), :] = (R + Z + beta * gam * dbk + ed * dkdi).astype(r["dk"].dtype)
+    gam, ed, kd = factors(i)
+    qi, ki, dkdi = q(i), k(i), dkd(i)
+    beta = b_ref[_tile(i)].astype(f32)[:, None]
+    dqg = scale * gam * dqg_ref[_tile(i), :].astype(f32)
+    dq_ref[_tile(i), :] = (P + dqg).astype(dq_ref.dtype)
+    dk_ref[_tile(i), :] = (R + Z + beta * gam * dbk + ed * dkdi).astype(dk_ref.dtype)
     dG = qi * (P + dqg) + ki * (R - Z) + beta * ki * gam * dbk - dkdi * kd
-    r["db"][_tile(i)] = jnp.sum(dbk * ki * gam, axis=1).astype(r["db"].dtype)
-    r["dg"][_tile(i), :] = rsum(dG, carry).astype(r["dg"].dtype)
+    db_ref[_tile(i)] = jnp.sum(dbk * ki * gam, axis=1).astype(db_ref.dtype)
+    dg_ref[_tile(i), :] = (_dot(rev, dG, hi) + carry[None, :]).astype(dg_ref.dtype)
     carry = carry + jnp.sum(dG, axis=0)
-
-
-def _bwd_pair_q_kernel(*refs, names, n, scale, prec, hi, segs):
-  """The query-side half of `_bwd_pair_kernel` (`PAIR_SPLIT`), same grid. Refs: q, k, g
-  (, doc, m0, m_last), ∂S_k, ∂A_qk, ∂(Q ⊙ Γ), ∂Kdᵀ, ∂d -> ∂q [C, BK] (final), and fp32
-  [C, BK] parts of ∂k and ∂g: for tile i, from the last to the first,
-    ∂q = P + scale Γ ⊙ ∂(QΓ),  ∂k ∋ R + e^(G_C − G) ⊙ ∂Kd,  ∂G_q = q ⊙ ∂q + k ⊙ R − ∂Kd ⊙ Kd,
-  ∂g ∋ the reverse cumulative sum of ∂G_q plus the carry (∂G_C and the Kd term here)."""
-  r = dict(zip(names, refs))
-  s = _PairTiles(r, n, scale, prec, hi, segs)
-  carry, rsum = s.carry(), s.reverse_sum()
-  for i in reversed(range(n)):
-    P, R = s.query_side(i)
-    gam, ed, kd = s.factors(i)
-    qi, ki, dkdi = s.q(i), s.k(i), s.dkd(i)
-    dq = P + scale * gam * r["dqg"][_tile(i), :].astype(f32)
-    r["dq"][_tile(i), :] = dq.astype(r["dq"].dtype)
-    r["dk"][_tile(i), :] = R + ed * dkdi
-    dG = qi * dq + ki * R - dkdi * kd
-    r["dg"][_tile(i), :] = rsum(dG, carry)
-    carry = carry + jnp.sum(dG, axis=0)
-
-
-def _bwd_pair_k_kernel(*refs, names, n, scale, prec, hi, segs):
-  """The key-side half of `_bwd_pair_kernel` (`PAIR_SPLIT`), same grid, after
-  `_bwd_pair_q_kernel`. Refs: q, k, g, β (, doc, m0), X, ∂S_k, ∂A_qk, ∂W, and that kernel's
-  ∂k, ∂g parts (fp32; ∂g aliased to the ∂g output, ∂k too for fp32 k) -> ∂k, ∂g [C, BK], ∂β's
-  part of key block j [C]: for tile i, from the last to the first,
-    ∂k = ∂k_q + Z + β Γ ⊙ Xᵀ∂W,  ∂G_k = β k ⊙ Γ ⊙ Xᵀ∂W − k ⊙ Z,  ∂β ∋ Σ_d Xᵀ∂W ⊙ k ⊙ Γ,
-  ∂g = ∂g_q + the reverse cumulative sum of ∂G_k (the reverse sum is linear)."""
-  r = dict(zip(names, refs))
-  s = _PairTiles(r, n, scale, prec, hi, segs)
-  carry, rsum = None, s.reverse_sum()
-  for i in reversed(range(n)):
-    Z, dbk = s.key_side(i)
-    gam, ki = s.gamma(i), s.k(i)
-    beta = r["b"][_tile(i)].astype(f32)[:, None]
-    r["dk"][_tile(i), :] = (r["dk_q"][_tile(i), :] + Z + beta * gam * dbk).astype(r["dk"].dtype)
-    dG = beta * ki * gam * dbk - ki * Z
-    r["db"][_tile(i)] = jnp.sum(dbk * ki * gam, axis=1).astype(r["db"].dtype)
-    r["dg"][_tile(i), :] = r["dg_q"][_tile(i), :] + rsum(dG, carry)
-    carry = jnp.sum(dG, axis=0) if carry is None else carry + jnp.sum(dG, axis=0)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -813,43 +703,24 @@ def _bwd_call(q, k, v, g, beta, masks, X, Sk, cts, C, scale, precision, interpre
                  jax.ShapeDtypeStruct(beta.shape, f32)],
       compiler_params=params, interpret=interpret, name="kda_wy_bwd_dx")(*args)
 
-  tok, sq3, seq, rows = _tok(C, H, BK, nk), _square(C, True), _seq(C, H, True), _rows(C, BK, nk)
-  spec = dict(q=tok, k=tok, g=tok, b=_tok_vec(C, H, True), doc=seq, m0=seq, ml=seq, x=sq3,
-              dsk=sq3, daqk=sq3, dw=rows, dqg=rows,
-              dkd=pl.BlockSpec((None, None, BK, C), lambda i, n, j: (i, n, j, 0)),
-              ddec=pl.BlockSpec((None, None, BK), lambda i, n, j: (i, n, j)),
-              dk_q=tok, dg_q=tok, dq=tok, dk=tok, dg=tok,
-              db=pl.BlockSpec((None, None, C, None), lambda i, n, j: (j, i // H, n, i % H)))
-  arg = dict(q=q, k=k, g=g, b=beta, **(dict(zip(("doc", "m0", "ml"), masks)) if segs else {}),
-             x=X, dsk=dSk, daqk=daqk, dw=dw, dqg=dqg, dkd=dkd, ddec=ddec)
-  sds = lambda a, d: jax.ShapeDtypeStruct(a.shape, d)
-  dk_s, dg_s = sds(k, k.dtype), sds(g, f32)
-  db_s = jax.ShapeDtypeStruct((nk,) + beta.shape, f32)
-
-  def call(kernel, name, used, made, aliases=()):
-    """`kernel` over the grid (B·H, N, nk): the inputs named in `used` (in `arg`'s order), the
-    outputs `made` (name -> shape), `aliases` (input, output) name pairs sharing a buffer."""
-    used = [x for x in arg if x in used]
-    io = {used.index(a): list(made).index(o) for a, o in aliases}
-    return pl.pallas_call(
-        functools.partial(kernel, names=tuple(used) + tuple(made), n=n, scale=scale,
-                          prec=precision, hi=hi, segs=segs),
-        grid=(BH, N, nk), in_specs=[spec[x] for x in used], out_specs=[spec[x] for x in made],
-        out_shape=list(made.values()), input_output_aliases=io, compiler_params=params,
-        interpret=interpret, name=name)(*[arg[x] for x in used])
-
-  both = ("q", "k", "g", "doc", "m0", "dsk", "daqk")
-  if PAIR_SPLIT:
-    dq, arg["dk_q"], arg["dg_q"] = call(
-        _bwd_pair_q_kernel, "kda_wy_bwd_pair_q", both + ("ml", "dqg", "dkd", "ddec"),
-        dict(dq=sds(q, q.dtype), dk=sds(k, f32), dg=dg_s))
-    dk, dg, db_parts = call(
-        _bwd_pair_k_kernel, "kda_wy_bwd_pair", both + ("b", "x", "dw", "dk_q", "dg_q"),
-        dict(dk=dk_s, dg=dg_s, db=db_s),
-        [("dg_q", "dg")] + ([("dk_q", "dk")] if k.dtype == f32 else []))
-  else:
-    dq, dk, dg, db_parts = call(_bwd_pair_kernel, "kda_wy_bwd_pair", tuple(arg),
-                                dict(dq=sds(q, q.dtype), dk=dk_s, dg=dg_s, db=db_s))
+  specs = [_tok(C, H, BK, nk), _tok(C, H, BK, nk), _tok(C, H, BK, nk), _tok_vec(C, H, True)]
+  args = (q, k, g, beta)
+  if segs:
+    specs += [_seq(C, H, True)] * 3
+    args += tuple(masks)
+  specs += [_square(C, True), _square(C, True), _square(C, True), _rows(C, BK, nk),
+            _rows(C, BK, nk),
+            pl.BlockSpec((None, None, BK, C), lambda i, n, j: (i, n, j, 0)),
+            pl.BlockSpec((None, None, BK), lambda i, n, j: (i, n, j))]
+  args += (X, dSk, daqk, dw, dqg, dkd, ddec)
+  dq, dk, dg, db_parts = pl.pallas_call(
+      functools.partial(_bwd_pair_kernel, n=n, scale=scale, prec=precision, hi=hi, segs=segs),
+      grid=(BH, N, nk), in_specs=specs,
+      out_specs=[_tok(C, H, BK, nk)] * 3 + [
+          pl.BlockSpec((None, None, C, None), lambda i, n, j: (j, i // H, n, i % H))],
+      out_shape=[jax.ShapeDtypeStruct(q.shape, q.dtype), jax.ShapeDtypeStruct(k.shape, k.dtype),
+                 jax.ShapeDtypeStruct(g.shape, f32), jax.ShapeDtypeStruct((nk,) + beta.shape, f32)],
+      compiler_params=params, interpret=interpret, name="kda_wy_bwd_pair")(*args)
   return dq, dk, dv, dg, db_a + jnp.sum(db_parts, axis=0)
 
 
@@ -878,9 +749,8 @@ def intra_chunk_wy(q, k, v, g, beta, masks, C, scale, precision, store, interpre
     Kdᵀ [BH, N, Kp, C] (all in `store`), d = e^(G_C) m0_C [BH, N, Kp] fp32; BH = B·H in
     b-major order, N = Tp / C.
 
-  The gradient: `_bwd_dx_kernel` then `_bwd_pair_q_kernel` and `_bwd_pair_k_kernel`
-  (`_bwd_pair_kernel` with `PAIR_SPLIT` off; q, k, v in their dtypes, g and β fp32), from the
-  residuals X = (I + A_kk)⁻¹ and S_k of the forward (2 · C² fp32 per chunk).
+  The gradient: `_bwd_dx_kernel` then `_bwd_pair_kernel` (q, k, v in their dtypes, g and β
+  fp32), from the residuals X = (I + A_kk)⁻¹ and S_k of the forward (2 · C² fp32 per chunk).
 
   Raises: nothing of its own (the caller, `chunk_kda_pallas_gpu`, checks shapes, dtypes and
   the gate bound). Source: Kimi Linear (arXiv 2510.26692) §3; ARCHITECTURE.md §2.4.

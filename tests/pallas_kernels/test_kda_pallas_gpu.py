@@ -294,57 +294,6 @@ def test_wy_kernels_match_the_xla_intra_chunk(C, segments, V, block_k):
     assert err <= 1e-5, name
 
 
-@pytest.mark.parametrize("C,segments,dtype", [(64, True, F32), (32, False, F32),
-                                               (32, True, BF16)])
-def test_wy_pair_split_matches_the_single_pair_kernel(monkeypatch, C, segments, dtype):
-  """`pallas_gpu_wy.PAIR_SPLIT`: the pairwise backward as two calls (query side, then key side
-  adding into the first's ∂k, ∂g parts through aliased buffers) gives the single call's
-  gradients up to the order of fp32 sums: rel. RMSE ≤ 1e-6 in fp32 (dq, dv, dβ: equal), on
-  random inputs with two key blocks (block_k 16 of K = 32), with and without segments; with
-  bf16 q, k, v (∂k's part stays fp32 between the calls, so ∂k is rounded to bf16 once), the
-  bf16 gradients within a bf16 rounding, in the inputs' dtypes. Fails if either call drops or
-  doubles a term (the ∂G_C / Kd carry, the reverse cumulative sum's parts) or an alias
-  breaks."""
-  seed = 80 + C + segments + (dtype == BF16)
-  print(f"seed={seed}")
-  rng = np.random.default_rng(seed)
-  B, H, K, V = 2, 1, 32, 16
-  T = 2 * C
-  r = lambda *s: jnp.asarray(rng.normal(size=s), F32)
-  k = rng.normal(size=(B, T, H, K))
-  k = jnp.asarray(k / np.linalg.norm(k, axis=-1, keepdims=True), F32)
-  g = jnp.asarray(-5.0 * rng.uniform(size=(B, T, H, K)) ** 3, F32)
-  args = (r(B, T, H, K), k, r(B, T, H, V), g, jnp.asarray(rng.uniform(size=(B, T, H)), F32))
-  masks = None
-  if segments:
-    seg = kt.random_segment_ids(rng, B, T)
-    _, doc, m0, mlast = kda_xla._chunk_docs(seg, B, T, T, C)
-    masks = (doc.reshape(B, T).astype(jnp.int32), m0.reshape(B, T).astype(F32),
-             mlast.reshape(B, T).astype(F32))
-    valid = jnp.asarray(seg != 0)
-    args = args[:3] + (jnp.where(valid[..., None, None], args[3], 0),
-                       jnp.where(valid[..., None], args[4], 0))
-  args = tuple(x.astype(dtype) for x in args[:3]) + args[3:]
-  fn = lambda *a: pallas_gpu_wy.intra_chunk_wy(*a, masks, C, K ** -0.5, None, dtype, INTERPRET,
-                                               4, 16)
-  out, _ = jax.vjp(fn, *args)
-  cts = tuple(r(*x.shape).astype(x.dtype) for x in out)
-  grads = {}
-  for split in (False, True):
-    monkeypatch.setattr(pallas_gpu_wy, "PAIR_SPLIT", split)
-    step = jax.jit(lambda *a: jax.vjp(fn, *a)[1](cts))  # traced anew: PAIR_SPLIT is read then
-    names = jaxpr_testlib.live_calls(jax.make_jaxpr(step)(*args), jaxpr_testlib.kernel_name)
-    assert ("kda_wy_bwd_pair_q" in names) == split and "kda_wy_bwd_pair" in names, names
-    grads[split] = step(*args)
-  for name, a, b, x in zip(("dq", "dk", "dv", "dg", "dbeta"), grads[False], grads[True], args):
-    assert a.dtype == b.dtype == x.dtype, name
-    err = kt.rel_rmse(a.astype(F32), b.astype(F32))
-    print(name, f"{err:.1e}")
-    assert err <= (1e-6 if a.dtype == F32 else 4e-3), name  # bf16: an ulp here and there
-    if name in ("dq", "dv", "dbeta") and dtype == F32:  # the same sums in the same order
-      np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
-
-
 @pytest.mark.parametrize("form", ["chunk", "tile"])
 def test_wy_inverse_matches_a_solve_on_hard_matrices(form):
   """`pallas_gpu_wy._inverse` (blocked forward substitution as whole-chunk products) and
@@ -634,8 +583,7 @@ def test_save_kda_policy_keeps_the_forward_kernels_out_of_the_recompute(intra):
   ((l_full, g_full), k_full), ((l_save, g_save), k_save) = run("full"), run("save_kda")
   fwd = ["kda_state_fwd"] + (jaxpr_testlib.tile_calls(k_full, "kda_wy_fwd_scores")
                              + ["kda_wy_fwd_wu"] if intra == "wy" else [])
-  pair = ["kda_wy_bwd_pair"] + (["kda_wy_bwd_pair_q"] if pallas_gpu_wy.PAIR_SPLIT else [])
-  bwd = ["kda_state_bwd"] + (["kda_wy_bwd_dx"] + pair if intra == "wy" else [])
+  bwd = ["kda_state_bwd"] + (["kda_wy_bwd_dx", "kda_wy_bwd_pair"] if intra == "wy" else [])
   assert sorted(set(k_full)) == sorted(set(k_save)) == sorted(fwd + bwd), (k_full, k_save)
   for name in fwd:
     assert (k_full.count(name), k_save.count(name)) == (2, 1), (name, k_full, k_save)
