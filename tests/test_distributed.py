@@ -114,3 +114,66 @@ def test_a_worker_missing_or_misspelling_a_variable_is_told_which(env, want):
     detect(env)
   # under Slurm (or mpirun, a TPU pod) JAX fills in what is missing itself
   assert detect({"SLURM_NTASKS": "8", "JAX_COORDINATOR_ADDRESS": "h:1"})[0] == "explicit"
+
+
+_PREEMPT_WORKER = r"""
+import os, signal, time
+from sparse_lm.distributed import maybe_initialize
+assert maybe_initialize()
+import jax, numpy as np
+from jax.experimental import multihost_utils
+from sparse_lm.train.loop import Preemption
+with Preemption() as p:
+  for step in range(1, 400):
+    multihost_utils.process_allgather(np.ones(3))  # the step's collective
+    if jax.process_index() == int(os.environ["SIG_PID"]) and step == 3:
+      os.kill(os.getpid(), signal.SIGTERM)  # one process of the job is told to stop
+    time.sleep(0.02)
+    stop = p.stop_after(step)
+    if stop:
+      print(f"stopped after step {step}: {stop}", flush=True)
+      break
+multihost_utils.sync_global_devices("end")
+print("clean end", flush=True)
+"""
+
+
+@pytest.mark.parametrize("sig_pid", [1])
+def test_sigterm_to_one_process_stops_every_process_after_the_same_step(tmp_path, sig_pid):
+  """The stage loop's `Preemption.stop_after` in a two-process job: a SIGTERM to one process
+  stops both after the same step (JAX's preemption sync point), so they save together. With a
+  per-process flag the signalled process stopped alone and the other one was left in the next
+  step's collective (gloo's "collective mismatch"; no checkpoint was written)."""
+  import os
+  import pathlib
+  import re as re_
+  import socket
+  import subprocess
+  import sys
+  root = pathlib.Path(__file__).resolve().parents[1]
+  with socket.socket() as s:
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+  script = tmp_path / "worker.py"
+  script.write_text(_PREEMPT_WORKER)
+  procs = []
+  for pid in range(2):
+    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
+               JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid), SIG_PID=str(sig_pid),
+               SPARSE_LM_HEARTBEAT_TIMEOUT="10",
+               PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    env.pop("XLA_FLAGS", None)
+    procs.append(subprocess.Popen([sys.executable, str(script)], env=env, cwd=root,
+                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+  try:
+    outs = [p.communicate(timeout=90)[0] for p in procs]
+  except subprocess.TimeoutExpired:
+    for p in procs:
+      p.kill()
+    pytest.fail("the job did not stop within 90 s of the SIGTERM:\n" +
+                "\n".join((p.communicate()[0] or "")[-2000:] for p in procs))
+  assert [p.returncode for p in procs] == [0, 0], [o[-1500:] for o in outs]
+  steps = [re_.findall(r"stopped after step (\d+): SIGTERM", o) for o in outs]
+  assert all(len(s) == 1 for s in steps), outs
+  assert steps[0] == steps[1] and int(steps[0][0]) > 3, steps
+  assert all("clean end" in o for o in outs)

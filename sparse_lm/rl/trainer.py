@@ -337,8 +337,9 @@ class Preempted(RuntimeError):
 
 class _Phase:
   """One phase's checkpoints, TensorBoard writer and progress bar, and its (restored) state.
-  preemption: a `sparse_lm.train.loop.Preemption` (or None): once it has a signal, the phase
-  saves after the current step and raises Preempted."""
+  preemption: a `sparse_lm.train.loop.Preemption` (or None): once its `stop_after(step)` names
+  a signal (on every process at the same step in a multi-process job), the phase saves after
+  that step and raises Preempted."""
 
   def __init__(self, cfg: RLConfig, workdir: pathlib.Path, name: str, model,
                optim: OptimizerConfig, steps: int, progress: bool, preemption=None):
@@ -359,7 +360,7 @@ class _Phase:
     end (marked final)."""
     self.state = state
     self.bar.update(step + 1, info)
-    signal_name = self.preemption.requested if self.preemption is not None else None
+    signal_name = self.preemption.stop_after(step + 1) if self.preemption is not None else None
     if (step + 1) % self.every == 0 or step + 1 == self.steps or signal_name:
       self.ckpt.save(state, data_state={"step": step + 1}, meta=self.meta,
                      final=step + 1 == self.steps)

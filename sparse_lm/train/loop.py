@@ -71,16 +71,28 @@ class Preemption:
   """SIGTERM / SIGINT (Ctrl-C) handler: ask the loop to save and stop after the current step
   (`requested` holds the signal's name; a wait for the next batch ends at once,
   `BatchFetcher`). A second SIGINT interrupts at once
-  (KeyboardInterrupt). The stage loop and the RL phases (sparse_lm/rl/trainer.py) use it."""
+  (KeyboardInterrupt). The stage loop and the RL phases (sparse_lm/rl/trainer.py) use it,
+  asking `stop_after(step)` after every step.
+
+  In a multi-process job (`jax.process_count() > 1`) a signal reaches the processes at
+  different steps (or one process only), and a process that stopped to save alone left the
+  others in the next step's collectives (gloo: "collective mismatch", no checkpoint). There
+  the signals are left to JAX's preemption service (`jax.distributed` turns a SIGTERM on any
+  process into a notice to all), and `stop_after(step)` is
+  `multihost_utils.reached_preemption_sync_point(step)`: true on every process at the same
+  step, the one after the largest step any process had reached (MaxText's approach). Ctrl-C
+  on one process of such a job interrupts it (no save): stop a job with SIGTERM.
+  """
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
-  def __init__(self):
+  def __init__(self, multiprocess: bool | None = None):
     self.requested: str | None = None  # the signal's name once one arrived
     self._previous = {}
+    self.multiprocess = (jax.process_count() > 1) if multiprocess is None else multiprocess
 
   def __enter__(self):
-    if threading.current_thread() is threading.main_thread():
+    if not self.multiprocess and threading.current_thread() is threading.main_thread():
       self._previous = {s: signal.signal(s, self._handle) for s in self.SIGNALS}
     return self
 
@@ -89,6 +101,15 @@ class Preemption:
     if self.requested and signum == signal.SIGINT:
       raise KeyboardInterrupt
     self.requested = signal.Signals(signum).name
+
+  def stop_after(self, step: int) -> str | None:
+    """What stops the loop after `step` (a counter every process passes in the same order;
+    called once per step), or None: the signal's name, the same on every process."""
+    if self.multiprocess and self.requested is None:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      if multihost_utils.reached_preemption_sync_point(step):
+        self.requested = "SIGTERM (the job's preemption sync point)"
+    return self.requested
 
   def __exit__(self, *exc):
     for s, handler in self._previous.items():
@@ -490,16 +511,18 @@ class _StageLoop:
         done = step + 1
         periodic = done % stage.checkpoint_every == 0
         evaluating = done % stage.eval_every == 0
-        if periodic or evaluating or preemption.requested:
+        stop = preemption.stop_after(done)
+        if periodic or evaluating or stop:
           self.drain(state)
         if periodic and done < stage.steps:
           self.save(state)
         if evaluating and done < stage.steps:
           self.evaluate(state, done)
-        if preemption.requested and done < stage.steps:
-          self.save(state)
+        if stop and done < stage.steps:
+          if not periodic:
+            self.save(state)
           self.ckpt.wait()
-          self.bar.print(f"[{stage.name}] {preemption.requested}: saved step {done} to "
+          self.bar.print(f"[{stage.name}] {stop}: saved step {done} to "
                          f"{self.ckpt.directory}; run the same command again to resume.")
           return state, True
       self.drain(state)

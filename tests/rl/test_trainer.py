@@ -4,7 +4,6 @@ phase does not resume under another config."""
 import dataclasses
 import re
 import shutil
-import types
 
 import jax
 import numpy as np
@@ -16,6 +15,7 @@ from sparse_lm.config import get_preset
 from sparse_lm.model.transformer import Transformer
 from sparse_lm.rl import trainer
 from sparse_lm.train import checkpoint as ckpt_lib
+from sparse_lm.train import loop
 
 
 def test_config_errors_name_the_field():
@@ -154,7 +154,8 @@ def test_sft_resumes_exactly(tmp_path):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
   # a SIGTERM during step 1 (between checkpoints): the phase saves step 1 and stops (it used
   # to die unsaved, losing the steps since the last checkpoint); the rerun ends where `full` did
-  signal = types.SimpleNamespace(requested="SIGTERM")
+  signal = loop.Preemption(multiprocess=False)  # as if a SIGTERM had arrived
+  signal.requested = "SIGTERM"
   with pytest.raises(trainer.Preempted, match=r"\[sft\] SIGTERM: saved step 1 to .*run the "
                      "same command again to resume"):
     trainer.run_sft(cfg, tmp_path / "c", Transformer(model_cfg, rngs=nnx.Rngs(0)), tok,
