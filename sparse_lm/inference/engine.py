@@ -105,7 +105,10 @@ def _check_cache_fits(cfg, cache_length: int, max_batch: int, mesh) -> None:
   """Raise ValueError, naming max_length and max_batch, when the decode caches alone exceed
   the memory of the devices they go on (before anything is allocated or compiled)."""
   devices = list(mesh.devices.flat) if mesh is not None else [jax.devices()[0]]
-  limit = _device_bytes(devices[0])
+  # A device of this process: memory_stats() of another process's device raises (a
+  # multi-process mesh); the mesh's devices are alike.
+  local = [d for d in devices if d.process_index == jax.process_index()]
+  limit = _device_bytes(local[0]) if local else None
   if limit is None:
     return
   need = cache_lib.cache_bytes(cfg, cache_length, max_batch)
