@@ -174,12 +174,31 @@ def test_real_slice_shapes_are_accepted():
       4, 16, 64, 2048, 6144, 256, 4096]
 
 
+def test_tpu7x_slices_count_two_devices_per_chip():
+  """A tpu7x chip is two JAX devices (jax.experimental.topologies: "tpu7x:2x2x1" has 8), so a
+  stage planned for tpu7x resolves its mesh over twice the chips; tpu7x was refused as an
+  unknown generation although launch.tpu and aot_plan's HBM table name it."""
+  import dataclasses
+  from experiments import stage_8k
+  assert shd.check_topology("tpu7x:2x2x2") == 8
+  assert shd.topology_devices("tpu7x:2x2x2") == 16
+  assert shd.topology_devices("tpu7x:4x4x4", 2) == 256
+  assert shd.topology_devices("v5p:2x2x4", 2) == 32
+  with pytest.raises(ValueError, match="multiple of 4"):
+    shd.check_topology("tpu7x:6x8x8")
+  stage = dataclasses.replace(stage_8k.STAGES["tiny"], topology="tpu7x:2x2x1", num_slices=1,
+                              mesh=shd.MeshLayout(fsdp=8))
+  stage.validate()  # 8 devices: fsdp=8 fills them
+  with pytest.raises(ValueError, match="multiply to 4, but there are 8 devices"):
+    dataclasses.replace(stage, mesh=shd.MeshLayout(fsdp=4)).validate()
+
+
 def test_a_stage_whose_mesh_does_not_fill_its_slices_is_refused():
   import dataclasses
   from experiments import stage_1m
   bad = dataclasses.replace(stage_1m.FULL, num_slices=1)  # dcn_data=2 but one slice
   with pytest.raises(ValueError, match=r"StageConfig\(stage_1m\): topology='v5p:16x16x16' x "
-                     r"num_slices=1.*set topology=None"):
+                     r"num_slices=1.*set num_slices .* to their product.*set topology=None"):
     bad.validate()
   with pytest.raises(ValueError, match="largest v5p slice"):
     dataclasses.replace(stage_1m.FULL, topology="v5p:16x16x32", num_slices=1,

@@ -32,7 +32,7 @@ Mesh axes, outermost (slowest network) first:
 
 from sparse_lm.sharding.hosts import process_rows, row_groups
 from sparse_lm.sharding.mesh import (MeshLayout, check_topology, make_mesh, mesh_sizes,
-                                     validate_layout)
+                                     topology_devices, validate_layout)
 from sparse_lm.sharding.rules import (EXPERT_SHARDS, LOGICAL_AXIS_RULES, MESH_AXES,
                                       ZERO_MIN_SIZE, axis_size,
                                       batch_sharding, batch_shardings, batch_spec, constrain,

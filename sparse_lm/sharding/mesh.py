@@ -121,8 +121,11 @@ def _fill(sizes: dict[str, int], total: int, prefix: str, what: str) -> dict[str
                        "--xla_force_host_platform_device_count=8 before jax is imported)")
     out[rest[0]] = total // known
   elif known != total:
-    raise ValueError(f"the sizes {({prefix + a: v for a, v in sizes.items()})} multiply to "
-                     f"{known}, but there are {total} {what}; set one axis to -1")
+    fix = ("set num_slices (stage field; `--num-slices` of launch.aot_plan) to their product, "
+           "or drop the dcn_* sizes for one slice" if prefix == "dcn_" else
+           "set one axis to -1")
+    raise ValueError(f"the sizes {({prefix + a: v for a, v in sizes.items() if v != 1 or prefix != 'dcn_'})} "
+                     f"multiply to {known}, but there are {total} {what}; {fix}")
   return out
 
 
@@ -264,13 +267,26 @@ def validate_layout(model_cfg, layout: MeshLayout | None = None,
 # The largest single slice of each TPU generation (chip dims, sorted) and whether it is a 3D
 # torus. Larger jobs are multislice (DCN between slices, the `dcn_*` mesh sizes).
 # Sources: Google Cloud TPU docs, "TPU v5p" / "TPU v4" / "TPU v5e" / "TPU v6e" topologies.
-MAX_SLICE = {"v5p": (16, 16, 24), "v4": (16, 16, 16), "v5e": (16, 16), "v6e": (16, 16)}
+# TPU7x (Ironwood): 9,216 chips per pod (Google Cloud's TPU7x page), taken here as 16x24x24
+# with v5p's rules (3D, 4x4x4 cubes); each chip is two JAX devices (`DEVICES_PER_CHIP`; seen in
+# jax.experimental.topologies: "tpu7x:2x2x1" has 8 devices).
+MAX_SLICE = {"v5p": (16, 16, 24), "v4": (16, 16, 16), "v5e": (16, 16), "v6e": (16, 16),
+             "tpu7x": (16, 24, 24)}
+DEVICES_PER_CHIP = {"tpu7x": 2}
+
+
+def topology_devices(topology: str, num_slices: int = 1) -> int:
+  """JAX devices of `num_slices` slices of `topology` (checked by `check_topology`): chips x
+  devices per chip (two for tpu7x) x slices."""
+  chips = check_topology(topology, num_slices)
+  return chips * DEVICES_PER_CHIP.get(topology.partition(":")[0], 1) * num_slices
 
 
 def check_topology(topology: str, num_slices: int = 1) -> int:
   """Check that `topology` ("v5p:8x16x16") is a slice shape Google offers; returns its chips.
 
-  Rules: v5p / v4 slices are 3D, at most 16x16x24 (6,144 chips) / 16x16x16 (4,096 chips);
+  Rules: v5p / v4 / tpu7x slices are 3D, at most 16x16x24 (6,144 chips) / 16x16x16 (4,096
+  chips) / 16x24x24 (9,216 chips, tpu7x's pod; two JAX devices per chip, `topology_devices`);
   from 4x4x4 (64 chips) up every dimension is a multiple of 4 (the 4x4x4 cube is the unit of
   the optical switch), below it the dimensions are 1, 2 or 4 (2x2x1 ... 2x4x4). v5e / v6e
   slices are 2D, at most 16x16 (256 chips), dimensions powers of two. More chips than one slice

@@ -11,7 +11,7 @@ from typing import Any
 
 from sparse_lm.config import ModelConfig, get_preset
 from sparse_lm.data import DataConfig
-from sparse_lm.sharding import MeshLayout, check_topology
+from sparse_lm.sharding import MeshLayout, topology_devices
 from sparse_lm.train.optimizer import OptimizerConfig
 
 
@@ -125,8 +125,7 @@ class StageConfig:
                        f"does not divide into micro_batches={self.micro_batches}")
     if self.topology is not None:
       try:
-        chips = check_topology(self.topology, self.num_slices)
-        self.mesh.resolve(chips * self.num_slices, self.num_slices)
+        self.mesh.resolve(topology_devices(self.topology, self.num_slices), self.num_slices)
       except ValueError as e:
         raise ValueError(f"StageConfig({self.name}): topology={self.topology!r} x num_slices="
                          f"{self.num_slices}, mesh={self.mesh}: {e} (or set topology=None "
