@@ -48,16 +48,20 @@ def _time(fn, args, repeats):
   return float(np.median(ts)) * 1e3
 
 
-def main():
+def main(argv=None):
   p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   p.add_argument("--sources", type=int, default=5, help="stack slots N (3 filled)")
   p.add_argument("--batch", type=int, default=8)
   p.add_argument("--length", type=int, default=8192)
   p.add_argument("--width", type=int, default=1024)
   p.add_argument("--repeats", type=int, default=20)
-  a = p.parse_args()
+  a = p.parse_args(argv)
   if a.sources < 3:
-    raise SystemExit("--sources must be >= 3 (3 slots are filled)")
+    p.error(f"--sources {a.sources}: must be >= 3 (3 slots are filled)")
+  for flag, value in (("--batch", a.batch), ("--length", a.length), ("--width", a.width),
+                      ("--repeats", a.repeats)):
+    if value < 1:
+      p.error(f"{flag} {value}: expected a positive integer")
   rng = np.random.default_rng(0)
   shape = (a.batch, a.length, a.width)
   src = jnp.asarray(rng.standard_normal((a.sources,) + shape), jnp.bfloat16)

@@ -75,6 +75,13 @@ def main(argv=None):
   p.add_argument("--repeats", type=int, default=10)
   p.add_argument("--variants", default=",".join(VARIANTS))
   a = p.parse_args(argv)
+  variants = [v.strip() for v in a.variants.split(",") if v.strip()]
+  bad = [v for v in variants if v not in VARIANTS]
+  if bad or not variants:  # before the first variant compiles (it was checked in the loop)
+    p.error(f"--variants {a.variants!r}: expected a comma list of {', '.join(VARIANTS)}")
+  for flag, value in (("--batch", a.batch), ("--length", a.length), ("--repeats", a.repeats)):
+    if value < 1:
+      p.error(f"{flag} {value}: expected a positive integer")
   cfg = get_preset("small")
   k = jax.random.split(jax.random.key(0), 3)
   emb = jax.random.normal(k[0], (a.batch, a.length, cfg.d_model), jnp.float32)
@@ -82,9 +89,7 @@ def main(argv=None):
   ws = jax.random.uniform(k[2], (4, 8, cfg.d_model), jnp.float32, 0.5, 1.5).astype(jnp.bfloat16)
   print(f"{jax.devices()[0].device_kind}: B={a.batch} T={a.length} D={cfg.d_model}, "
         f"N={attnres.num_sources(cfg)} stack slots, 4 groups x 8 reads + the final read")
-  for v in a.variants.split(","):
-    if v not in VARIANTS:
-      raise SystemExit(f"--variants: unknown {v!r}; choose from {VARIANTS}")
+  for v in variants:
     c = build(cfg, v).lower(emb, qs, ws).compile()
     mem = c.memory_analysis()
     out = jax.block_until_ready(c(emb, qs, ws))

@@ -54,6 +54,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from benchmarks.cli_args import parse_model_sets
 from sparse_lm.config import get_preset
 from sparse_lm.inference import Engine, cache_bytes, engine as engine_lib, forward as forward_lib
 from sparse_lm.inference import fused
@@ -86,6 +87,12 @@ def cache_bytes_per_step(cfg, batch: int, length: int) -> float:
   """Cache bytes a decode step reads: all of it, plus the KDA states written back."""
   H, K, V = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_value_dim
   return cache_bytes(cfg, length, batch) + batch * cfg.num_kda_layers * H * K * V * 4
+
+
+def _sig(x: float, places: int) -> str:
+  """x with `places` decimals, or 3 significant digits where that would print 0 (a tiny
+  preset's floor on a CPU is microseconds: it printed 0.000 ms and a ratio of 0.00)."""
+  return f"{x:.{places}f}" if x == 0 or abs(x) >= 10 ** -places else f"{x:.3g}"
 
 
 def _median_s(fn, repeats: int, label: str = "") -> float:
@@ -173,8 +180,11 @@ def top_ops(trace_dir: str, n: int = 12) -> str:
   return "\n".join(lines)
 
 
+PROFILE_CASES = ("decode call", "single step", "single step model MoE")
+
+
 def profile(engine, batch: int, length: int, trace_dir: str, repeats: int, top: int = 12,
-            cases_wanted: str = "decode call,single step,single step model MoE") -> None:
+            cases_wanted: str = ",".join(PROFILE_CASES)) -> None:
   """Trace one decode call, one single step, and one single step with the model's MoE
   (`cases_wanted`: which of them, comma-separated); print the `top` device ops of each."""
   rng = np.random.default_rng(1)
@@ -184,7 +194,7 @@ def profile(engine, batch: int, length: int, trace_dir: str, repeats: int, top: 
            ("single step", lambda: engine.step(tok[:, None], at, np.ones(batch))[0]),
            ("single step, model MoE", lambda: engine.step(tok[:, None], at, np.ones(batch))[0])]
   for name, fn in cases:
-    if name.replace(",", "") not in cases_wanted.split(","):
+    if name.replace(",", "") not in [c.strip() for c in cases_wanted.split(",")]:
       continue
     if name.endswith("model MoE"):
       forward_lib.DECODE_MOE = "model"
@@ -271,6 +281,18 @@ def main(argv=None):
                  "e.g. 'block_f=16;num_stages=2;num_warps=8,block_f=64'), after the default")
   p.add_argument("--out")
   args = p.parse_args(argv)
+  for flag, value in (("--repeats", args.repeats), ("--decode-steps", args.decode_steps),
+                      ("--prefill-repeats", args.prefill_repeats),
+                      ("--prefill-chunk", args.prefill_chunk),
+                      ("--prefill-tokens", args.prefill_tokens), ("--top", args.top)):
+    if value < 1:
+      p.error(f"{flag} {value}: expected a positive integer")
+  if args.hbm_tbs <= 0:
+    p.error(f"--hbm-tbs {args.hbm_tbs}: expected a positive bandwidth (TB/s)")
+  cases = [c.strip() for c in args.profile_cases.split(",") if c.strip()]
+  if not cases or set(cases) - set(PROFILE_CASES):
+    p.error(f"--profile-cases {args.profile_cases!r}: expected a comma list of "
+            f"{', '.join(PROFILE_CASES)}")
   variants = parse_moe_variants(args.moe_variants) if args.moe_variants else []
   parts = set(args.parts.split(","))
   if not parts or parts - {"decode", "prefill"}:
@@ -291,11 +313,11 @@ def main(argv=None):
     if "decode" in parts and args.decode_steps >= context:
       p.error(f"--decode-steps {args.decode_steps} must be below the context ({context}): the "
               "timed steps start at context - decode-steps - 1")
-  overrides = {}
-  for kv in args.set:
-    k, v = kv.split("=", 1)
-    overrides[k] = type(getattr(get_preset(args.preset), k))(v)
-  cfg = get_preset(args.preset, **overrides)
+  try:
+    cfg = get_preset(args.preset, **parse_model_sets(args.set))
+    cfg.validate()
+  except ValueError as e:
+    p.error(f"--preset {args.preset!r} / --set: {e}")
   t_start = time.perf_counter()
   model = Transformer(cfg, rngs=nnx.Rngs(0))
   print(f"{args.preset} preset on {jax.devices()[0].device_kind}; model built in "
@@ -350,8 +372,8 @@ def main(argv=None):
   lines = [header]
   for (batch, context), r in rows.items():
     if "decode_ms" in r:
-      dec = (f"{r['decode_ms']:.3f} | {r['floor_ms']:.3f} | "
-             f"{r['floor_ms'] / r['decode_ms']:.2f}")
+      dec = (f"{r['decode_ms']:.3f} | {_sig(r['floor_ms'], 3)} | "
+             f"{_sig(r['floor_ms'] / r['decode_ms'], 2)}")
     else:
       dec = "not run | | "
     step = f"{r['step_ms']:.2f}" if "step_ms" in r else "-"

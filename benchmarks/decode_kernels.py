@@ -68,6 +68,11 @@ def main(argv=None):
   p.add_argument("--repeats", type=int, default=50)
   p.add_argument("--variants", action="store_true")
   args = p.parse_args(argv)
+  if args.repeats < 1:
+    p.error(f"--repeats {args.repeats}: expected a positive integer")
+  if jax.default_backend() != "gpu":  # before anything compiles (it failed in a Pallas lowering)
+    p.error(f"needs a GPU: the fused decode kernels are Pallas Triton kernels and the times are "
+            f"GPU kernel durations (this host's backend: {jax.default_backend()})")
   R = args.repeats
   cfg = get_preset("small", decode_backend="pallas")
   dt = jnp.dtype(cfg.dtype)

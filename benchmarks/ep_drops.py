@@ -216,17 +216,44 @@ def main(argv=None) -> int:
   p.add_argument("--deadline-s", type=float, default=None)
   p.add_argument("--json", default=None)
   args = p.parse_args(argv)
-  base = importlib.import_module(f"experiments.{args.stage}").STAGES[args.preset]
-  base = apply_overrides(base, args.sets)
-  caps = [float(c) for c in args.caps.split(",")]
+  # Every argument is checked here, before a tokenizer is trained or a step compiled.
+  if args.steps < 1:
+    p.error(f"--steps {args.steps}: expected a positive integer")
+  try:
+    stages = importlib.import_module(f"experiments.{args.stage}").STAGES
+  except ModuleNotFoundError as e:
+    if e.name != f"experiments.{args.stage}":
+      raise
+    p.error(f"--stage {args.stage!r}: no module experiments.{args.stage} (e.g. stage_8k)")
+  if args.preset not in stages:
+    p.error(f"--preset {args.preset!r}: expected one of {', '.join(stages)}")
+  try:
+    base = apply_overrides(stages[args.preset], args.sets)
+  except ValueError as e:
+    p.error(str(e))
+  try:
+    caps = [float(c) for c in args.caps.split(",")]
+  except ValueError:
+    p.error(f"--caps {args.caps!r}: expected a comma list of numbers, e.g. 1.0,1.25,1.5")
   virtual = bool(args.virtual_mesh)
-  layout = (shd.MeshLayout.parse(args.mesh) if args.mesh is not None
-            else base.mesh if virtual else shd.MeshLayout.parse("fsdp=2,expert=4"))
+  try:
+    layout = (shd.MeshLayout.parse(args.mesh) if args.mesh is not None
+              else base.mesh if virtual else shd.MeshLayout.parse("fsdp=2,expert=4"))
+  except ValueError as e:
+    p.error(f"--mesh {args.mesh!r}: {e}")
   base = dataclasses.replace(base, mesh=layout, steps=max(args.steps, base.steps))
-  mesh = shd.make_mesh(layout)
+  try:
+    mesh = shd.make_mesh(layout)
+  except ValueError as e:
+    p.error(f"--mesh {layout} does not fit the {jax.device_count()} device(s) here ({e}); on a "
+            "CPU set XLA_FLAGS=--xla_force_host_platform_device_count=8, or count a layout "
+            "without its devices with --virtual-mesh")
   if virtual:
-    layouts = {s: ep_virtual.mesh_shape(shd.MeshLayout.parse(s), args.virtual_devices)
-               for s in args.virtual_mesh}
+    try:
+      layouts = {s: ep_virtual.mesh_shape(shd.MeshLayout.parse(s), args.virtual_devices)
+                 for s in args.virtual_mesh}
+    except ValueError as e:
+      p.error(f"--virtual-mesh / --virtual-devices {args.virtual_devices}: {e}")
     check_virtual(base, mesh, layouts, args.virtual_devices)
   workdir = tempfile.mkdtemp(prefix="ep_drops_")
   tokenizer = data_lib.load_or_train_tokenizer(base.data, workdir,

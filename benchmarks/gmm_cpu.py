@@ -28,6 +28,12 @@ def main(argv=None) -> None:
   p.add_argument("--groups", type=int, default=64, help="experts")
   p.add_argument("--repeats", type=int, default=5)
   args = p.parse_args(argv)
+  for flag, value in (("--m", args.m), ("--k", args.k), ("--n", args.n),
+                      ("--groups", args.groups), ("--repeats", args.repeats)):
+    if value < 1:
+      p.error(f"{flag} {value}: expected a positive integer")
+  if args.m % args.groups:  # equal groups of M / G rows: the rest would silently not count
+    p.error(f"--m {args.m} must be a multiple of --groups {args.groups} (equal-sized groups)")
   rng = np.random.default_rng(0)
   lhs = jnp.asarray(rng.standard_normal((args.m, args.k)), jnp.float32)
   rhs = jnp.asarray(rng.standard_normal((args.groups, args.k, args.n)), jnp.float32)

@@ -325,8 +325,10 @@ def _fmt(x):
 def _table(backends, shapes, rows, notes):
   import jax
   tl = lambda t: f"{t // 1024}K" if t % 1024 == 0 else str(t)
-  col = lambda b, h, t: (f"B={b} " if b != shapes[0][0] else "") + f"H={h} T={tl(t)}"
-  head = "| backend | pass | " + " | ".join(col(b, h, t) for b, h, t, _ in shapes) + " |"
+  # B and K=V are in the title line (the first shape's); a shape with another B or D says so
+  col = lambda b, h, t, d: ((f"B={b} " if b != shapes[0][0] else "") + f"H={h} T={tl(t)}"
+                            + (f" K=V={d}" if d != shapes[0][3] else ""))
+  head = "| backend | pass | " + " | ".join(col(*s) for s in shapes) + " |"
   lines = [f"KDA timings in ms (median), bf16, B={shapes[0][0]}, K=V={shapes[0][3]}; "
            f"jax {jax.__version__} on {jax.devices()[0].device_kind}", "", head,
            "|" + "---|" * (len(shapes) + 2)]
@@ -341,7 +343,7 @@ def _table(backends, shapes, rows, notes):
     ours = rows.get(("pallas_gpu", s), (None, None))[1]
     peer = [rows[(p, s)][1] for p in PEERS if isinstance(rows.get((p, s), (0, 0))[1], float)]
     if isinstance(ours, float) and peer:
-      ratios.append(f"{col(*s[:3])}: {min(peer) / ours:.2f}")
+      ratios.append(f"{col(*s)}: {min(peer) / ours:.2f}")
   if ratios:
     lines += ["", "fwd+bwd, faster peer (fla, jla) / pallas_gpu (> 1: pallas_gpu faster): "
               + "; ".join(ratios)]
@@ -371,12 +373,18 @@ def main(argv=None):
                  help="first print each JAX backend's relative RMSE (output and gradients) "
                       "against this backend's at the first shape")
   a = p.parse_args(argv)
-  backends = [b for b in a.backends.split(",") if b]
-  unknown = set(backends) - set(JAX_BACKENDS + TORCH_BACKENDS)
-  if unknown:
-    p.error(f"unknown backends {sorted(unknown)}")
+  backends = [b.strip() for b in a.backends.split(",") if b.strip()]
+  unknown = [b for b in backends if b not in JAX_BACKENDS + TORCH_BACKENDS]
+  if unknown or not backends:
+    p.error(f"--backends {a.backends!r}: " + (f"unknown {', '.join(unknown)}; " if unknown
+                                               else "no backend given; ")
+            + f"expected a comma list of {', '.join(JAX_BACKENDS + TORCH_BACKENDS)}")
   warmup = a.warmup if a.warmup is not None else (1 if a.quick else 2)
   repeats = a.repeats if a.repeats is not None else (3 if a.quick else 10)
+  if warmup < 0:
+    p.error(f"--warmup {warmup}: expected >= 0")
+  if repeats < 1:
+    p.error(f"--repeats {repeats}: expected >= 1 (each time is their median)")
 
   def parse_shape(text, flag):
     try:
@@ -388,11 +396,18 @@ def main(argv=None):
               "(e.g. 1,16,32768,128)")
     return shape
 
-  shapes = ([parse_shape(t, "--shapes") for t in a.shapes.split(";") if t]
-            if a.shapes else _shapes(a.quick))
+  shapes = ([parse_shape(t.strip(), "--shapes") for t in a.shapes.split(";") if t.strip()]
+            if a.shapes is not None else _shapes(a.quick))
+  if not shapes:
+    p.error(f"--shapes {a.shapes!r}: no shape given; expected B,H,T,D;... "
+            "(e.g. 1,16,32768,128;1,96,8192,128)")
   if a.check_against:
     if a.check_against not in JAX_BACKENDS:
       p.error(f"--check-against {a.check_against!r}: expected one of {JAX_BACKENDS}")
+    try:  # builds the jitted functions only: a backend that cannot run here says so now
+      _jax_fns(a.check_against)
+    except SkipBackend as e:
+      p.error(f"--check-against {a.check_against}: cannot run here ({e})")
     print(check_jax(backends, a.check_against, shapes[0]), flush=True)
   if a.profile:
     shape = parse_shape(a.profile_shape, "--profile-shape")
@@ -400,7 +415,10 @@ def main(argv=None):
       if be in TORCH_BACKENDS:
         print(f"{be}: not profiled (torch)", file=sys.stderr)
         continue
-      print(profile_jax(be, shape, f"{a.profile}/{be}", warmup, repeats))
+      try:
+        print(profile_jax(be, shape, f"{a.profile}/{be}", warmup, repeats), flush=True)
+      except SkipBackend as e:
+        print(f"{be}: not profiled (skipped: {e})", file=sys.stderr, flush=True)
     return
   run(backends, shapes, warmup, repeats, a.out, a.skip_fwd)
 

@@ -18,7 +18,6 @@ Source of the operator: Kimi Linear (arXiv 2510.26692) §3; the kernels: pallas_
 from __future__ import annotations
 
 import argparse
-import sys
 import time
 
 
@@ -77,12 +76,16 @@ def main(argv=None) -> None:
     p.error(f"--shape {a.shape!r} / --configs {a.configs!r}: expected B,H,T,D and configs "
             "WARPS:BLOCK or WARPS:FWD_BLOCK/BWD_BLOCK, WARPS in 1, 2, 4, 8, blocks powers of "
             "two >= 16 (e.g. 4:32,4:64/32)")
+  if min(B, H, T, D) < 1:
+    p.error(f"--shape {a.shape!r}: expected four positive integers B,H,T,D")
   if T % 64:
     p.error(f"--shape: T={T} must be a multiple of 64 (the chunk)")
+  if a.repeats < 1:
+    p.error(f"--repeats {a.repeats}: expected a positive integer")
   import jax
   import jax.numpy as jnp
   if jax.default_backend() != "gpu" and not a.interpret:
-    sys.exit("benchmarks.kda_intra: needs a CUDA GPU (the Triton kernels), or --interpret")
+    p.error("needs a CUDA GPU (the Triton kernels), or --interpret")
   from benchmarks.kda import _jax_inputs, _median_ms
   q, k, v, g, beta, _ = _jax_inputs(B, H, T, D)
   args = (q, k, v, g.astype(jnp.float32), beta.astype(jnp.float32))

@@ -43,14 +43,18 @@ def main(argv=None) -> None:
   p.add_argument("--seq-len", type=int, default=8192)
   p.add_argument("--remat", default=None, help="override ModelConfig.remat_policy")
   p.add_argument("--set", action="append", default=[], metavar="FIELD=VALUE",
-                 help="override a ModelConfig field (repeatable; value parsed as int, float, "
-                      "bool or string)")
+                 help="override a ModelConfig field (repeatable; the value is parsed to the "
+                      "field's type: true/false, none for an optional field)")
   p.add_argument("--repeats", type=int, default=10)
   p.add_argument("--profile", metavar="DIR", default=None)
   p.add_argument("--top", type=int, default=15)
   p.add_argument("--residuals", action="store_true",
                  help="print the bytes saved for the backward pass by kind; no compile or run")
   args = p.parse_args(argv)
+  for flag, value in (("--batch", args.batch), ("--seq-len", args.seq_len),
+                      ("--repeats", args.repeats), ("--top", args.top)):
+    if value < 1:
+      p.error(f"{flag} {value}: expected a positive integer")
   if args.seq_len % 2:
     p.error("--seq-len must be even (two documents per row)")
 
@@ -66,22 +70,11 @@ def main(argv=None) -> None:
   from sparse_lm.model.transformer import DecoderLayer
   from sparse_lm.sharding import MeshLayout
 
-  overrides = {}
-  for item in args.set + ([f"remat_policy={args.remat}"] if args.remat else []):
-    if "=" not in item:
-      p.error(f"--set {item!r}: expected FIELD=VALUE")
-    k, v = item.split("=", 1)
-    for cast in (int, float):
-      try:
-        v = cast(v)
-        break
-      except ValueError:
-        pass
-    else:
-      v = {"true": True, "false": False}.get(v.lower(), v)
-    overrides[k] = v
+  from benchmarks.cli_args import parse_model_sets
   cfg = get_preset(args.preset)
-  try:
+  try:  # each value parsed to its field's type ("none" is None for an optional field)
+    overrides = parse_model_sets(
+        args.set + ([f"remat_policy={args.remat}"] if args.remat else []))
     cfg = dataclasses.replace(cfg, **overrides)
     cfg.validate()
   except (TypeError, ValueError) as e:

@@ -1,7 +1,7 @@
 """Tokens/s, step time and MFU of one optimizer step at stage_8k's shape, on one device.
 
   python benchmarks/train_step.py                       # small preset, 8K tokens, 1 device
-  python benchmarks/train_step.py --preset tiny --quick # CPU smoke run (seconds)
+  python benchmarks/train_step.py --preset tiny --quick # CPU smoke run (~1 min on 2 cores)
   python benchmarks/train_step.py --data real --steps 1 --set kda_backend=xla
                                      # the stage's own first batches; prints each step's loss
   XLA_FLAGS=--xla_gpu_enable_command_buffer= python benchmarks/train_step.py --profile /tmp/tr
@@ -101,6 +101,10 @@ def main(argv=None) -> None:
                       "--compilation-cache and exit: nothing on the device, no data. Several "
                       "at once (one per configuration) compile in parallel")
   args = p.parse_args(argv)
+  for flag, value in (("--seq-len", args.seq_len), ("--batch", args.batch),
+                      ("--micro-batches", args.micro_batches), ("--steps", args.steps)):
+    if value is not None and value < 1:  # 0 used to mean the default (--batch, --seq-len)
+      p.error(f"{flag} {value}: expected a positive integer")
   if args.compile_only and not args.compilation_cache:
     p.error("--compile-only needs --compilation-cache DIR (where the compiled step is kept)")
 
@@ -121,13 +125,17 @@ def main(argv=None) -> None:
     stage = base.apply_overrides(stage, sets)
   except ValueError as e:
     p.error(str(e))
-  seq_len = args.seq_len or stage.seq_len
-  batch = args.batch or min(stage.global_batch, 8)
+  seq_len = args.seq_len if args.seq_len is not None else stage.seq_len
+  batch = args.batch if args.batch is not None else min(stage.global_batch, 8)
   steps = 3 if args.quick else args.steps
   stage = dataclasses.replace(stage, seq_len=seq_len, tokens_per_batch=batch * seq_len,
                               micro_batches=args.micro_batches, steps=1000,
                               mesh=MeshLayout())
-  stage.validate()
+  try:  # before anything is built or compiled
+    stage.validate()
+  except ValueError as e:
+    p.error(f"--batch {batch} / --seq-len {seq_len} / --micro-batches {args.micro_batches}: "
+            f"{e}")
   cfg = stage.model_config()
   mesh = shd.make_mesh(stage.mesh, jax.devices()[:1])
   if args.compilation_cache:
@@ -179,6 +187,7 @@ def main(argv=None) -> None:
     jax.block_until_ready(m)
     show(2 + steps - 1, m)
     step_s = (time.perf_counter() - t0) / steps
+    last_loss = float(m["loss"])  # the last timed step's (not a profiled step's)
     if args.profile:
       from benchmarks import trace_summary
       with jax.profiler.trace(args.profile, create_perfetto_trace=True):
@@ -210,9 +219,9 @@ def main(argv=None) -> None:
       ("compiled temporaries", f"{mem.temp_size_in_bytes / GIB:.2f} GiB" if mem else "n/a"),
       ("step time", f"{1e3 * step_s:.1f} ms (mean of {steps})"),
       ("tokens/s", f"{tps:,.0f}"),
-      ("model FLOPs/token", f"{fpt / 1e9:.3f} GFLOP"),
+      ("model FLOPs/token", f"{fpt / 1e9:.4g} GFLOP"),  # .4g: the tiny preset's is 0.003
       ("MFU", f"{100 * mfu:.1f}%" if mfu is not None else "n/a (unknown peak)"),
-      ("loss after warm-up", f"{float(m['loss']):.4f}"),
+      ("loss (last timed step)", f"{last_loss:.4f}"),
   ]
   width = max(len(k) for k, _ in rows)
   print("| " + "metric".ljust(width) + " | value |")

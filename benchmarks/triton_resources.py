@@ -27,11 +27,11 @@ import textwrap
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), ".."))
 
 COMPILE = textwrap.dedent("""
-    import glob, os, subprocess, sys, time, triton
+    import os, subprocess, sys, time, triton
     from triton.backends.compiler import GPUTarget
-    out, warps = sys.argv[1], int(sys.argv[2])
+    out, warps, names = sys.argv[1], int(sys.argv[2]), sys.argv[3:]
     bin_dir = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    for path in sorted(glob.glob(os.path.join(out, "*.ttir"))):
+    for path in sorted(os.path.join(out, n + ".ttir") for n in set(names)):
       t0 = time.time()
       w = warps if "kda_wy" in path else 4
       k = triton.compile(path, target=GPUTarget("cuda", 90, 32),
@@ -120,7 +120,8 @@ def main(argv=None) -> None:
   names = dump_ttir(a.out, block_k, a.num_warps, a.segments, a.bf16_operands)
   print(f"TTIR of {', '.join(names)} in {a.out}", flush=True)
   if a.triton_python:
-    res = subprocess.run([a.triton_python, "-c", COMPILE, a.out, str(a.num_warps)],
+    # this run's kernels only (a file left in --out by another run is not compiled)
+    res = subprocess.run([a.triton_python, "-c", COMPILE, a.out, str(a.num_warps), *names],
                          stderr=subprocess.PIPE, text=True)
     if res.returncode:
       print(res.stderr[-3000:], file=sys.stderr)

@@ -4,6 +4,7 @@ with "different numbers of pytree children" because the image keys were missing)
 
 import importlib.util
 import pathlib
+import re
 
 import numpy as np
 
@@ -72,6 +73,16 @@ def test_compile_only_fills_the_cache_that_the_timed_run_then_hits(tmp_path):
                        cwd=_PATH.parents[1])
   assert out.returncode == 0, out.stderr[-3000:]
   assert "| step time" in out.stdout and "| tokens/s" in out.stdout, out.stdout
+  # The table's numbers by hand: tokens/s = 2 x 64 tokens / the step time; the loss row names
+  # the step it comes from (it read "loss after warm-up": the last timed step's loss); the
+  # FLOPs per token keep their digits at the tiny preset (it printed 0.003 GFLOP).
+  step_ms = float(re.search(r"\| step time +\| ([0-9.]+) ms \(mean of 1\)",
+                            out.stdout).group(1))
+  tps = float(re.search(r"\| tokens/s +\| ([0-9,]+) \|",
+                        out.stdout).group(1).replace(",", ""))
+  assert abs(tps - 2 * 64 / (step_ms / 1e3)) <= 0.06 / step_ms * tps + 1, (tps, step_ms)
+  assert re.search(r"\| loss \(last timed step\) +\| [0-9.]+ \|", out.stdout), out.stdout
+  assert re.search(r"\| model FLOPs/token +\| 0\.00\d{2,} GFLOP \|", out.stdout), out.stdout
   # The step's program is the one entry of its name: a miss would have written a second one.
   # (The timed run's small helper programs, such as jax.random.normal's, are written too when
   # their compile passes jax's 1 s minimum, as on a loaded machine: they are not the step.)
