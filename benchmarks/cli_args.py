@@ -30,3 +30,18 @@ def parse_model_sets(items: list[str]) -> dict:
       tp = rest[0] if len(rest) == 1 else tp
     out[k] = _parse(v, tp, k)
   return out
+
+
+def stage_preset(parser, stage: str, preset: str):
+  """The StageConfig `experiments.<stage>.STAGES[preset]`, or `parser.error` (exit 2) naming
+  --stage or --preset and what they may be."""
+  import importlib  # pylint: disable=g-import-not-at-top
+  try:
+    stages = importlib.import_module(f"experiments.{stage}").STAGES
+  except ModuleNotFoundError as e:
+    if e.name != f"experiments.{stage}":
+      raise
+    parser.error(f"--stage {stage!r}: no module experiments.{stage} (e.g. stage_8k)")
+  if preset not in stages:
+    parser.error(f"--preset {preset!r}: expected one of {', '.join(stages)}")
+  return stages[preset]

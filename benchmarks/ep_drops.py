@@ -32,7 +32,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import importlib
 import json
 import math
 import sys
@@ -42,7 +41,7 @@ import time
 import jax
 import numpy as np
 
-from benchmarks import ep_virtual
+from benchmarks import cli_args, ep_virtual
 from experiments.base import apply_overrides
 from sparse_lm import data as data_lib
 from sparse_lm import sharding as shd
@@ -219,16 +218,9 @@ def main(argv=None) -> int:
   # Every argument is checked here, before a tokenizer is trained or a step compiled.
   if args.steps < 1:
     p.error(f"--steps {args.steps}: expected a positive integer")
+  preset_stage = cli_args.stage_preset(p, args.stage, args.preset)
   try:
-    stages = importlib.import_module(f"experiments.{args.stage}").STAGES
-  except ModuleNotFoundError as e:
-    if e.name != f"experiments.{args.stage}":
-      raise
-    p.error(f"--stage {args.stage!r}: no module experiments.{args.stage} (e.g. stage_8k)")
-  if args.preset not in stages:
-    p.error(f"--preset {args.preset!r}: expected one of {', '.join(stages)}")
-  try:
-    base = apply_overrides(stages[args.preset], args.sets)
+    base = apply_overrides(preset_stage, args.sets)
   except ValueError as e:
     p.error(str(e))
   try:

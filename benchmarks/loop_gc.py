@@ -27,6 +27,8 @@ import sys
 import tempfile
 import time
 
+from benchmarks import cli_args
+
 
 def measure_one(stage_module: str, preset: str, steps: int, gc_every: int,
                 sets: list[str]) -> dict:
@@ -108,14 +110,7 @@ def main(argv=None) -> int:
     p.error(f"--gc-every {args.gc_every!r}: expected integers such as 100,0")
   if any(s < 0 for s in settings):
     p.error(f"--gc-every {args.gc_every!r}: each value must be >= 0 (0: Python's collector)")
-  try:  # the stage and preset here, not in each child after its imports
-    stages = importlib.import_module(f"experiments.{args.stage}").STAGES
-  except ModuleNotFoundError as e:
-    if e.name != f"experiments.{args.stage}":
-      raise
-    p.error(f"--stage {args.stage!r}: no module experiments.{args.stage} (e.g. stage_8k)")
-  if args.preset not in stages:
-    p.error(f"--preset {args.preset!r}: expected one of {', '.join(stages)}")
+  cli_args.stage_preset(p, args.stage, args.preset)  # here, not in each child
   results = []
   for every in settings:
     cmd = [sys.executable, "-m", "benchmarks.loop_gc", "--one", str(every), "--stage",

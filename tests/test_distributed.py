@@ -53,33 +53,41 @@ print("no failure seen", flush=True)
 """
 
 
-@pytest.mark.parametrize("fail_pid", [0, 1])
-def test_one_process_failing_stops_the_job_instead_of_hanging(tmp_path, fail_pid):
-  """Two CPU processes joined by jax.distributed; one raises. Before, it then waited at JAX's
-  shutdown barrier (300 s) while the other waited for it in a collective: the job stood still
-  for five minutes. Now the failing process leaves at once and the other one fails too."""
+def _start_two_processes(tmp_path, worker: str, **env_extra) -> list:
+  """Two CPU processes joined by jax.distributed (explicit coordinator on a free port), each
+  running `worker`, stdout and stderr piped together."""
   import os
   import pathlib
   import socket
   import subprocess
   import sys
-  import time
   root = pathlib.Path(__file__).resolve().parents[1]
   with socket.socket() as s:
     s.bind(("127.0.0.1", 0))
     port = s.getsockname()[1]
   script = tmp_path / "worker.py"
-  script.write_text(_WORKER)
+  script.write_text(worker)
   procs = []
-  t0 = time.monotonic()
   for pid in range(2):
     env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-               JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid), FAIL_PID=str(fail_pid),
-               SPARSE_LM_HEARTBEAT_TIMEOUT="10",
-               PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+               JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid), SPARSE_LM_HEARTBEAT_TIMEOUT="10",
+               PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""),
+               **env_extra)
     env.pop("XLA_FLAGS", None)  # one CPU device per process
     procs.append(subprocess.Popen([sys.executable, str(script)], env=env, cwd=root,
                                   stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+  return procs
+
+
+@pytest.mark.parametrize("fail_pid", [0, 1])
+def test_one_process_failing_stops_the_job_instead_of_hanging(tmp_path, fail_pid):
+  """Two CPU processes joined by jax.distributed; one raises. Before, it then waited at JAX's
+  shutdown barrier (300 s) while the other waited for it in a collective: the job stood still
+  for five minutes. Now the failing process leaves at once and the other one fails too."""
+  import subprocess
+  import time
+  t0 = time.monotonic()
+  procs = _start_two_processes(tmp_path, _WORKER, FAIL_PID=str(fail_pid))
   outs = []
   try:
     for p in procs:
@@ -144,27 +152,9 @@ def test_sigterm_to_one_process_stops_every_process_after_the_same_step(tmp_path
   stops both after the same step (JAX's preemption sync point), so they save together. With a
   per-process flag the signalled process stopped alone and the other one was left in the next
   step's collective (gloo's "collective mismatch"; no checkpoint was written)."""
-  import os
-  import pathlib
   import re as re_
-  import socket
   import subprocess
-  import sys
-  root = pathlib.Path(__file__).resolve().parents[1]
-  with socket.socket() as s:
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-  script = tmp_path / "worker.py"
-  script.write_text(_PREEMPT_WORKER)
-  procs = []
-  for pid in range(2):
-    env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_COORDINATOR_ADDRESS=f"127.0.0.1:{port}",
-               JAX_NUM_PROCESSES="2", JAX_PROCESS_ID=str(pid), SIG_PID=str(sig_pid),
-               SPARSE_LM_HEARTBEAT_TIMEOUT="10",
-               PYTHONPATH=str(root) + os.pathsep + os.environ.get("PYTHONPATH", ""))
-    env.pop("XLA_FLAGS", None)
-    procs.append(subprocess.Popen([sys.executable, str(script)], env=env, cwd=root,
-                                  stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True))
+  procs = _start_two_processes(tmp_path, _PREEMPT_WORKER, SIG_PID=str(sig_pid))
   try:
     outs = [p.communicate(timeout=90)[0] for p in procs]
   except subprocess.TimeoutExpired:

@@ -35,23 +35,30 @@ def test_cli_import_export_round_trip(tmp_path):
     assert np.array_equal(np.asarray(x[...]), np.asarray(y[...])), p
 
 
-def test_stage_starts_from_the_import(tmp_path):
-  """StageConfig(init_from=W): the model is the import's (plus the stage's non-architecture
-  overrides) and the loop's initial state holds its weights bit-exact, in the stage's
-  shardings, with a fresh optimizer. (The training step itself is the loop's, tested in
-  tests/train; a 2-step run from this import is recorded in docs/interop.md.)"""
+def _init_from_import(tmp_path, *overrides):
+  """(stage, parts, state): a stage with init_from=<import of the Kimi-Linear fixture> (no
+  remat, KDA chunk 16, and `overrides`) and the loop's initial state from it."""
   w = tmp_path / "w"
   import_to_workdir(KIMI_LINEAR, w)
-  stage = small_stage(name="ft", init_from=str(w),
-                      model_overrides=(("remat_policy", "none"), ("kda_chunk_size", 16)))
-  cfg = stage.model_config()
-  assert cfg.name == "kimi_linear" and cfg.ffn_activation == "swiglu" and cfg.kda_chunk_size == 16
+  stage = small_stage(name="ft", init_from=str(w), model_overrides=(
+      ("remat_policy", "none"), ("kda_chunk_size", 16)) + overrides)
   mesh = shd.make_mesh(stage.mesh)
   parts = loop.build(stage, mesh)
   with shd.use_mesh(mesh, stage.mesh.rules):
     target = shd.with_shardings(parts.abstract_state, parts.state_shardings)
     state = loop._init_from(stage, tmp_path, target, "unused", parts,  # pylint: disable=protected-access
                             print)
+  return stage, parts, state
+
+
+def test_stage_starts_from_the_import(tmp_path):
+  """StageConfig(init_from=W): the model is the import's (plus the stage's non-architecture
+  overrides) and the loop's initial state holds its weights bit-exact, in the stage's
+  shardings, with a fresh optimizer. (The training step itself is the loop's, tested in
+  tests/train; a 2-step run from this import is recorded in docs/interop.md.)"""
+  stage, parts, state = _init_from_import(tmp_path)
+  cfg = stage.model_config()
+  assert cfg.name == "kimi_linear" and cfg.ffn_activation == "swiglu" and cfg.kda_chunk_size == 16
   assert int(state.step) == 0
   imported, _ = load_pretrained(KIMI_LINEAR, remat_policy="none", kda_chunk_size=16)
   want = dict(nnx.to_flat_state(nnx.state(imported)))
@@ -218,16 +225,7 @@ def test_stage_from_the_import_with_other_balancer_settings(tmp_path, override):
   shape ... not compatible" (or "tree structures do not match") and pages of TensorStore
   specs. They are statistics reset at every balancer update: they start at zero; the weights
   and the balancer bias are the import's."""
-  w = tmp_path / "w"
-  import_to_workdir(KIMI_LINEAR, w)
-  stage = small_stage(name="ft", init_from=str(w), model_overrides=(
-      ("remat_policy", "none"), ("kda_chunk_size", 16), override))
-  mesh = shd.make_mesh(stage.mesh)
-  parts = loop.build(stage, mesh)
-  with shd.use_mesh(mesh, stage.mesh.rules):
-    target = shd.with_shardings(parts.abstract_state, parts.state_shardings)
-    state = loop._init_from(stage, tmp_path, target, "unused", parts,  # pylint: disable=protected-access
-                            print)
+  _, _, state = _init_from_import(tmp_path, override)
   imported, _ = load_pretrained(KIMI_LINEAR)
   want = dict(nnx.to_flat_state(nnx.state(imported)))
   got = {**dict(nnx.to_flat_state(state.params)), **dict(nnx.to_flat_state(state.model_vars))}
