@@ -165,5 +165,7 @@ def test_sigterm_to_one_process_stops_every_process_after_the_same_step(tmp_path
   assert [p.returncode for p in procs] == [0, 0], [o[-1500:] for o in outs]
   steps = [re_.findall(r"stopped after step (\d+): SIGTERM", o) for o in outs]
   assert all(len(s) == 1 for s in steps), outs
-  assert steps[0] == steps[1] and int(steps[0][0]) > 3, steps
+  # the same step on both, not before the signal's (the sync point is one past the largest
+  # step any process had reported when the notice reached them: 3 or later)
+  assert steps[0] == steps[1] and int(steps[0][0]) >= 3, steps
   assert all("clean end" in o for o in outs)
