@@ -49,13 +49,20 @@ def _run(kind, offsets, seed, steps):
 
 def test_quantile_balancing_converges_in_3_updates_and_holds():
   """64 experts, top-4, 8192 tokens/batch; each update estimated on one batch, applied to the
-  next: max/mean < 1.25 after 3 updates and over 20 further batches; bias_sign is slower."""
+  next. From the 3rd update on, over 21 batches: median max/mean < 1.15 (ARCHITECTURE §6 measured
+  1.12 with the midpoint cutoff; 60 seeds here gave medians 1.11-1.14, and the kplus1 cutoff
+  1.15-1.18) and every batch < 1.35. One batch alone is only statistically balanced (§6): the
+  population-balanced bias itself (fitted on 8x the tokens) reached 1.23 on one unlucky batch,
+  and the one-batch estimate 1.27 there (1 seed in 100 put one batch above 1.25). bias_sign is
+  slower."""
   seed = T.seed() % (1 << 20)
   offsets = jax.random.permutation(jax.random.key(seed), jnp.linspace(-3.0, 3.0, E))
   qb = _run("quantile", offsets, seed, 24)
   sign = _run("bias_sign", offsets, seed, 4)
   assert qb[0] > 5.0, qb[0]  # strongly unbalanced before any update
-  assert np.all(qb[3:] < 1.25), qb  # batch 3 is routed with the bias of the 3rd update
+  # batch 3 is routed with the bias of the 3rd update
+  assert np.median(qb[3:]) < 1.15, qb
+  assert np.all(qb[3:] < 1.35), qb
   assert sign[0] == qb[0]
   assert sign[3] > 4.0, sign  # bias_sign (gamma = 1e-3) has barely moved after 3 updates
 
