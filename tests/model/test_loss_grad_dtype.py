@@ -133,13 +133,14 @@ def test_loss_fn_passes_the_field_to_the_head():
   from sparse_lm.model.loss import loss_fn
   from sparse_lm.model.transformer import Transformer
 
-  base = dataclasses.replace(get_preset("tiny"), dtype="bfloat16", loss_chunk_size=16)
+  base = dataclasses.replace(get_preset("tiny"), dtype="bfloat16", loss_chunk_size=16,
+                             num_layers=5)
   rng = np.random.default_rng(3)
   batch = {"tokens": jnp.asarray(rng.integers(0, base.vocab_size, (2, 32)), jnp.int32)}
   out = {}
   for gd in (None, "bfloat16"):
     model = Transformer(dataclasses.replace(base, lm_head_grad_dtype=gd), rngs=nnx.Rngs(0))
-    loss, grads = nnx.value_and_grad(lambda m: loss_fn(m, batch)[0])(model)
+    loss, grads = nnx.jit(nnx.value_and_grad(lambda m: loss_fn(m, batch)[0]))(model)
     out[gd] = (float(loss), np.asarray(grads.lm_head[...], np.float64))
   assert out[None][0] == out["bfloat16"][0]
   a, b = out[None][1], out["bfloat16"][1]
