@@ -30,6 +30,7 @@ import warnings
 from typing import Any, Callable
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 import optax
 import orbax.checkpoint as ocp
@@ -248,11 +249,19 @@ def reset_schedule_count(opt_state: optax.OptState) -> optax.OptState:
 
   Adam's own count (bias correction of the kept moments) is left as it is.
   """
-  def reset(x):
+  return set_schedule_count(opt_state, 0)
+
+
+def set_schedule_count(opt_state: optax.OptState, count) -> optax.OptState:
+  """The learning-rate schedule's step counter (every `optax.ScaleByScheduleState` in the
+  tree) set to `count` (an int or int32 scalar), keeping its dtype; other counters (Adam's
+  bias correction) are left as they are. A fresh optimizer state for a run resumed at step
+  `count` takes it so that the schedule goes on where the run was."""
+  def put(x):
     if isinstance(x, optax.ScaleByScheduleState):
-      return x._replace(count=x.count * 0)
+      return x._replace(count=jnp.zeros_like(x.count) + jnp.asarray(count, x.count.dtype))
     return x
-  return jax.tree.map(reset, opt_state,
+  return jax.tree.map(put, opt_state,
                       is_leaf=lambda x: isinstance(x, optax.ScaleByScheduleState))
 
 

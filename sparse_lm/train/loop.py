@@ -38,9 +38,10 @@ from sparse_lm.interop import workdir as hf_import
 from sparse_lm.model.params import flops_per_token
 from sparse_lm.train import metrics as metrics_lib
 from sparse_lm.train.builder import BATCH_KEYS, Parts, build  # pylint: disable=unused-import
-from sparse_lm.train.checkpoint import (Checkpointer, check_model, check_resume,
-                                        check_tokenizer, data_item, make_meta,
-                                        reset_schedule_count, shard_state)
+from sparse_lm.train.checkpoint import (Checkpointer, ConfigMismatchError, check_model,
+                                        check_resume, check_tokenizer, data_item, make_meta,
+                                        reset_schedule_count, set_schedule_count,
+                                        shard_state, stage_from_json, to_json)
 from sparse_lm.train.config import StageConfig
 from sparse_lm.train.precompile import Precompiler
 from sparse_lm.train.sample import generate
@@ -355,7 +356,7 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
     parts = build(stage, mesh)
     with shd.use_mesh(mesh, stage.mesh.rules):
       ckpt = Checkpointer(stage_dir / "checkpoints", keep=stage.keep_checkpoints)
-      state, data_state = _starting_state(stage, workdir, parts, ckpt, tokenizer,
+      state, data_state = _starting_state(stage, workdir, mesh, parts, ckpt, tokenizer,
                                           allow_config_change, say)
       loop = _StageLoop(stage, mesh, parts, ckpt, tokenizer, data_state,
                         int(jax.device_get(state.step)), progress=progress,
@@ -385,7 +386,7 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
                    preempted, stage_dir)
 
 
-def _starting_state(stage, workdir, parts, ckpt, tokenizer, allow_config_change, say
+def _starting_state(stage, workdir, mesh, parts, ckpt, tokenizer, allow_config_change, say
                     ) -> tuple[TrainState, dict | None]:
   """(state, data position) of this stage's latest checkpoint, else `init_from`, else fresh."""
   target = shd.with_shardings(parts.abstract_state, parts.state_shardings)
@@ -396,16 +397,57 @@ def _starting_state(stage, workdir, parts, ckpt, tokenizer, allow_config_change,
                     stage.data.source)
     changes[:] = check_resume(meta, stage, allow_config_change=allow_config_change)
 
-  restored = ckpt.restore_latest(target, check_meta=check)
+  restored = ckpt.restore_latest(lambda meta: _restore_target(meta, stage, mesh, target),
+                                 check_meta=check)
   if restored is not None:
-    state, data_state, _ = restored
-    say(f"[{stage.name}] resuming from step {int(state.step)} ({ckpt.directory})")
+    state, data_state, meta = restored
+    step = int(jax.device_get(state.step))
+    say(f"[{stage.name}] resuming from step {step} ({ckpt.directory})")
     if changes:
       say(f"[{stage.name}] config changed since the checkpoint: " + "; ".join(changes))
+    if not _same_tree(state.opt_state, target.opt_state):
+      # Only with --allow-config-change (check_resume refuses an optim.* change otherwise).
+      say(f"[{stage.name}] the checkpoint's optimizer state ({_optim_name(meta)}) does not "
+          f"fit optim.name={stage.optim.name!r}: the optimizer state starts fresh, the "
+          f"learning-rate schedule goes on from step {step}")
+      state = state.replace(opt_state=_fresh_opt_state(parts, state.params, step))
     return state, data_state
   if stage.init_from:
-    return _init_from(stage, workdir, target, tokenizer.fingerprint, parts, say), None
+    return _init_from(stage, workdir, mesh, target, tokenizer.fingerprint, parts, say), None
   return parts.init(), None
+
+
+def _optim_name(meta) -> str:
+  return f"optim.name={((meta.get('stage') or {}).get('optim') or {}).get('name')!r}"
+
+
+def _same_tree(a, b) -> bool:
+  """Whether two (abstract or concrete) trees have one structure and the same leaf shapes."""
+  if jax.tree.structure(a) != jax.tree.structure(b):
+    return False
+  return all(x.shape == y.shape for x, y in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+
+def _restore_target(meta, stage, mesh, target):
+  """What to restore a checkpoint into: `target` (this run's state), but with the optimizer
+  state of the optimizer the checkpoint was saved with when that one's tree differs (a run
+  resumed with --allow-config-change, or a stage initialised from another, under another
+  `optim.name`): its arrays are read as they were saved instead of failing as unreadable."""
+  saved = (meta.get("stage") or {}).get("optim")
+  if saved is None or saved == to_json(stage.optim):
+    return target
+  # The saved stage's optimizer on this run's model and mesh (the layout may have changed).
+  saved_stage = dataclasses.replace(stage_from_json(meta["stage"]), mesh=stage.mesh,
+                                    model_overrides=stage.model_overrides, preset=stage.preset)
+  other = build(saved_stage, mesh)
+  opt = shd.with_shardings(other.abstract_state.opt_state, other.state_shardings.opt_state)
+  return target if _same_tree(opt, target.opt_state) else target.replace(opt_state=opt)
+
+
+def _fresh_opt_state(parts, params, step: int):
+  """This run's optimizer initialised on `params`, its schedule counter at `step`."""
+  sh = parts.state_shardings.opt_state
+  return jax.jit(lambda p: set_schedule_count(parts.tx.init(p), step), out_shardings=sh)(params)
 
 
 class _StageLoop:
@@ -678,7 +720,7 @@ def _init_from_missing(stage, workdir, prev_dir) -> str:
           f"workdir pass its name (stage_8k, ...), {scratch}")
 
 
-def _init_from(stage, workdir, target, fingerprint, parts, say) -> TrainState:
+def _init_from(stage, workdir, mesh, target, fingerprint, parts, say) -> TrainState:
   """The previous stage's final checkpoint, restarted at step 0 of this stage (or, when
   init_from is an HF import directory, its weights with a fresh optimizer)."""
   tx, state_sh = parts.tx, parts.state_shardings
@@ -694,8 +736,19 @@ def _init_from(stage, workdir, target, fingerprint, parts, say) -> TrainState:
                       rng=jax.device_put(jax.random.PRNGKey(stage.seed + 1), state_sh.rng))
   prev_dir = workdir / stage.init_from / "checkpoints"
   prev = Checkpointer(prev_dir, keep=10**6)
-  check = lambda meta: check_model(meta, stage.model_config(), stage.name)
-  restored = prev.restore_latest(target, check_meta=check) if prev_dir.exists() else None
+  def check(meta):
+    check_model(meta, stage.model_config(), stage.name)
+    if (stage.keep_optimizer_state
+        and _restore_target(meta, stage, mesh, target) is not target):
+      raise ConfigMismatchError(
+          f"[{stage.name}] init_from={stage.init_from!r}: its step {meta.get('step')} was "
+          f"trained with {_optim_name(meta)} and this stage uses "
+          f"optim.name={stage.optim.name!r}, whose state has another form: the optimizer state "
+          "cannot be kept. Pass --set keep_optimizer_state=false to start this optimizer "
+          f"fresh from {stage.init_from}'s weights, or use the same optimizer.")
+
+  restored = (prev.restore_latest(lambda meta: _restore_target(meta, stage, mesh, target),
+                                  check_meta=check) if prev_dir.exists() else None)
   if restored is None:
     raise FileNotFoundError(_init_from_missing(stage, workdir, prev_dir))
   state, _, meta = restored

@@ -46,7 +46,7 @@ def _init_from_import(tmp_path, *overrides):
   parts = loop.build(stage, mesh)
   with shd.use_mesh(mesh, stage.mesh.rules):
     target = shd.with_shardings(parts.abstract_state, parts.state_shardings)
-    state = loop._init_from(stage, tmp_path, target, "unused", parts,  # pylint: disable=protected-access
+    state = loop._init_from(stage, tmp_path, mesh, target, "unused", parts,  # pylint: disable=protected-access
                             print)
   return stage, parts, state
 
@@ -250,4 +250,4 @@ def test_stage_from_the_import_with_another_architecture_names_it(tmp_path):
     with pytest.raises(ValueError, match=r"not the import's architecture \(.*expert_down: the "
                        r"import has shape \[1, 8, .*\], the model shape \[1, 16, .*drop the --set "
                        r"model\.\* overrides"):
-      loop._init_from(stage, tmp_path, target, "unused", parts, print)  # pylint: disable=protected-access
+      loop._init_from(stage, tmp_path, mesh, target, "unused", parts, print)  # pylint: disable=protected-access
