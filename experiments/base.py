@@ -248,7 +248,7 @@ def main(stages: Mapping[str, StageConfig], argv: Sequence[str] | None = None) -
     for key, value in current_values(stage).items():
       print(f"{key}={value}")
     return 0
-  from sparse_lm.distributed import maybe_initialize
+  from sparse_lm.distributed import failed, maybe_initialize
   maybe_initialize()  # jax.distributed on pods / Slurm / mpirun; nothing on one host
   # pylint: disable=g-import-not-at-top  (after the CLI is validated: --help stays fast)
   from sparse_lm.train.checkpoint import UnreadableCheckpointError
@@ -264,5 +264,5 @@ def main(stages: Mapping[str, StageConfig], argv: Sequence[str] | None = None) -
   except (NonFiniteLossError, FileNotFoundError, ValueError, WorkdirLockedError,
           UnreadableCheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
-    return 1
+    return failed(1)  # a job of several processes leaves now, not at the shutdown barrier
   return 0  # a preempted run saved its state and said so; rerunning resumes it

@@ -145,6 +145,27 @@ def maybe_initialize(env: Mapping[str, str] | None = None) -> bool:
   return True
 
 
+def failed(rc: int = 1) -> int:
+  """The exit status of an entry point that caught and reported an error: `rc` itself, for
+  `raise SystemExit(main())`, except in a job of several processes, where this process leaves
+  at once (stdout / stderr flushed, then `os._exit(rc)`): the interpreter's normal exit would
+  wait at jax.distributed's shutdown barrier (300 s) for processes that wait for this one in a
+  collective. The others stop when they miss its heartbeat (SPARSE_LM_HEARTBEAT_TIMEOUT).
+
+  Example: `except ValueError as e: print(e, file=sys.stderr); return failed(1)`.
+  """
+  if rc and _DONE:
+    import jax  # pylint: disable=g-import-not-at-top
+    if jax.process_count() > 1:
+      print(f"[distributed] this process stops (exit status {rc}); exiting without the "
+            "shutdown barrier, the other processes stop when they miss its heartbeat",
+            file=sys.stderr)
+      sys.stdout.flush()
+      sys.stderr.flush()
+      os._exit(rc)
+  return rc
+
+
 def _exit_on_error(hook):
   """sys.excepthook of a multi-process job: print the traceback as `hook` does, then leave
   without the interpreter's exit (whose jax.distributed shutdown barrier waits for processes

@@ -47,6 +47,13 @@ import jax, numpy as np
 from jax.experimental import multihost_utils
 multihost_utils.sync_global_devices("up")
 if jax.process_index() == int(os.environ["FAIL_PID"]):
+  if os.environ.get("CAUGHT"):  # as experiments.base.main reports an error it caught
+    from sparse_lm.distributed import failed
+    try:
+      raise RuntimeError("boom on process %d" % jax.process_index())
+    except RuntimeError as e:
+      print(f"error: {e}", file=sys.stderr)
+      raise SystemExit(failed(1))
   raise RuntimeError("boom on process %d" % jax.process_index())
 multihost_utils.process_allgather(np.ones(3))  # waits for the failed process
 print("no failure seen", flush=True)
@@ -79,15 +86,18 @@ def _start_two_processes(tmp_path, worker: str, **env_extra) -> list:
   return procs
 
 
-@pytest.mark.parametrize("fail_pid", [0, 1])
-def test_one_process_failing_stops_the_job_instead_of_hanging(tmp_path, fail_pid):
-  """Two CPU processes joined by jax.distributed; one raises. Before, it then waited at JAX's
-  shutdown barrier (300 s) while the other waited for it in a collective: the job stood still
-  for five minutes. Now the failing process leaves at once and the other one fails too."""
+@pytest.mark.parametrize("fail_pid,caught", [(0, False), (1, False), (0, True)])
+def test_one_process_failing_stops_the_job_instead_of_hanging(tmp_path, fail_pid, caught):
+  """Two CPU processes joined by jax.distributed; one raises (or, `caught`, reports the error
+  and exits 1 through `distributed.failed`, as `python -m experiments.<stage>` does for a
+  held workdir lock or a missing file on one host). Before, it then waited at JAX's shutdown
+  barrier (300 s) while the other waited for it in a collective: the job stood still for five
+  minutes. Now the failing process leaves at once and the other one fails too."""
   import subprocess
   import time
   t0 = time.monotonic()
-  procs = _start_two_processes(tmp_path, _WORKER, FAIL_PID=str(fail_pid))
+  procs = _start_two_processes(tmp_path, _WORKER, FAIL_PID=str(fail_pid),
+                               **({"CAUGHT": "1"} if caught else {}))
   outs = []
   try:
     for p in procs:
@@ -99,8 +109,13 @@ def test_one_process_failing_stops_the_job_instead_of_hanging(tmp_path, fail_pid
                 "\n".join((p.communicate()[0] or "")[-2000:] for p in procs))
   assert all(p.returncode != 0 for p in procs), [(p.returncode, o[-1500:])
                                                  for p, o in zip(procs, outs)]
-  assert f"RuntimeError: boom on process {fail_pid}" in outs[fail_pid]
-  assert "this process failed (RuntimeError)" in outs[fail_pid]
+  if caught:
+    assert f"error: boom on process {fail_pid}" in outs[fail_pid]
+    assert "this process stops (exit status 1)" in outs[fail_pid]
+    assert procs[fail_pid].returncode == 1
+  else:
+    assert f"RuntimeError: boom on process {fail_pid}" in outs[fail_pid]
+    assert "this process failed (RuntimeError)" in outs[fail_pid]
   assert not any("no failure seen" in o for o in outs)
 
 
