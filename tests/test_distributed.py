@@ -184,3 +184,51 @@ def test_sigterm_to_one_process_stops_every_process_after_the_same_step(tmp_path
   # step any process had reported when the notice reached them: 3 or later)
   assert steps[0] == steps[1] and int(steps[0][0]) >= 3, steps
   assert all("clean end" in o for o in outs)
+
+
+_TWO_PHASE_WORKER = r"""
+import os, signal, time
+from sparse_lm.distributed import maybe_initialize
+assert maybe_initialize()
+import jax, numpy as np
+from jax.experimental import multihost_utils
+from sparse_lm.train.loop import Preemption
+for phase, steps in (("sft", 60), ("grpo", 40)):  # the second phase restarts at step 1
+  if phase == "grpo":  # the notice lands between the phases (as during GRPO's compile)
+    if jax.process_index() == 1:
+      os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(1.0)
+  with Preemption() as p:
+    for step in range(1, steps + 1):
+      multihost_utils.process_allgather(np.ones(3))
+      time.sleep(0.02)
+      stop = p.stop_after(step)
+      if stop:
+        print(f"{phase} stopped after step {step}", flush=True)
+        break
+multihost_utils.sync_global_devices("end")
+print("clean end", flush=True)
+"""
+
+
+def test_a_later_phase_that_restarts_its_steps_still_meets_the_sync_point(tmp_path):
+  """SFT then GRPO in one process (sparse_lm/rl/trainer.py), each counting steps from 1: JAX's
+  preemption sync point is one past the step each process last reported when the notice came.
+  With the phases' own steps, a SIGTERM between the phases (SFT's last step 60 reported) set it
+  to 61, which GRPO's 40 steps never reach: the notice was lost and nothing saved.
+  `stop_after` counts its calls over every `Preemption` instead."""
+  import re as re_
+  import subprocess
+  procs = _start_two_processes(tmp_path, _TWO_PHASE_WORKER)
+  try:
+    outs = [p.communicate(timeout=90)[0] for p in procs]
+  except subprocess.TimeoutExpired:
+    for p in procs:
+      p.kill()
+    pytest.fail("the job did not end within 90 s:\n" +
+                "\n".join((p.communicate()[0] or "")[-2000:] for p in procs))
+  assert [p.returncode for p in procs] == [0, 0], [o[-1500:] for o in outs]
+  steps = [re_.findall(r"grpo stopped after step (\d+)", o) for o in outs]
+  assert all(len(x) == 1 for x in steps), outs
+  assert steps[0] == steps[1] and 1 <= int(steps[0][0]) < 40, steps
+  assert not any("sft stopped" in o for o in outs)

@@ -5,7 +5,9 @@ restored) under it with explicit shardings, one jitted step with donated state r
 a checkpoint manager saves every `checkpoint_every` steps, at the end and on SIGTERM or SIGINT
 (Ctrl-C; at the next step boundary, or at once while the loop waits for a batch: batches are
 fetched on a worker thread, `BatchFetcher`, so a stalled data pipeline cannot keep the process
-from stopping), and a metrics writer and a progress bar (or, off a terminal, a plain line
+from stopping; in a job of several processes the notice goes through JAX's preemption service
+and is acted on at step boundaries only, so a process stalled on data does not stop: kill such
+a job, it resumes from its last checkpoint), and a metrics writer and a progress bar (or, off a terminal, a plain line
 every `progress_every` steps) report as it goes. The stage directory is locked for the run.
 
 Starting point of a stage, in order: its own latest checkpoint in `<workdir>/<stage>/`
@@ -86,6 +88,10 @@ class Preemption:
   """
 
   SIGNALS = (signal.SIGTERM, signal.SIGINT)
+  # JAX's sync point takes one counter per process that only increases for the process's
+  # life; the RL phases (SFT, then GRPO from step 1) and successive runs restart their steps,
+  # so the calls are counted here, across instances (every process makes the same calls).
+  _sync_calls = 0
 
   def __init__(self, multiprocess: bool | None = None):
     self.requested: str | None = None  # the signal's name once one arrived
@@ -104,11 +110,15 @@ class Preemption:
     self.requested = signal.Signals(signum).name
 
   def stop_after(self, step: int) -> str | None:
-    """What stops the loop after `step` (a counter every process passes in the same order;
-    called once per step), or None: the signal's name, the same on every process."""
+    """What stops the loop after `step` (called once per step, by every process in the same
+    order), or None: the signal's name, the same on every process. In a multi-process job the
+    sync point is asked with this process's count of calls (over every `Preemption`), not
+    `step`, which a later phase or run may restart."""
+    del step  # the loops' own counters may restart; the call count does not
     if self.multiprocess and self.requested is None:
       from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-      if multihost_utils.reached_preemption_sync_point(step):
+      Preemption._sync_calls += 1
+      if multihost_utils.reached_preemption_sync_point(Preemption._sync_calls):
         self.requested = "SIGTERM (the job's preemption sync point)"
     return self.requested
 
