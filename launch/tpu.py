@@ -124,13 +124,14 @@ def run_commands(pod: Pod, command: list[str], run_name: str,
     coord = "$COORDINATOR_IP"
   log = f"logs/{run_name}.log"
   for i, node in enumerate(pod.nodes):
-    e = dict(env)
+    # The user's --env values reach the worker as written (quoted); only the coordinator
+    # address is left for the worker's shell to expand ($COORDINATOR_IP).
+    e = {k: shlex.quote(v) for k, v in env.items()}
     if coord is not None:
       e.update(MEGASCALE_COORDINATOR_ADDRESS=f"{coord}:{MEGASCALE_PORT}",
                MEGASCALE_NUM_SLICES=str(pod.num_slices), MEGASCALE_SLICE_ID=str(i),
                MEGASCALE_PORT=str(MEGASCALE_PORT))
-    exports = " ".join(f"{k}={shlex.quote(v) if not v.startswith('$') else v}"
-                       for k, v in sorted(e.items()))
+    exports = " ".join(f"{k}={v}" for k, v in sorted(e.items()))
     # `python` / `python3` run the setup's venv (unquoted: ~ must expand on the worker)
     head = "~/venv/bin/python" if command[0] in ("python", "python3") else shlex.quote(command[0])
     py = " ".join([head] + [shlex.quote(c) for c in command[1:]])

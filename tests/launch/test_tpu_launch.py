@@ -150,7 +150,8 @@ def test_run_passes_dollar_and_backtick_of_the_command_to_the_worker_verbatim(
   --set value was expanded on the launching machine (unbound under `bash -u`: the launch
   failed), and a backtick ran there."""
   argv = ["run", "--name", "lm", "--num-slices", slices, "--zone", "z", "--dry-run",
-          "--env", "A=x`id -u`", "--", "python", "-m", "experiments.stage_8k",
+          "--env", "A=x`id -u`", "--env", "TAG=$weird value;echo pwned", "--",
+          "python", "-m", "experiments.stage_8k",
           "--set", "data.source=text:/gcs/$USER/*.txt"]
   assert tpu.main(argv) == 0
   remotes = _run_rendered(tmp_path, capsys.readouterr().out)
@@ -158,6 +159,9 @@ def test_run_passes_dollar_and_backtick_of_the_command_to_the_worker_verbatim(
   for i, remote in enumerate(remotes):
     assert "--set 'data.source=text:/gcs/$USER/*.txt'" in remote, remote
     assert "A='x`id -u`'" in remote, remote
+    # a value starting with $ was left unquoted (kept for $COORDINATOR_IP): the worker's shell
+    # expanded it, split it at the space and ran `echo pwned`
+    assert "TAG='$weird value;echo pwned'" in remote, remote
     if slices == "2":
       assert "MEGASCALE_COORDINATOR_ADDRESS=10.0.0.2:8080" in remote
       assert f"MEGASCALE_SLICE_ID={i}" in remote
