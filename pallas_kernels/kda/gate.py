@@ -17,7 +17,7 @@ _UNSET = object()
 
 
 def kda_gate(z: jax.Array, A_log: jax.Array, dt_bias: jax.Array, *,
-             gate_lower_bound: float | None = -5.0, lower_bound=_UNSET) -> jax.Array:
+             gate_lower_bound: float | None = _UNSET, lower_bound=_UNSET) -> jax.Array:
   """Log-decay g from the gate pre-activation.
 
   Args:
@@ -25,7 +25,7 @@ def kda_gate(z: jax.Array, A_log: jax.Array, dt_bias: jax.Array, *,
     A_log: [H] fp32.
     dt_bias: [H * K] or [H, K] fp32.
     gate_lower_bound: g_min in [-5, 0) for g = g_min * sigmoid(exp(A_log) * (z + dt_bias));
-      None for the unbounded g = -exp(A_log) * softplus(z + dt_bias).
+      None for the unbounded g = -exp(A_log) * softplus(z + dt_bias). Default -5.0.
     lower_bound: the same value under ARCHITECTURE.md §2.3's (and fla's) name; give one of the
       two.
 
@@ -42,9 +42,11 @@ def kda_gate(z: jax.Array, A_log: jax.Array, dt_bias: jax.Array, *,
     TypeError: both gate_lower_bound and lower_bound given.
   """
   if lower_bound is not _UNSET:
-    if gate_lower_bound != -5.0:
+    if gate_lower_bound is not _UNSET:
       raise TypeError("kda_gate: give gate_lower_bound or lower_bound (the same value), not both")
     gate_lower_bound = lower_bound
+  elif gate_lower_bound is _UNSET:
+    gate_lower_bound = -5.0
   if gate_lower_bound is not None and not (-5.0 <= gate_lower_bound < 0.0):
     raise ValueError(f"gate_lower_bound={gate_lower_bound} must be in [-5, 0) (or None for the "
                      "unbounded softplus gate)")

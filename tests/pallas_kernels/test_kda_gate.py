@@ -84,5 +84,7 @@ def test_the_spec_spelling_lower_bound():
                              -a * np.logaddexp(0, x), rtol=1e-5, atol=1e-6)
   with pytest.raises(TypeError, match="not both"):
     kda_gate(z, A_log, dt_bias, gate_lower_bound=-2.0, lower_bound=-3.0)
+  with pytest.raises(TypeError, match="not both"):  # the default's value, given: still both
+    kda_gate(z, A_log, dt_bias, gate_lower_bound=-5.0, lower_bound=-3.0)
   with pytest.raises(ValueError, match="must be in"):
     kda_gate(z, A_log, dt_bias, lower_bound=1.0)
