@@ -37,11 +37,15 @@ def stage_preset(parser, stage: str, preset: str):
   --stage or --preset and what they may be."""
   import importlib  # pylint: disable=g-import-not-at-top
   try:
-    stages = importlib.import_module(f"experiments.{stage}").STAGES
+    module = importlib.import_module(f"experiments.{stage}")
   except ModuleNotFoundError as e:
     if e.name != f"experiments.{stage}":
       raise
     parser.error(f"--stage {stage!r}: no module experiments.{stage} (e.g. stage_8k)")
+  stages = getattr(module, "STAGES", None)
+  if not isinstance(stages, dict):
+    parser.error(f"--stage {stage!r}: experiments.{stage} is not a pretraining stage (no "
+                 "STAGES presets; e.g. stage_8k, stage_64k, stage_256k, stage_1m)")
   if preset not in stages:
     parser.error(f"--preset {preset!r}: expected one of {', '.join(stages)}")
   return stages[preset]

@@ -171,6 +171,7 @@ def test_gmm_cpu_refuses_rows_that_do_not_split_into_equal_groups(capsys):
 @pytest.mark.parametrize("argv, match", [
     (["--preset", "foo"], r"--preset 'foo': expected one of .*tiny"),  # KeyError before
     (["--stage", "nope"], r"--stage 'nope': no module experiments.nope"),
+    (["--stage", "base"], r"--stage 'base': experiments.base is not a pretraining stage"),
     (["--caps", "1.0,x"], r"--caps '1.0,x': expected a comma list of numbers"),
     (["--set", "foo=1"], r"unknown --set key 'foo'"),
     (["--steps", "0"], r"--steps 0"),

@@ -200,6 +200,10 @@ def test_a_stage_whose_mesh_does_not_fill_its_slices_is_refused():
   with pytest.raises(ValueError, match=r"StageConfig\(stage_1m\): topology='v5p:16x16x16' x "
                      r"num_slices=1.*set num_slices .* to their product.*set topology=None"):
     bad.validate()
+  # No dcn_* size at all: "the sizes {} multiply to 1 ... drop the dcn_* sizes" before.
+  with pytest.raises(ValueError, match=r"the layout has no dcn_\* sizes, but there are 2 "
+                     r"slices: give it sizes over the slices \(e.g. dcn_data=-1"):
+    shd.MeshLayout.parse("fsdp=-1").resolve(256, 2)
   with pytest.raises(ValueError, match="largest v5p slice"):
     dataclasses.replace(stage_1m.FULL, topology="v5p:16x16x32", num_slices=1,
                         mesh=shd.MeshLayout(fsdp=-1, expert=128, context=8)).validate()

@@ -121,9 +121,16 @@ def _fill(sizes: dict[str, int], total: int, prefix: str, what: str) -> dict[str
                        "--xla_force_host_platform_device_count=8 before jax is imported)")
     out[rest[0]] = total // known
   elif known != total:
-    fix = ("set num_slices (stage field; `--num-slices` of launch.aot_plan) to their product, "
-           "or drop the dcn_* sizes for one slice" if prefix == "dcn_" else
-           "set one axis to -1")
+    if prefix != "dcn_":
+      fix = "set one axis to -1"
+    elif known == 1:  # no dcn_* size given
+      raise ValueError(
+          f"the layout has no dcn_* sizes, but there are {total} {what}: give it sizes over "
+          f"the slices (e.g. dcn_data=-1, or dcn_data={total}: data parallel across slices), "
+          "or set num_slices=1")
+    else:
+      fix = ("set num_slices (stage field; `--num-slices` of launch.aot_plan) to their "
+             "product, or drop the dcn_* sizes for one slice")
     raise ValueError(f"the sizes {({prefix + a: v for a, v in sizes.items() if v != 1 or prefix != 'dcn_'})} "
                      f"multiply to {known}, but there are {total} {what}; {fix}")
   return out
