@@ -76,6 +76,8 @@ def test_fallback_restores_a_step_saved_with_another_optimizer(tmp_path, tokeniz
   muon = dataclasses.replace(stage, optim=dataclasses.replace(stage.optim, name="muon"))
   with shd.use_mesh(mesh):
     muon_state = build(muon, mesh).init()
+  # other weights than step 2's, so that the comparisons below tell the two steps apart
+  muon_state = muon_state.replace(params=jax.tree.map(lambda x: x + 1, muon_state.params))
   assert (jax.tree.structure(muon_state.opt_state) != jax.tree.structure(state.opt_state))
   ckpt_dir = tmp_path / stage.name / "checkpoints"
   _save(ckpt_dir, stage, state, 2, tok)
@@ -88,5 +90,8 @@ def test_fallback_restores_a_step_saved_with_another_optimizer(tmp_path, tokeniz
     np.testing.assert_array_equal(x, y)
   # With step 4 readable it is the one loaded, with its own config.
   _save(tmp_path / "other" / stage.name / "checkpoints", muon, muon_state, 4, tok)
-  _, _, saved = sparse_lm.train.load(tmp_path / "other", stage.name)
+  model, _, saved = sparse_lm.train.load(tmp_path / "other", stage.name)
   assert saved == muon
+  for x, y in zip(_param_leaves(model),
+                  [np.asarray(v) for v in jax.tree.leaves(muon_state.params)]):
+    np.testing.assert_array_equal(x, y)
