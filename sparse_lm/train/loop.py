@@ -45,6 +45,7 @@ from sparse_lm.train.checkpoint import (Checkpointer, ConfigMismatchError, check
                                         reset_schedule_count, set_schedule_count,
                                         shard_state, stage_from_json, to_json)
 from sparse_lm.train.config import StageConfig
+from sparse_lm.train.optimizer import make_optimizer
 from sparse_lm.train.precompile import Precompiler
 from sparse_lm.train.sample import generate
 from sparse_lm.train.state import TrainState
@@ -446,9 +447,13 @@ def _restore_target(meta, stage, mesh, target):
   saved = (meta.get("stage") or {}).get("optim")
   if saved is None or saved == to_json(stage.optim):
     return target
-  # The saved stage's optimizer on this run's model and mesh (the layout may have changed).
+  # The saved stage's optimizer on this run's model and mesh (the layout may have changed);
+  # its state's form first (cheap: no model trace), the whole build only when it differs.
   saved_stage = dataclasses.replace(stage_from_json(meta["stage"]), mesh=stage.mesh,
                                     model_overrides=stage.model_overrides, preset=stage.preset)
+  tx = make_optimizer(saved_stage.optim, saved_stage.steps)
+  if _same_tree(jax.eval_shape(tx.init, target.params), target.opt_state):
+    return target
   other = build(saved_stage, mesh)
   opt = shd.with_shardings(other.abstract_state.opt_state, other.state_shardings.opt_state)
   return target if _same_tree(opt, target.opt_state) else target.replace(opt_state=opt)
