@@ -86,6 +86,20 @@ def _start_two_processes(tmp_path, worker: str, **env_extra) -> list:
   return procs
 
 
+def _outputs(procs, timeout: float, what: str) -> list[str]:
+  """Each process's output once all have ended within `timeout` seconds in all; else they are
+  killed and the test fails with `what` and the ends of their outputs."""
+  import subprocess
+  import time
+  deadline = time.monotonic() + timeout
+  try:
+    return [p.communicate(timeout=max(1, deadline - time.monotonic()))[0] for p in procs]
+  except subprocess.TimeoutExpired:
+    for p in procs:
+      p.kill()
+    pytest.fail(f"{what}:\n" + "\n".join((p.communicate()[0] or "")[-2000:] for p in procs))
+
+
 @pytest.mark.parametrize("fail_pid,caught", [(0, False), (1, False), (0, True)])
 def test_one_process_failing_stops_the_job_instead_of_hanging(tmp_path, fail_pid, caught):
   """Two CPU processes joined by jax.distributed; one raises (or, `caught`, reports the error
@@ -93,20 +107,9 @@ def test_one_process_failing_stops_the_job_instead_of_hanging(tmp_path, fail_pid
   held workdir lock or a missing file on one host). Before, it then waited at JAX's shutdown
   barrier (300 s) while the other waited for it in a collective: the job stood still for five
   minutes. Now the failing process leaves at once and the other one fails too."""
-  import subprocess
-  import time
-  t0 = time.monotonic()
   procs = _start_two_processes(tmp_path, _WORKER, FAIL_PID=str(fail_pid),
                                **({"CAUGHT": "1"} if caught else {}))
-  outs = []
-  try:
-    for p in procs:
-      outs.append(p.communicate(timeout=max(1, 50 - (time.monotonic() - t0)))[0])
-  except subprocess.TimeoutExpired:
-    for p in procs:
-      p.kill()
-    pytest.fail("a process of the job still ran 50 s after one of them failed:\n" +
-                "\n".join((p.communicate()[0] or "")[-2000:] for p in procs))
+  outs = _outputs(procs, 50, "a process of the job still ran 50 s after one of them failed")
   assert all(p.returncode != 0 for p in procs), [(p.returncode, o[-1500:])
                                                  for p, o in zip(procs, outs)]
   if caught:
@@ -168,15 +171,8 @@ def test_sigterm_to_one_process_stops_every_process_after_the_same_step(tmp_path
   per-process flag the signalled process stopped alone and the other one was left in the next
   step's collective (gloo's "collective mismatch"; no checkpoint was written)."""
   import re as re_
-  import subprocess
   procs = _start_two_processes(tmp_path, _PREEMPT_WORKER, SIG_PID=str(sig_pid))
-  try:
-    outs = [p.communicate(timeout=90)[0] for p in procs]
-  except subprocess.TimeoutExpired:
-    for p in procs:
-      p.kill()
-    pytest.fail("the job did not stop within 90 s of the SIGTERM:\n" +
-                "\n".join((p.communicate()[0] or "")[-2000:] for p in procs))
+  outs = _outputs(procs, 90, "the job did not stop within 90 s of the SIGTERM")
   assert [p.returncode for p in procs] == [0, 0], [o[-1500:] for o in outs]
   steps = [re_.findall(r"stopped after step (\d+): SIGTERM", o) for o in outs]
   assert all(len(s) == 1 for s in steps), outs
@@ -218,15 +214,8 @@ def test_a_later_phase_that_restarts_its_steps_still_meets_the_sync_point(tmp_pa
   to 61, which GRPO's 40 steps never reach: the notice was lost and nothing saved.
   `stop_after` counts its calls over every `Preemption` instead."""
   import re as re_
-  import subprocess
   procs = _start_two_processes(tmp_path, _TWO_PHASE_WORKER)
-  try:
-    outs = [p.communicate(timeout=90)[0] for p in procs]
-  except subprocess.TimeoutExpired:
-    for p in procs:
-      p.kill()
-    pytest.fail("the job did not end within 90 s:\n" +
-                "\n".join((p.communicate()[0] or "")[-2000:] for p in procs))
+  outs = _outputs(procs, 90, "the job did not end within 90 s")
   assert [p.returncode for p in procs] == [0, 0], [o[-1500:] for o in outs]
   steps = [re_.findall(r"grpo stopped after step (\d+)", o) for o in outs]
   assert all(len(x) == 1 for x in steps), outs
