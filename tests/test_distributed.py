@@ -149,16 +149,27 @@ assert maybe_initialize()
 import jax, numpy as np
 from jax.experimental import multihost_utils
 from sparse_lm.train.loop import Preemption
-with Preemption() as p:
-  for step in range(1, 400):
-    multihost_utils.process_allgather(np.ones(3))  # the step's collective
-    if jax.process_index() == int(os.environ["SIG_PID"]) and step == 3:
-      os.kill(os.getpid(), signal.SIGTERM)  # one process of the job is told to stop
-    time.sleep(0.02)
-    stop = p.stop_after(step)
-    if stop:
-      print(f"stopped after step {step}: {stop}", flush=True)
-      break
+# PHASE_STEPS: the phases' step counts (each restarts at step 1, as SFT then GRPO);
+# SIG_AT "phase:step": process SIG_PID is sent SIGTERM at that step (step 0: before the phase
+# starts, followed by a 1 s pause, as during the phase's compile).
+phases = [int(n) for n in os.environ["PHASE_STEPS"].split(",")]
+sig_phase, sig_step = (int(x) for x in os.environ["SIG_AT"].split(":"))
+signalled = jax.process_index() == int(os.environ["SIG_PID"])
+for phase, steps in enumerate(phases):
+  if phase == sig_phase and sig_step == 0:
+    if signalled:
+      os.kill(os.getpid(), signal.SIGTERM)
+    time.sleep(1.0)
+  with Preemption() as p:
+    for step in range(1, steps + 1):
+      multihost_utils.process_allgather(np.ones(3))  # the step's collective
+      if signalled and (phase, step) == (sig_phase, sig_step):
+        os.kill(os.getpid(), signal.SIGTERM)  # one process of the job is told to stop
+      time.sleep(0.02)
+      stop = p.stop_after(step)
+      if stop:
+        print(f"phase {phase} stopped after step {step}: {stop}", flush=True)
+        break
 multihost_utils.sync_global_devices("end")
 print("clean end", flush=True)
 """
@@ -171,7 +182,8 @@ def test_sigterm_to_one_process_stops_every_process_after_the_same_step(tmp_path
   per-process flag the signalled process stopped alone and the other one was left in the next
   step's collective (gloo's "collective mismatch"; no checkpoint was written)."""
   import re as re_
-  procs = _start_two_processes(tmp_path, _PREEMPT_WORKER, SIG_PID=str(sig_pid))
+  procs = _start_two_processes(tmp_path, _PREEMPT_WORKER, SIG_PID=str(sig_pid),
+                               PHASE_STEPS="399", SIG_AT="0:3")
   outs = _outputs(procs, 90, "the job did not stop within 90 s of the SIGTERM")
   assert [p.returncode for p in procs] == [0, 0], [o[-1500:] for o in outs]
   steps = [re_.findall(r"stopped after step (\d+): SIGTERM", o) for o in outs]
@@ -182,31 +194,6 @@ def test_sigterm_to_one_process_stops_every_process_after_the_same_step(tmp_path
   assert all("clean end" in o for o in outs)
 
 
-_TWO_PHASE_WORKER = r"""
-import os, signal, time
-from sparse_lm.distributed import maybe_initialize
-assert maybe_initialize()
-import jax, numpy as np
-from jax.experimental import multihost_utils
-from sparse_lm.train.loop import Preemption
-for phase, steps in (("sft", 60), ("grpo", 40)):  # the second phase restarts at step 1
-  if phase == "grpo":  # the notice lands between the phases (as during GRPO's compile)
-    if jax.process_index() == 1:
-      os.kill(os.getpid(), signal.SIGTERM)
-    time.sleep(1.0)
-  with Preemption() as p:
-    for step in range(1, steps + 1):
-      multihost_utils.process_allgather(np.ones(3))
-      time.sleep(0.02)
-      stop = p.stop_after(step)
-      if stop:
-        print(f"{phase} stopped after step {step}", flush=True)
-        break
-multihost_utils.sync_global_devices("end")
-print("clean end", flush=True)
-"""
-
-
 def test_a_later_phase_that_restarts_its_steps_still_meets_the_sync_point(tmp_path):
   """SFT then GRPO in one process (sparse_lm/rl/trainer.py), each counting steps from 1: JAX's
   preemption sync point is one past the step each process last reported when the notice came.
@@ -214,10 +201,12 @@ def test_a_later_phase_that_restarts_its_steps_still_meets_the_sync_point(tmp_pa
   to 61, which GRPO's 40 steps never reach: the notice was lost and nothing saved.
   `stop_after` counts its calls over every `Preemption` instead."""
   import re as re_
-  procs = _start_two_processes(tmp_path, _TWO_PHASE_WORKER)
+  # SFT 60 steps, then GRPO 40, the SIGTERM to process 1 between them
+  procs = _start_two_processes(tmp_path, _PREEMPT_WORKER, SIG_PID="1", PHASE_STEPS="60,40",
+                               SIG_AT="1:0")
   outs = _outputs(procs, 90, "the job did not end within 90 s")
   assert [p.returncode for p in procs] == [0, 0], [o[-1500:] for o in outs]
-  steps = [re_.findall(r"grpo stopped after step (\d+)", o) for o in outs]
+  steps = [re_.findall(r"phase 1 stopped after step (\d+)", o) for o in outs]  # GRPO
   assert all(len(x) == 1 for x in steps), outs
   assert steps[0] == steps[1] and 1 <= int(steps[0][0]) < 40, steps
-  assert not any("sft stopped" in o for o in outs)
+  assert not any("phase 0 stopped" in o for o in outs)  # not during SFT
