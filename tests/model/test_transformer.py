@@ -231,7 +231,8 @@ def test_tiny_model_trains():
 
   first = float(step(model, opt, batch))
   first_step_s = time.time() - t0
-  losses = [first] + [float(step(model, opt, batch)) for _ in range(49)]
+  # 25 steps: 6.26 -> 1.34 here (2026-12-07; 0.07 after 50), far below the bound
+  losses = [first] + [float(step(model, opt, batch)) for _ in range(24)]
   print(f"first step (init + compile + fwd/bwd) {first_step_s:.1f}s; loss {losses[0]:.3f} -> "
         f"{losses[-1]:.3f}")
   assert np.isfinite(losses).all()

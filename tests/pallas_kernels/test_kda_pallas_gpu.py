@@ -391,23 +391,28 @@ def test_dispatch_errors_and_where_it_runs():
 
 
 def test_auto_intra_is_wy_for_bf16_where_it_applies_else_xla():
-  """intra="auto" runs the same program as "wy" for the bounded gate with bf16 inputs (where
-  the kernels were measured faster) and as "xla" for fp32 and fp64 inputs and the unbounded
-  gate (safe tiles): the fp32 final state (and the output) equal bit for bit."""
-  def run(dtype, bound, intra):
+  """intra="auto" traces to the same program as "wy" for the bounded gate with bf16 inputs
+  (where the kernels were measured faster) and as "xla" for fp32 and fp64 inputs and the
+  unbounded gate (safe tiles): the jaxprs of the forward and backward are equal as text, and
+  differ from the other path's (the comparison has teeth). Traced, not run: the kernels'
+  numbers are the other tests' subject."""
+  def program(dtype, bound, intra):
     inp = kt.make_inputs(12, 1, 40, 1, 32, 32, dtype=dtype, initial_state=False)
     kw = {} if bound is None else dict(gate_lower_bound=bound)
-    o, S = pallas_gpu.chunk_kda_pallas_gpu(*[inp[n] for n in NAMES], interpret=INTERPRET,
-                                           output_final_state=True, **kw, intra=intra)
-    return np.concatenate([np.asarray(o, np.float64).ravel(), np.asarray(S, np.float64).ravel()])
-  # (bf16: W, U, Kd are stored in bf16, which rounds the two paths to the same state here)
-  for dtype, bound, picked, other in [(BF16, -5.0, "wy", None), (F32, -5.0, "xla", "wy"),
+    def loss(q, k, v, g, beta):
+      o, S = pallas_gpu.chunk_kda_pallas_gpu(q, k, v, g, beta, interpret=INTERPRET,
+                                             output_final_state=True, **kw, intra=intra)
+      return jnp.sum(o.astype(F32)) + jnp.sum(S)
+    return str(jax.make_jaxpr(jax.grad(loss, argnums=(0, 1, 2, 3, 4)))(
+        *[inp[n] for n in NAMES]))
+  # (wy refuses the unbounded gate and fp64: those cases have no other path to tell apart)
+  for dtype, bound, picked, other in [(BF16, -5.0, "wy", "xla"), (F32, -5.0, "xla", "wy"),
                                       (F32, None, "xla", None), (jnp.float64, -5.0, "xla", None)]:
     with jax.enable_x64(dtype == jnp.float64):
-      auto = run(dtype, bound, "auto")
-      np.testing.assert_array_equal(auto, run(dtype, bound, picked), err_msg=f"{dtype} {bound}")
-      if other:  # and the two paths do differ (in the last bits), so the check has teeth
-        assert not np.array_equal(auto, run(dtype, bound, other))
+      auto = program(dtype, bound, "auto")
+      assert auto == program(dtype, bound, picked), f"{dtype} {bound}: auto is not {picked}"
+      if other:
+        assert auto != program(dtype, bound, other), f"{dtype} {bound}: {picked} == {other}"
 
 
 def test_wy_kernels_run_with_x64_enabled():
