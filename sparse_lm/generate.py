@@ -7,7 +7,8 @@ Loads the newest checkpoint of the newest stage in the workdir (the stage whose 
 checkpoint was written last; `--stage` picks another) through `sparse_lm.train.load`, or one
 step directory `--checkpoint PATH`, with the tokenizer saved in it, and streams the completion.
 A workdir that holds only an HF import (`python -m sparse_lm.interop.hf import`) generates with
-the imported model and the tokenizer the checkpoint shipped.
+the imported model and the tokenizer the checkpoint shipped; an RL run's workdir
+(`python -m experiments.agentic_rl`) with its newest phase (`--stage sft` or `grpo`).
 `--interactive` is a multi-turn chat: each turn continues the previous turn's decode state
 (sparse_lm.inference.DecodeState), so the history is never re-read.
 """
@@ -33,9 +34,12 @@ def load_workdir(workdir: str | pathlib.Path, *, stage: str | None = None,
   """
   from sparse_lm.interop import workdir as hf_import
   from sparse_lm.train import load
+  from sparse_lm.train.trained import NotAStageError
 
   try:
     model, tokenizer, stage_cfg = load(workdir, stage)
+  except NotAStageError:  # an RL phase (sparse_lm.rl.trainer): its newest readable step
+    return _load_phase(pathlib.Path(workdir), stage, preset)
   except FileNotFoundError:
     here = pathlib.Path(workdir)
     if (here / "checkpoints").is_dir():  # a stage's directory, not the workdir above it
@@ -47,6 +51,31 @@ def load_workdir(workdir: str | pathlib.Path, *, stage: str | None = None,
     return _load_import(workdir, preset)
   _check_preset(preset, stage_cfg.preset, f"{workdir} ({stage_cfg.name})")
   return model, tokenizer, f"{stage_cfg.name}, preset {stage_cfg.preset}: {workdir}"
+
+
+def _load_phase(workdir: pathlib.Path, stage: str | None, preset: str | None):
+  """(model, tokenizer, description) of the newest readable checkpoint of an RL phase
+  (`<workdir>/sft`, `<workdir>/grpo`), whose meta records the model config and tokenizer."""
+  import warnings
+  from sparse_lm.train import checkpoint as ckpt_lib
+  from sparse_lm.train.trained import _stage_dirs  # pylint: disable=protected-access
+
+  phase_dir = workdir / stage if stage is not None else _stage_dirs(workdir)[-1]
+  steps = sorted((int(p.name) for p in (phase_dir / "checkpoints").iterdir()
+                  if p.name.isdigit()), reverse=True)
+  errors = []
+  for step in steps:
+    try:
+      model, tokenizer, meta = load_checkpoint(phase_dir / "checkpoints" / str(step),
+                                               preset=preset)
+    except ckpt_lib.UnreadableCheckpointError as e:
+      warnings.warn(f"{e}; trying the previous step", RuntimeWarning, stacklevel=2)
+      errors.append(str(e))
+      continue
+    return model, tokenizer, (f"{phase_dir.name} (RL phase), step {step}, preset "
+                              f"{meta['rl']['preset']}: {workdir}")
+  raise ckpt_lib.UnreadableCheckpointError(
+      f"no readable checkpoint in {phase_dir / 'checkpoints'}:\n" + "\n".join(errors))
 
 
 def _load_import(workdir, preset: str | None):
@@ -72,11 +101,12 @@ def _check_preset(wanted: str | None, found: str, where) -> None:
 
 
 def load_checkpoint(path: str | pathlib.Path, *, preset: str | None = None):
-  """(model, tokenizer, meta) from one checkpoint step directory written by the training loop.
+  """(model, tokenizer, meta) from one checkpoint step directory written by the training loop
+  or by an RL phase (`sparse_lm.rl.trainer`).
 
-  The model is built from the stage config saved in the checkpoint (its preset and
-  model_overrides); params and the balancer state are restored (the optimizer state is read and
-  dropped).
+  The model is built from the config saved in the checkpoint (a stage's preset and
+  model_overrides; an RL phase's model config); params and the balancer state are restored
+  (the optimizer state is read and dropped).
 
   Args:
     path: `<stage>/checkpoints/<step>`.
@@ -84,8 +114,8 @@ def load_checkpoint(path: str | pathlib.Path, *, preset: str | None = None):
 
   Raises:
     FileNotFoundError: path is not a checkpoint step directory.
-    ValueError: the checkpoint's preset differs from `preset`, or its arrays do not fit the
-      model its config describes.
+    ValueError: the checkpoint's preset differs from `preset`, its arrays do not fit the
+      model its config describes, or it records no model config and tokenizer.
     UnreadableCheckpointError (a RuntimeError): its files cannot be read (truncated, corrupt).
   """
   import jax
@@ -95,7 +125,6 @@ def load_checkpoint(path: str | pathlib.Path, *, preset: str | None = None):
   from sparse_lm.data import Tokenizer
   from sparse_lm.model import Transformer
   from sparse_lm.train import checkpoint as ckpt_lib
-  from sparse_lm.train.checkpoint import stage_from_json
 
   def read(what, args):
     try:
@@ -120,9 +149,8 @@ def load_checkpoint(path: str | pathlib.Path, *, preset: str | None = None):
   step = int(path.name)
   ckpt_lib.quiet_abandoned_reads()  # a failed read's other reads report late
   meta = read("meta", ocp.args.Composite(meta=ocp.args.JsonRestore()))
-  stage = meta["stage"]
-  _check_preset(preset, stage["preset"], path)
-  cfg = stage_from_json(stage).model_config()
+  cfg, found = _model_config(meta, path, mgr)
+  _check_preset(preset, found, path)
   abstract = nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0)))
   graphdef, params, model_vars = nnx.split(abstract, nnx.Param, ...)
   state = read("state", ocp.args.Composite(state=ocp.args.StandardRestore()))
@@ -143,10 +171,35 @@ def load_checkpoint(path: str | pathlib.Path, *, preset: str | None = None):
       if tuple(want.shape) != tuple(got.shape):
         raise ValueError(f"{jax.tree_util.keystr(p)}: {got.shape} vs {want.shape}")
   except (KeyError, ValueError) as e:
-    raise ValueError(f"checkpoint {path} does not fit the {stage['preset']!r} model its config "
+    raise ValueError(f"checkpoint {path} does not fit the {found!r} model its config "
                      f"describes ({e}); was it written by another version?") from e
   tokenizer = Tokenizer.from_json(meta["tokenizer"]["json"])
   return model, tokenizer, meta
+
+
+def _model_config(meta: dict, path: pathlib.Path, mgr):
+  """(ModelConfig, preset name) a checkpoint's meta records: a pretraining stage's config,
+  else (an RL phase's checkpoint) the model config and the RL config's preset.
+
+  Raises:
+    ValueError: the meta records neither, or no tokenizer (an RL checkpoint written before
+      RL phases recorded them, 2026-12-07).
+  """
+  import dataclasses
+  from sparse_lm.config import ModelConfig
+  from sparse_lm.train.checkpoint import stage_from_json
+  if "stage" in meta and "tokenizer" in meta:
+    return stage_from_json(meta["stage"]).model_config(), meta["stage"]["preset"]
+  if "model" in meta and "tokenizer" in meta:
+    names = {f.name for f in dataclasses.fields(ModelConfig)}
+    cfg = ModelConfig(**{k: v for k, v in meta["model"].items() if k in names})
+    return cfg, (meta.get("rl") or {}).get("preset", cfg.name)
+  mgr.close()
+  raise ValueError(
+      f"checkpoint {path} records no model config and tokenizer (an RL phase's checkpoint "
+      "written before 2026-12-07, when they were added): build the model from its RL config "
+      "(the meta's rl.preset and rl.model_overrides) and restore the checkpoint's params "
+      "into it")
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -244,7 +297,8 @@ def main(argv: Sequence[str] | None = None, out: Any = None) -> int:
   try:  # a checkpoint of another preset, or one that does not fit its config: status 2
     if args.checkpoint:
       model, tokenizer, meta = load_checkpoint(args.checkpoint, preset=args.preset)
-      where = f"{meta['stage']['name']} step {meta.get('step')}: {args.checkpoint}"
+      name = meta["stage"]["name"] if "stage" in meta else f"{meta.get('phase')} (RL phase)"
+      where = f"{name} step {meta.get('step')}: {args.checkpoint}"
     else:
       model, tokenizer, where = load_workdir(args.workdir, stage=args.stage, preset=args.preset)
   except ValueError as e:

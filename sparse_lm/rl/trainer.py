@@ -342,13 +342,18 @@ class _Phase:
   that step and raises Preempted."""
 
   def __init__(self, cfg: RLConfig, workdir: pathlib.Path, name: str, model,
-               optim: OptimizerConfig, steps: int, progress: bool, preemption=None):
+               optim: OptimizerConfig, steps: int, progress: bool, preemption=None, tok=None):
     self.name, self.steps, self.every = name, steps, cfg.checkpoint_every
     self.preemption = preemption
     self.graphdef, self.tx, self.state = _fresh_state(model, optim, steps, cfg.seed)
     self.schedule = wsd_schedule(optim, steps)
     self.ckpt = Checkpointer(workdir / name / "checkpoints", async_save=False)
-    self.meta = {"phase": name, "rl": to_json(cfg)}
+    # The model config and the tokenizer too, as a pretraining stage's checkpoints record
+    # them: a phase's checkpoint loads on its own (`python -m sparse_lm.generate --workdir W
+    # --stage grpo`, `sparse_lm.generate.load_checkpoint`, the HF export).
+    self.meta = {"phase": name, "rl": to_json(cfg), "model": to_json(model.cfg)}
+    if tok is not None:
+      self.meta["tokenizer"] = {"fingerprint": tok.fingerprint, "json": tok.to_json()}
     restored = _restore(self.ckpt, self.state, lambda m: check_resume(m, cfg, name))
     if restored is not None:
       self.state = restored[0]
@@ -387,7 +392,7 @@ def run_sft(cfg: RLConfig, workdir: pathlib.Path, model, tok, log=print,
   save) once `preemption` has a signal."""
   env = cfg.env_instance()
   phase = _Phase(cfg, workdir, "sft", model, cfg.sft_optim, cfg.sft_steps, progress,
-                 preemption)
+                 preemption, tok)
   step_fn = jax.jit(grpo.make_sft_step(phase.graphdef, phase.tx, phase.schedule),
                     donate_argnums=0)
   state, start, t0 = phase.state, int(phase.state.step), time.perf_counter()
@@ -458,7 +463,7 @@ def run_grpo(cfg: RLConfig, workdir: pathlib.Path, model, tok, engine, log=print
     _, ref_params, ref_vars = split_model(model)
     ref = jax.tree.map(jnp.copy, (ref_params, ref_vars))
   phase = _Phase(cfg, workdir, "grpo", model, cfg.grpo_optim, cfg.grpo_steps, progress,
-                 preemption)
+                 preemption, tok)
   graphdef, state = phase.graphdef, phase.state
   step_fn = jax.jit(grpo.make_grpo_step(graphdef, phase.tx, phase.schedule, cfg.grpo),
                     donate_argnums=0)

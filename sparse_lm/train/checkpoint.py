@@ -114,7 +114,8 @@ class Checkpointer:
     `abstract_state` is a tree of `jax.ShapeDtypeStruct`s with shardings, or a function of a
     checkpoint's meta returning that step's tree (called after `check_meta`, for each step
     tried: a reader that restores each step as the config saved with it, `sparse_lm.train.load`;
-    what it raises counts as that step's read failure). `check_meta(meta)` is
+    with `set_aside=False` what it raises counts as that step's read failure, else it stops
+    the search: a trainer's checkpoint is moved aside only for its files). `check_meta(meta)` is
     called with a checkpoint's meta before its arrays are read; what it raises (e.g.
     ConfigMismatchError) stops the search at once. An unreadable (truncated, corrupt)
     checkpoint is skipped with a warning and the previous one is tried; once an older one
@@ -137,8 +138,14 @@ class Checkpointer:
       if meta is not None:
         if check_meta is not None:
           check_meta(meta)
+        target = abstract_state
+        if callable(target) and set_aside:
+          # A trainer's target builder failing is no sign of damaged files: it stops the
+          # search, so that a readable checkpoint is never moved aside for it.
+          target = target(meta)
         try:
-          target = abstract_state(meta) if callable(abstract_state) else abstract_state
+          if callable(target):
+            target = target(meta)
           restored = self._mgr.restore(step, args=ocp.args.Composite(
               state=ocp.args.StandardRestore(target), data=ocp.args.JsonRestore()))
           if set_aside:

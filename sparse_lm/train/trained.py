@@ -34,6 +34,28 @@ def _stage_dirs(workdir: pathlib.Path) -> list[pathlib.Path]:
   return [d for _, d in sorted(found)]
 
 
+class NotAStageError(ValueError):
+  """The checkpoints are not a pretraining stage's (an RL phase's: no stage config)."""
+
+
+def _refuse_other_runs(ckpt: Checkpointer, stage_dir: pathlib.Path) -> None:
+  """Raise NotAStageError when the newest step's meta has no stage config (an RL phase's
+  checkpoints, `sparse_lm.rl.trainer`); a meta that cannot be read is left to the restore."""
+  steps = ckpt.all_steps()
+  try:
+    meta = ckpt.read_meta(steps[-1]) if steps else {}
+  except Exception:  # pylint: disable=broad-except  (corrupt: restore_latest reports it)
+    return
+  if meta and "stage" not in meta:
+    ckpt.close()
+    what = f"an RL phase's ({meta['phase']!r})" if "phase" in meta else "another run's"
+    raise NotAStageError(
+        f"{stage_dir}: its checkpoints are {what}, not a pretraining stage's: generate "
+        f"from them with `python -m sparse_lm.generate --workdir {stage_dir.parent} --stage "
+        f"{stage_dir.name}`, or load one step with `sparse_lm.generate.load_checkpoint("
+        f"'{stage_dir / 'checkpoints'}/<step>')`")
+
+
 def load(workdir: str | pathlib.Path, stage: str | None = None, *,
          devices: Sequence[jax.Device] | None = None
          ) -> tuple[nnx.Module, Tokenizer, StageConfig]:
@@ -56,6 +78,8 @@ def load(workdir: str | pathlib.Path, stage: str | None = None, *,
       lists the stages there.
     UnreadableCheckpointError (a RuntimeError): checkpoints exist but none can be read (the
       message names each step and why).
+    NotAStageError (a ValueError): the stage's checkpoints are an RL phase's (no stage
+      config); the message says how to load them.
   """
   workdir = pathlib.Path(workdir).absolute()
   stages = _stage_dirs(workdir) if workdir.is_dir() else []
@@ -68,6 +92,7 @@ def load(workdir: str | pathlib.Path, stage: str | None = None, *,
         f"{names or 'none'}); train one with `python -m experiments.<stage> "
         f"--workdir={workdir}`")
   ckpt = Checkpointer(workdir / stage / "checkpoints", keep=10**6)
+  _refuse_other_runs(ckpt, workdir / stage)
   mesh = shd.make_mesh(shd.MeshLayout(), devices)
 
   def target_for(meta):

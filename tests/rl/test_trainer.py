@@ -137,6 +137,30 @@ def test_init_from_another_model_names_the_fields_and_model_overrides(tmp_path):
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b))
 
 
+def _phase_checkpoints_load_on_their_own(workdir, model, tok):
+  """An RL phase's checkpoint records its model config and tokenizer: `python -m
+  sparse_lm.generate --workdir W` (load_workdir) and `--checkpoint` (load_checkpoint) load
+  its weights (both failed with KeyError 'stage', the first as "no readable checkpoint ...
+  move the checkpoints aside"); `sparse_lm.train.load` says these are not a stage's."""
+  from sparse_lm import generate
+  from sparse_lm.train import load
+  from sparse_lm.train.trained import NotAStageError
+  want = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
+  loaded, tokenizer, where = generate.load_workdir(workdir)
+  assert where.startswith("sft (RL phase), step 4, preset tiny") and \
+      tokenizer.to_json() == tok.to_json()
+  got, _, meta = generate.load_checkpoint(workdir / "sft" / "checkpoints" / "4", preset="tiny")
+  for m in (loaded, got):
+    assert m.cfg == model.cfg
+    for x, y in zip(want, jax.tree.leaves(nnx.state(m, nnx.Param))):
+      np.testing.assert_array_equal(x, np.asarray(y))
+  assert meta["phase"] == "sft"
+  with pytest.raises(ValueError, match=r"preset='small'.*holds a 'tiny' model"):
+    generate.load_checkpoint(workdir / "sft" / "checkpoints" / "4", preset="small")
+  with pytest.raises(NotAStageError, match=r"an RL phase's \('sft'\).*--stage sft"):
+    load(workdir)
+
+
 def test_sft_resumes_exactly(tmp_path):
   # 3 layers (KDA, MLA, MLA; two MoE): what is checked is the resume, not the depth.
   layers = (("num_layers", 3), ("mla_every", 2))
@@ -145,6 +169,7 @@ def test_sft_resumes_exactly(tmp_path):
   model_cfg = get_preset("tiny", **dict(layers))
   tok = trainer._tokenizer(cfg, tmp_path / "a", model_cfg.vocab_size)
   full = trainer.run_sft(cfg, tmp_path / "a", Transformer(model_cfg, rngs=nnx.Rngs(0)), tok)
+  _phase_checkpoints_load_on_their_own(tmp_path / "a", full, tok)
   # an interrupted run: only the step-2 checkpoint exists; it resumes from there
   shutil.copytree(tmp_path / "a" / "sft" / "checkpoints" / "2",
                   tmp_path / "b" / "sft" / "checkpoints" / "2")

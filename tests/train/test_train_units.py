@@ -113,6 +113,35 @@ def test_the_only_checkpoint_unreadable_stops_and_moves_nothing(tmp_path: pathli
   ck2.close()
 
 
+def test_a_failing_target_builder_moves_no_readable_checkpoint_aside(tmp_path: pathlib.Path):
+  """A trainer's (set_aside=True) target builder that raises for the newest step's meta (a
+  bug, or a meta of another kind of run) stops the search with its own error: the step's
+  files are fine, and it used to count as unreadable, so the step before restored and the
+  newest, readable checkpoint was moved to unreadable_checkpoints/. A reader
+  (set_aside=False) still treats it as that step's failure and falls back."""
+  tx = make_optimizer(OptimizerConfig(), 10)
+  ck = ckpt_lib.Checkpointer(tmp_path / "ck", keep=3)
+  for step in (1, 2):
+    ck.save(_toy_state(step, tx), data_state={"pos": step}, meta={"kind": f"k{step}"})
+  ck.wait()
+  target = _abstract(_toy_state(0, tx))
+
+  def builder(meta):
+    if meta["kind"] == "k2":
+      raise KeyError("stage")
+    return target
+
+  ck2 = ckpt_lib.Checkpointer(tmp_path / "ck", keep=3)
+  with pytest.raises(KeyError, match="stage"):
+    ck2.restore_latest(builder)
+  assert ck2.all_steps() == [1, 2] and not (tmp_path / ckpt_lib.UNREADABLE_DIR).exists()
+  with pytest.warns(RuntimeWarning, match="falling back to the previous one"):
+    state, _, _ = ck2.restore_latest(builder, set_aside=False)
+  assert int(state.step) == 1 and ck2.all_steps() == [1, 2]
+  ck.close()
+  ck2.close()
+
+
 def test_tokenizer_mismatch_is_an_error():
   ckpt_lib.check_tokenizer({"tokenizer": {"fingerprint": "abc"}}, "abc", "x")
   with pytest.raises(ckpt_lib.TokenizerMismatchError, match="abc.*def"):
