@@ -18,12 +18,18 @@ import jax.numpy as jnp
 import numpy as np
 
 
+# Temperatures below this sample greedily (SamplingParams.mode).
+GREEDY_BELOW = 1e-5
+
+
 @dataclasses.dataclass(frozen=True)
 class SamplingParams:
   """How the engine picks each new token.
 
   Attributes:
-    temperature: >= 0; 0 = greedy (argmax, ties to the lowest id).
+    temperature: >= 0; 0 = greedy (argmax, ties to the lowest id), and so is any value below
+      GREEDY_BELOW (1e-5, as vLLM): logits / T in fp32 would overflow (or divide by a
+      subnormal flushed to zero) and the pick would not be the argmax.
     top_k: keep the k most likely tokens; 0 = all.
     top_p: nucleus mass in (0, 1]; 1 = all.
     stop_tokens: token ids that end a row (the stop token is returned, with its log-prob).
@@ -53,8 +59,9 @@ class SamplingParams:
 
   @property
   def mode(self) -> int:
-    """0 greedy, 1 plain sampling, 2 sampling with top-k / top-p truncation."""
-    if self.temperature == 0:
+    """0 greedy (temperature < GREEDY_BELOW), 1 plain sampling, 2 sampling with top-k / top-p
+    truncation."""
+    if self.temperature < GREEDY_BELOW:
       return 0
     return 2 if (self.top_k > 0 or self.top_p < 1) else 1
 

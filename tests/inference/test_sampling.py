@@ -51,3 +51,17 @@ def test_greedy_mode_is_argmax():
   keys = jax.random.split(jax.random.PRNGKey(0), 5)
   tok, _ = sample(logits, keys, mode=0, temperature=1.0, top_k=0, top_p=1.0)
   np.testing.assert_array_equal(tok, np.argmax(logits, -1))
+
+
+@pytest.mark.parametrize("temperature", [1e-40, 1e-38, 1e-6])
+def test_a_vanishing_temperature_is_greedy(temperature):
+  """temperature=1e-40 is a float32 subnormal (flushed to zero on the CPU: logits / T was
+  inf / NaN) and 1e-38 overflows logits / T: plain sampling returned token 0, not the argmax.
+  Below GREEDY_BELOW the mode is greedy; just above it sampling still picks the argmax."""
+  logits = jnp.asarray(np.random.default_rng(SEED).normal(size=(6, 11)), jnp.float32)
+  keys = jax.random.split(jax.random.PRNGKey(0), 6)
+  for t in (temperature, 2e-5):
+    sp = SamplingParams(temperature=t)
+    assert sp.mode == (0 if t < 1e-5 else 1)
+    tok, _ = jax.jit(sample)(logits, keys, mode=sp.mode, temperature=t, top_k=0, top_p=1.0)
+    np.testing.assert_array_equal(tok, np.argmax(logits, -1), err_msg=str(t))
