@@ -531,16 +531,27 @@ class _StageLoop:
     stage = self.stage
     self.bar = metrics_lib.Progress(stage.steps, start, stage.name, enabled=self.progress,
                                     every=self.progress_every)
-    self._precompile(state)
-    if start == 0:
-      self.pre.wait("eval")  # the main thread traces nothing while the jobs do
-      self.evaluate(state, 0)
-    self.pre.wait("sample")  # reads `state`: done before the first step donates it
-    self.pre.wait("train")
-    clock = self.clock = _HostClock()
-    step_gc = _StepGC(stage.gc_every)
-    fetch = BatchFetcher(self.train_iter)
     with Preemption() as preemption, contextlib.ExitStack() as stack:
+      # From here on a signal is held for the step loop: one that comes during the compiles
+      # and the step-0 eval (C++ work: Python's handler runs when it returns) stops the run
+      # before its first step, instead of a KeyboardInterrupt traceback or a silent SIGTERM.
+      self._precompile(state)
+      if start == 0:
+        self.pre.wait("eval")  # the main thread traces nothing while the jobs do
+        self.evaluate(state, 0)
+      self.pre.wait("sample")  # reads `state`: done before the first step donates it
+      self.pre.wait("train")
+      if preemption.requested:
+        kept = (f"the last checkpoint is step {self.last_saved} in {self.ckpt.directory}"
+                if self.last_saved is not None else "no checkpoint of this stage was saved")
+        self.bar.print(f"[{stage.name}] {preemption.requested} before step {start} (during "
+                       f"the compiles{' and the step-0 eval' if start == 0 else ''}): stopped "
+                       f"with nothing new to save; {kept}; run the same command again to "
+                       "resume from it.")
+        return state, True
+      clock = self.clock = _HostClock()
+      step_gc = _StepGC(stage.gc_every)
+      fetch = BatchFetcher(self.train_iter)
       stack.callback(fetch.close)
       for step in range(start, stage.steps):
         clock.lap("other")

@@ -37,6 +37,33 @@ def _signal_at(step_to_signal, signum=signal.SIGINT):
   return on_step
 
 
+@pytest.mark.parametrize("signum", [signal.SIGINT, signal.SIGTERM])
+def test_a_signal_during_the_step0_eval_stops_before_the_first_step(workdir, monkeypatch,
+                                                                    capsys, signum):
+  """Ctrl-C or SIGTERM while the run compiles and evaluates step 0 (tens of seconds, minutes
+  at scale): the run stops before its first step with a line saying so (it was a
+  KeyboardInterrupt traceback from the compiler, or a silent death by SIGTERM); the same
+  command then trains the stage."""
+  evaluate = loop._StageLoop.evaluate  # pylint: disable=protected-access
+
+  def signalled(self, state, step, *args, **kwargs):
+    if step == 0:
+      os.kill(os.getpid(), signum)
+    return evaluate(self, state, step, *args, **kwargs)
+
+  stage = small_stage(steps=2)
+  with monkeypatch.context() as m:
+    m.setattr(loop._StageLoop, "evaluate", signalled)  # pylint: disable=protected-access
+    first = loop.run(stage, workdir, progress=False)
+  assert first.preempted and first.end_step == 0 and first.losses == {}
+  out = capsys.readouterr().out
+  assert (f"[stage_8k] {signal.Signals(signum).name} before step 0 (during the compiles and "
+          "the step-0 eval): stopped with nothing new to save; no checkpoint of this stage "
+          "was saved") in out, out
+  again = loop.run(stage, workdir, progress=False)
+  assert not again.preempted and again.start_step == 0 and again.end_step == 2
+
+
 def test_sigint_resume_and_truncated_fallback_are_bit_exact(workdir, tmp_path_factory, capsys):
   stage = small_stage()
   other = tmp_path_factory.mktemp("uninterrupted")
