@@ -1,6 +1,6 @@
 """Peak host memory of `load_pretrained` on a synthetic sharded Kimi-Linear checkpoint.
 
-    python benchmarks/interop_import_rss.py --size_gb 2 --dir /tmp/rss_ckpt
+    python benchmarks/interop_import_rss.py --size_gb 2 [--dir DIR]
 
 Writes a random fp32 checkpoint of about --size_gb (Kimi-Linear layout, shards of --shard_mb,
 written one tensor at a time from the importer's own name table), then imports it in a fresh
@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import argparse
 import itertools
+import shutil
+import tempfile
 import json
 import os
 import pathlib
@@ -96,18 +98,30 @@ def _current_rss() -> int:
 
 
 def main():
-  ap = argparse.ArgumentParser()
-  ap.add_argument("--size_gb", type=float, default=2.0)
-  ap.add_argument("--dir", default="/tmp/interop_rss_ckpt")
-  ap.add_argument("--measure")
+  ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  ap.add_argument("--size_gb", type=float, default=2.0,
+                  help="checkpoint size in GB (--small writes a narrower model, same size)")
+  ap.add_argument("--dir", help="where to write the checkpoint (kept); default: a temporary "
+                  "directory, removed at the end")
+  ap.add_argument("--measure", help=argparse.SUPPRESS)  # the measuring process
   ap.add_argument("--small", action="store_true", help="narrower model (for the test)")
   ap.add_argument("--json", action="store_true", help="print one JSON line of numbers")
-  ap.add_argument("--shard_mb", type=int, default=256)
+  ap.add_argument("--shard_mb", type=int, default=256, help="safetensors shard size in MB")
   args = ap.parse_args()
   if args.measure:
     measure(args.measure)
     return
-  out = pathlib.Path(args.dir)
+  if args.dir is None:
+    tmp = tempfile.mkdtemp(prefix="interop_rss_ckpt_")
+    try:
+      _run(args, pathlib.Path(tmp))
+    finally:
+      shutil.rmtree(tmp, ignore_errors=True)
+  else:
+    _run(args, pathlib.Path(args.dir))
+
+
+def _run(args, out: pathlib.Path):
   info = write(out, args.size_gb, small=args.small, shard_mb=args.shard_mb)
   proc = subprocess.run([sys.executable, os.path.abspath(__file__), "--measure", str(out)],
                         capture_output=True, text=True)
