@@ -167,10 +167,13 @@ class HFCheckpointTokenizer(Tokenizer):
       self._size = self._lib.get_vocab_size(with_added_tokens=True)
     elif spec["kind"] == "tiktoken":
       import tiktoken  # pylint: disable=g-import-not-at-top
+      ranks = parse_tiktoken_ranks(spec["ranks"])
       self._lib = tiktoken.Encoding(name="hf_checkpoint", pat_str=spec["pattern"],
-                                    mergeable_ranks=parse_tiktoken_ranks(spec["ranks"]),
-                                    special_tokens=self._special)
+                                    mergeable_ranks=ranks, special_tokens=self._special)
       self._size = self._lib.n_vocab
+      # A byte-level BPE encodes any text only if every byte is a token; tiktoken panics
+      # (a Rust PanicException, not an Exception) on a byte it has no rank for.
+      self._missing_bytes = frozenset(range(256)) - {t[0] for t in ranks if len(t) == 1}
     else:
       raise ValueError(f"unknown checkpoint tokenizer kind {spec['kind']!r}")
 
@@ -206,6 +209,14 @@ class HFCheckpointTokenizer(Tokenizer):
     if self._spec["kind"] == "tokenizers":
       lib = self._lib if allow_special else self._lib_raw
       return lib.encode(text, add_special_tokens=False).ids
+    if self._missing_bytes:
+      bad = self._missing_bytes.intersection(text.encode("utf-8"))
+      if bad:
+        raise ValueError(
+            f"the checkpoint's tiktoken ranks have no token for the byte(s) "
+            f"{', '.join(f'0x{b:02x}' for b in sorted(bad)[:5])} of this text ("
+            f"{len(self._missing_bytes)} of the 256 single bytes are missing), so it cannot "
+            "be encoded: use a tokenizer whose ranks hold every byte, or text without them")
     if allow_special:
       return self._lib.encode(text, allowed_special="all")
     return self._lib.encode(text, disallowed_special=())

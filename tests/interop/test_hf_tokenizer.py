@@ -76,6 +76,11 @@ def test_tiktoken_checkpoint_tokenizer_equals_reference_bpe_and_library():
   assert tok.decode(marked) == text and tok.decode(marked, skip_special=True) == "a  b"
   again = Tokenizer.from_json(tok.to_json())  # what a checkpoint stores
   assert again.fingerprint == tok.fingerprint and again.encode(text) == tok.encode(text)
+  # The fixture's ranks hold only printable ASCII, tab and newline: a byte outside them is
+  # refused by name (tiktoken raised a Rust PanicException, which `except Exception` misses)
+  with pytest.raises(ValueError, match=r"no token for the byte\(s\) 0xa9, 0xc3 .*159 of the "
+                     r"256 single bytes are missing"):
+    tok.encode("café", allow_special=True)
 
 
 def test_tokenizer_json_checkpoint_tokenizer_equals_library():
