@@ -214,7 +214,8 @@ def _params(n: int) -> str:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+  p = argparse.ArgumentParser(prog="python -m launch.aot_plan",
+                              description=__doc__.split("\n\n")[0])
   p.add_argument("--stage", default="stage_8k", help="experiments/<stage>.py")
   p.add_argument("--preset", default="full")
   p.add_argument("--topology", default=None, help="e.g. v5p:16x16x16 (default: the stage's "

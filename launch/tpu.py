@@ -192,7 +192,7 @@ def _quote(arg: str) -> str:
 
 
 def main(argv=None) -> int:
-  p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+  p = argparse.ArgumentParser(prog="python -m launch.tpu", description=__doc__.split("\n\n")[0],
                               epilog="run: the command to start follows `--`")
   p.add_argument("action", choices=("create", "setup", "run", "tail", "delete"))
   p.add_argument("--name", required=True, help="queued resource / node (prefix) name")
