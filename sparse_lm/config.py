@@ -363,3 +363,10 @@ def get_preset(name: str, /, **overrides) -> ModelConfig:
       raise ValueError(f"unknown ModelConfig field(s) {unknown}; valid: {sorted(fields)}")
     cfg = dataclasses.replace(cfg, **overrides)
   return cfg
+
+
+def model_config_from_json(d: dict) -> ModelConfig:
+  """The ModelConfig saved as JSON (`dataclasses.asdict`) in a checkpoint's meta; keys of
+  fields removed since are dropped, fields added since take their defaults."""
+  names = {f.name for f in dataclasses.fields(ModelConfig)}
+  return ModelConfig(**{k: v for k, v in d.items() if k in names})

@@ -38,8 +38,8 @@ def load_workdir(workdir: str | pathlib.Path, *, stage: str | None = None,
 
   try:
     model, tokenizer, stage_cfg = load(workdir, stage)
-  except NotAStageError:  # an RL phase (sparse_lm.rl.trainer): its newest readable step
-    return _load_phase(pathlib.Path(workdir), stage, preset)
+  except NotAStageError as e:  # an RL phase (sparse_lm.rl.trainer): its newest readable step
+    return _load_phase(pathlib.Path(workdir), stage, preset, e.meta)
   except FileNotFoundError:
     here = pathlib.Path(workdir)
     if (here / "checkpoints").is_dir():  # a stage's directory, not the workdir above it
@@ -53,29 +53,27 @@ def load_workdir(workdir: str | pathlib.Path, *, stage: str | None = None,
   return model, tokenizer, f"{stage_cfg.name}, preset {stage_cfg.preset}: {workdir}"
 
 
-def _load_phase(workdir: pathlib.Path, stage: str | None, preset: str | None):
+def _load_phase(workdir: pathlib.Path, stage: str | None, preset: str | None, meta: dict):
   """(model, tokenizer, description) of the newest readable checkpoint of an RL phase
-  (`<workdir>/sft`, `<workdir>/grpo`), whose meta records the model config and tokenizer."""
-  import warnings
+  (`<workdir>/sft`, `<workdir>/grpo`; `meta`: its newest step's), whose meta records the
+  model config and tokenizer (read as the HF export reads a stage:
+  `interop.workdir.load_stage_with_tokenizer`)."""
+  from sparse_lm.interop import workdir as hf_import
   from sparse_lm.train import checkpoint as ckpt_lib
   from sparse_lm.train.trained import _stage_dirs  # pylint: disable=protected-access
 
-  phase_dir = workdir / stage if stage is not None else _stage_dirs(workdir)[-1]
-  steps = sorted((int(p.name) for p in (phase_dir / "checkpoints").iterdir()
-                  if p.name.isdigit()), reverse=True)
-  errors = []
-  for step in steps:
-    try:
-      model, tokenizer, meta = load_checkpoint(phase_dir / "checkpoints" / str(step),
-                                               preset=preset)
-    except ckpt_lib.UnreadableCheckpointError as e:
-      warnings.warn(f"{e}; trying the previous step", RuntimeWarning, stacklevel=2)
-      errors.append(str(e))
-      continue
-    return model, tokenizer, (f"{phase_dir.name} (RL phase), step {step}, preset "
-                              f"{meta['rl']['preset']}: {workdir}")
-  raise ckpt_lib.UnreadableCheckpointError(
-      f"no readable checkpoint in {phase_dir / 'checkpoints'}:\n" + "\n".join(errors))
+  name = stage if stage is not None else _stage_dirs(workdir)[-1].name
+  if "model" not in meta or "tokenizer" not in meta:
+    raise ValueError(
+        f"{workdir / name}: its newest checkpoint records no model config and "
+        "tokenizer (an RL phase's checkpoint written before 2026-12-07, when they were "
+        "added): build the model from its RL config and restore the checkpoint's params")
+  try:
+    model, cfg, tokenizer = hf_import.load_stage_with_tokenizer(workdir, name)
+  except RuntimeError as e:  # no step can be read
+    raise ckpt_lib.UnreadableCheckpointError(str(e)) from e
+  _check_preset(preset, cfg.name, f"{workdir} ({name})")
+  return model, tokenizer, f"{name} (RL phase), preset {cfg.name}: {workdir}"
 
 
 def _load_import(workdir, preset: str | None):
@@ -185,14 +183,12 @@ def _model_config(meta: dict, path: pathlib.Path, mgr):
     ValueError: the meta records neither, or no tokenizer (an RL checkpoint written before
       RL phases recorded them, 2026-12-07).
   """
-  import dataclasses
-  from sparse_lm.config import ModelConfig
+  from sparse_lm.config import model_config_from_json
   from sparse_lm.train.checkpoint import stage_from_json
   if "stage" in meta and "tokenizer" in meta:
     return stage_from_json(meta["stage"]).model_config(), meta["stage"]["preset"]
   if "model" in meta and "tokenizer" in meta:
-    names = {f.name for f in dataclasses.fields(ModelConfig)}
-    cfg = ModelConfig(**{k: v for k, v in meta["model"].items() if k in names})
+    cfg = model_config_from_json(meta["model"])
     return cfg, (meta.get("rl") or {}).get("preset", cfg.name)
   mgr.close()
   raise ValueError(

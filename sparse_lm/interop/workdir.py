@@ -26,7 +26,7 @@ import re
 
 from flax import nnx  # the model is imported only where one is built (StageConfig reads this)
 
-from sparse_lm.config import ModelConfig
+from sparse_lm.config import ModelConfig, model_config_from_json
 from sparse_lm.interop import hf_config
 
 IMPORT_DIR = "hf_import"
@@ -356,8 +356,7 @@ def _load_step(step_dir: pathlib.Path, meta: dict) -> tuple[nnx.Module, ModelCon
   """(model on the first device, cfg) of one step directory, given its parsed meta."""
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   from sparse_lm.model.transformer import Transformer  # pylint: disable=g-import-not-at-top
-  fields = {f.name for f in dataclasses.fields(ModelConfig)}
-  cfg = ModelConfig(**{k: v for k, v in meta["model"].items() if k in fields})
+  cfg = model_config_from_json(meta["model"])
   graphdef, params, rest = nnx.split(
       nnx.eval_shape(lambda: Transformer(cfg, rngs=nnx.Rngs(0))), nnx.Param, ...)
   with ocp.StandardCheckpointer() as ckpt:

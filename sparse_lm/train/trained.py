@@ -35,7 +35,12 @@ def _stage_dirs(workdir: pathlib.Path) -> list[pathlib.Path]:
 
 
 class NotAStageError(ValueError):
-  """The checkpoints are not a pretraining stage's (an RL phase's: no stage config)."""
+  """The checkpoints are not a pretraining stage's (an RL phase's: no stage config); `meta` is
+  the newest step's."""
+
+  def __init__(self, message: str, meta: dict):
+    super().__init__(message)
+    self.meta = meta
 
 
 def _refuse_other_runs(ckpt: Checkpointer, stage_dir: pathlib.Path) -> None:
@@ -53,7 +58,7 @@ def _refuse_other_runs(ckpt: Checkpointer, stage_dir: pathlib.Path) -> None:
         f"{stage_dir}: its checkpoints are {what}, not a pretraining stage's: generate "
         f"from them with `python -m sparse_lm.generate --workdir {stage_dir.parent} --stage "
         f"{stage_dir.name}`, or load one step with `sparse_lm.generate.load_checkpoint("
-        f"'{stage_dir / 'checkpoints'}/<step>')`")
+        f"'{stage_dir / 'checkpoints'}/<step>')`", meta)
 
 
 def load(workdir: str | pathlib.Path, stage: str | None = None, *,

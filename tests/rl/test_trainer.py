@@ -2,6 +2,7 @@
 phase does not resume under another config."""
 
 import dataclasses
+import json
 import re
 import shutil
 
@@ -147,7 +148,7 @@ def _phase_checkpoints_load_on_their_own(workdir, model, tok):
   from sparse_lm.train.trained import NotAStageError
   want = [np.asarray(x) for x in jax.tree.leaves(nnx.state(model, nnx.Param))]
   loaded, tokenizer, where = generate.load_workdir(workdir)
-  assert where.startswith("sft (RL phase), step 4, preset tiny") and \
+  assert where.startswith("sft (RL phase), preset tiny") and \
       tokenizer.to_json() == tok.to_json()
   got, _, meta = generate.load_checkpoint(workdir / "sft" / "checkpoints" / "4", preset="tiny")
   for m in (loaded, got):
@@ -159,6 +160,16 @@ def _phase_checkpoints_load_on_their_own(workdir, model, tok):
     generate.load_checkpoint(workdir / "sft" / "checkpoints" / "4", preset="small")
   with pytest.raises(NotAStageError, match=r"an RL phase's \('sft'\).*--stage sft"):
     load(workdir)
+  # a checkpoint written before the phases recorded model config and tokenizer: refused by name
+  old = workdir.parent / f"{workdir.name}_old"
+  shutil.copytree(workdir / "sft", old / "sft")
+  for f in (old / "sft" / "checkpoints").glob("*/meta/metadata"):
+    m = json.loads(f.read_text())
+    f.write_text(json.dumps({k: v for k, v in m.items() if k not in ("model", "tokenizer")}))
+  for fn in (lambda: generate.load_workdir(old),
+             lambda: generate.load_checkpoint(old / "sft" / "checkpoints" / "4")):
+    with pytest.raises(ValueError, match="records no model config and tokenizer"):
+      fn()
 
 
 def test_sft_resumes_exactly(tmp_path):
