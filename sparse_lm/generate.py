@@ -64,10 +64,7 @@ def _load_phase(workdir: pathlib.Path, stage: str | None, preset: str | None, me
 
   name = stage if stage is not None else _stage_dirs(workdir)[-1].name
   if "model" not in meta or "tokenizer" not in meta:
-    raise ValueError(
-        f"{workdir / name}: its newest checkpoint records no model config and "
-        "tokenizer (an RL phase's checkpoint written before 2026-12-07, when they were "
-        "added): build the model from its RL config and restore the checkpoint's params")
+    raise _no_model_config(f"{workdir / name}: its newest checkpoint")
   try:
     model, cfg, tokenizer = hf_import.load_stage_with_tokenizer(workdir, name)
   except RuntimeError as e:  # no step can be read
@@ -191,11 +188,14 @@ def _model_config(meta: dict, path: pathlib.Path, mgr):
     cfg = model_config_from_json(meta["model"])
     return cfg, (meta.get("rl") or {}).get("preset", cfg.name)
   mgr.close()
-  raise ValueError(
-      f"checkpoint {path} records no model config and tokenizer (an RL phase's checkpoint "
-      "written before 2026-12-07, when they were added): build the model from its RL config "
-      "(the meta's rl.preset and rl.model_overrides) and restore the checkpoint's params "
-      "into it")
+  raise _no_model_config(f"checkpoint {path}")
+
+
+def _no_model_config(what: str) -> ValueError:
+  return ValueError(
+      f"{what} records no model config and tokenizer (an RL phase's checkpoint written "
+      "before 2026-12-07, when they were added): build the model from its RL config (the "
+      "meta's rl.preset and rl.model_overrides) and restore the checkpoint's params into it")
 
 
 def _parser() -> argparse.ArgumentParser:
