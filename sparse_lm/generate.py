@@ -39,7 +39,7 @@ def load_workdir(workdir: str | pathlib.Path, *, stage: str | None = None,
   try:
     model, tokenizer, stage_cfg = load(workdir, stage)
   except NotAStageError as e:  # an RL phase (sparse_lm.rl.trainer): its newest readable step
-    return _load_phase(pathlib.Path(workdir), stage, preset, e.meta)
+    return _load_phase(pathlib.Path(workdir), e.stage_dir.name, preset, e.meta)
   except FileNotFoundError:
     here = pathlib.Path(workdir)
     if (here / "checkpoints").is_dir():  # a stage's directory, not the workdir above it
@@ -53,16 +53,14 @@ def load_workdir(workdir: str | pathlib.Path, *, stage: str | None = None,
   return model, tokenizer, f"{stage_cfg.name}, preset {stage_cfg.preset}: {workdir}"
 
 
-def _load_phase(workdir: pathlib.Path, stage: str | None, preset: str | None, meta: dict):
+def _load_phase(workdir: pathlib.Path, name: str, preset: str | None, meta: dict):
   """(model, tokenizer, description) of the newest readable checkpoint of an RL phase
-  (`<workdir>/sft`, `<workdir>/grpo`; `meta`: its newest step's), whose meta records the
+  (`<workdir>/<name>`: `sft`, `grpo`; `meta`: its newest step's), whose meta records the
   model config and tokenizer (read as the HF export reads a stage:
   `interop.workdir.load_stage_with_tokenizer`)."""
   from sparse_lm.interop import workdir as hf_import
   from sparse_lm.train import checkpoint as ckpt_lib
-  from sparse_lm.train.trained import _stage_dirs  # pylint: disable=protected-access
 
-  name = stage if stage is not None else _stage_dirs(workdir)[-1].name
   if "model" not in meta or "tokenizer" not in meta:
     raise _no_model_config(f"{workdir / name}: its newest checkpoint")
   try:

@@ -36,11 +36,12 @@ def _stage_dirs(workdir: pathlib.Path) -> list[pathlib.Path]:
 
 class NotAStageError(ValueError):
   """The checkpoints are not a pretraining stage's (an RL phase's: no stage config); `meta` is
-  the newest step's."""
+  the newest step's, `stage_dir` the directory holding them (`<workdir>/<name>`)."""
 
-  def __init__(self, message: str, meta: dict):
+  def __init__(self, message: str, meta: dict, stage_dir: pathlib.Path):
     super().__init__(message)
     self.meta = meta
+    self.stage_dir = stage_dir
 
 
 def _refuse_other_runs(ckpt: Checkpointer, stage_dir: pathlib.Path) -> None:
@@ -58,7 +59,7 @@ def _refuse_other_runs(ckpt: Checkpointer, stage_dir: pathlib.Path) -> None:
         f"{stage_dir}: its checkpoints are {what}, not a pretraining stage's: generate "
         f"from them with `python -m sparse_lm.generate --workdir {stage_dir.parent} --stage "
         f"{stage_dir.name}`, or load one step with `sparse_lm.generate.load_checkpoint("
-        f"'{stage_dir / 'checkpoints'}/<step>')`", meta)
+        f"'{stage_dir / 'checkpoints'}/<step>')`", meta, stage_dir)
 
 
 def load(workdir: str | pathlib.Path, stage: str | None = None, *,

@@ -158,8 +158,9 @@ def _phase_checkpoints_load_on_their_own(workdir, model, tok):
   assert meta["phase"] == "sft"
   with pytest.raises(ValueError, match=r"preset='small'.*holds a 'tiny' model"):
     generate.load_checkpoint(workdir / "sft" / "checkpoints" / "4", preset="small")
-  with pytest.raises(NotAStageError, match=r"an RL phase's \('sft'\).*--stage sft"):
+  with pytest.raises(NotAStageError, match=r"an RL phase's \('sft'\).*--stage sft") as err:
     load(workdir)
+  assert err.value.stage_dir == workdir.absolute() / "sft" and err.value.meta["phase"] == "sft"
   # a checkpoint written before the phases recorded model config and tokenizer: refused by name
   old = workdir.parent / f"{workdir.name}_old"
   shutil.copytree(workdir / "sft", old / "sft")
