@@ -149,3 +149,10 @@ def distinct_calls(records: Sequence[tuple], same: float = 0.99) -> list:
     out.append(rec)
     loads.append(load)
   return out
+
+
+if __name__ == "__main__":  # a library of benchmarks/ep_drops.py, not a benchmark of its own
+  import sys
+  print(__doc__.split("\n\n")[0] + "\n\nA library: run `python -m benchmarks.ep_drops "
+        "--virtual-mesh LAYOUT` (its --help lists the flags).", file=sys.stderr)
+  sys.exit(0 if {"-h", "--help"} & set(sys.argv[1:]) else 2)
