@@ -254,7 +254,7 @@ _FLAGS = {"temperature": "--temperature", "top_k": "--top-k", "top_p": "--top-p"
 
 def _flag_message(err: ValueError) -> str:
   """`err`'s message in terms of the CLI's flags."""
-  msg = str(err)
+  msg = str(err).replace("build the Engine with a larger max_length", "raise max_length")
   for name, flag in _FLAGS.items():
     msg = re.sub(rf"(?<![-\w]){name}\b", flag, msg)
   return msg

@@ -164,7 +164,8 @@ def test_cli_refusals_echo_nothing_and_a_full_session_ends_cleanly(workdir, monk
   with pytest.raises(SystemExit) as stop:
     cli.main(["--workdir", str(root), "--prompt", "def " * 40] + flags, out=out)
   assert stop.value.code == 2 and out.getvalue() == ""
-  assert "--max-length" in capsys.readouterr().err
+  err = capsys.readouterr().err
+  assert "exceed the engine's --max-length=24; shorten it or raise --max-length" in err, err
   monkeypatch.setattr("sys.stdin", io.StringIO("return " * 40 + "\nreturn\nclass\nvalue\n"
                                                "index\nlist\ndict\nprint\n"))
   out = io.StringIO()
