@@ -150,6 +150,7 @@ def main(argv=None) -> int:
   from sparse_lm.rl.trainer import Preempted, run  # pylint: disable=import-outside-toplevel
   from sparse_lm.train.checkpoint import (  # pylint: disable=import-outside-toplevel
       ConfigMismatchError, UnreadableCheckpointError)
+  from sparse_lm.train.loop import NonFiniteLossError  # pylint: disable=import-outside-toplevel
   from sparse_lm.train.workdir import WorkdirLockedError  # pylint: disable=import-outside-toplevel
   workdir = args.workdir or f"runs/rl_{args.preset}"
   enable_compilation_cache(os.environ.get("SPARSE_LM_XLA_CACHE") or
@@ -160,7 +161,8 @@ def main(argv=None) -> int:
   except ConfigMismatchError as e:  # resuming a workdir written under other settings
     print(f"{parser.prog}: error: {e}", file=sys.stderr)
     return 2
-  except (UnreadableCheckpointError, WorkdirLockedError) as e:  # corrupt; another run
+  except (UnreadableCheckpointError, WorkdirLockedError,  # corrupt; another run;
+          NonFiniteLossError) as e:  # diverged: the last good checkpoint is kept
     print(f"{parser.prog}: error: {e}", file=sys.stderr)
     return 1
   except Preempted as e:  # SIGTERM / Ctrl-C: the phase saved its step; rerunning resumes it

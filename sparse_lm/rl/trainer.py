@@ -34,7 +34,7 @@ from sparse_lm.rl import envs as envs_lib
 from sparse_lm.rl import grpo, rollout
 from sparse_lm.train.checkpoint import (Checkpointer, ConfigMismatchError, check_model,
                                        differences, listing, to_json)
-from sparse_lm.train.loop import Preemption
+from sparse_lm.train.loop import NonFiniteLossError, Preemption
 from sparse_lm.train.metrics import MetricsWriter, drop_lines_after
 from sparse_lm.train.optimizer import OptimizerConfig, make_optimizer, wsd_schedule
 from sparse_lm.train.state import TrainState, split_model
@@ -360,6 +360,30 @@ class _Phase:
     self.writer = MetricsWriter(workdir / name / "tb", after_step=int(self.state.step))
     self.bar = _Bar(steps, int(self.state.step), name, progress)
 
+  def check_finite(self, step: int, metrics: dict) -> None:
+    """Stop the phase when step `step` (0-based) had a non-finite loss or gradient norm.
+
+    The step function then kept the old state (its `finite` metric is 0), so the phase would go
+    on with a step count behind the loop's and write its last checkpoints under old step
+    numbers; as the pretraining loop does, it stops instead, keeping its checkpoints.
+
+    Raises:
+      NonFiniteLossError (a FloatingPointError): naming the phase, the step, the loss and
+        gradient norm, and the last good checkpoint.
+    """
+    m = {k: float(np.asarray(jax.device_get(metrics[k]))) for k in ("finite", "loss",
+                                                                     "grad_norm")}
+    if m["finite"] and math.isfinite(m["loss"]):
+      return
+    steps = self.ckpt.all_steps()
+    self.close()
+    kept = (f"the last good checkpoint is step {steps[-1]} in {self.ckpt.directory}" if steps
+            else "no checkpoint had been saved yet")
+    raise NonFiniteLossError(
+        f"[{self.name}] non-finite loss ({m['loss']}) or gradient norm ({m['grad_norm']}) at "
+        f"step {step} (0-based, the {step + 1}-th step of this phase); training stopped and "
+        f"the update was not applied; {kept}.")
+
   def end_step(self, step: int, state: TrainState, info: str | None = None) -> None:
     """After step `step` (0-based): update the bar; save every `checkpoint_every` and at the
     end (marked final)."""
@@ -389,7 +413,8 @@ def _put(batch: dict) -> dict:
 def run_sft(cfg: RLConfig, workdir: pathlib.Path, model, tok, log=print,
             progress: bool = False, preemption=None) -> Any:
   """The SFT phase; returns the model with its final weights. Raises Preempted (after a
-  save) once `preemption` has a signal."""
+  save) once `preemption` has a signal, NonFiniteLossError at a step whose loss or gradient
+  is not finite (`_Phase.check_finite`)."""
   env = cfg.env_instance()
   phase = _Phase(cfg, workdir, "sft", model, cfg.sft_optim, cfg.sft_steps, progress,
                  preemption, tok)
@@ -405,6 +430,7 @@ def run_sft(cfg: RLConfig, workdir: pathlib.Path, model, tok, log=print,
     batch = grpo.episodes_to_batch(eps, None, cfg.sft_seq_len or cfg.seq_len)
     state, metrics = step_fn(state, _put({k: batch[k] for k in
                                           ("tokens", "segment_ids", "positions", "loss_mask")}))
+    phase.check_finite(step, metrics)
     if (step + 1) % 10 == 0 or step + 1 == cfg.sft_steps:
       m = jax.device_get(metrics)
       phase.writer.write(step + 1, {"loss": m["loss"], "accuracy": m["accuracy"],
@@ -452,7 +478,8 @@ def run_grpo(cfg: RLConfig, workdir: pathlib.Path, model, tok, engine, log=print
              progress: bool = False, preemption=None) -> tuple:
   """The GRPO phase from `model` (the SFT result), which is also the frozen reference policy of
   the KL term (`grpo.kl_coef > 0`), in a resumed phase too; returns (model, per-step metrics).
-  Raises Preempted (after a save) once `preemption` has a signal."""
+  Raises Preempted (after a save) once `preemption` has a signal, NonFiniteLossError at a
+  step whose loss or gradient is not finite (`_Phase.check_finite`)."""
   env = cfg.env_instance()
   G, P = cfg.grpo.group_size, cfg.prompts_per_step
   # The KL reference is the frozen SFT policy, `model`, taken before the phase restores a
@@ -486,6 +513,7 @@ def run_grpo(cfg: RLConfig, workdir: pathlib.Path, model, tok, engine, log=print
     batch, mismatch = grpo_batch(eps, rewards, cfg, logp_fn, state, ref)
     t1 = time.perf_counter()
     state, metrics = step_fn(state, batch)
+    phase.check_finite(step, metrics)
     m = {k: float(v) for k, v in jax.device_get(metrics).items() if np.ndim(v) == 0}
     record = {"reward": float(np.mean(rewards)),
               "success": float(np.mean([e.success for e in eps])),

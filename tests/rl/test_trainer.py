@@ -205,6 +205,32 @@ def test_sft_resumes_exactly(tmp_path):
     np.testing.assert_array_equal(np.asarray(x), np.asarray(y))
 
 
+def test_a_non_finite_step_stops_the_phase_keeping_its_last_good_checkpoint(tmp_path,
+                                                                           monkeypatch):
+  """A step whose loss is NaN (fault injection at step 2) stops SFT with NonFiniteLossError
+  naming the step and the last good checkpoint, which stays. (The step function keeps the old
+  state at such a step; the phase used to go on silently with its step count behind the
+  loop's, and end without its final checkpoint: "4" was never written.)"""
+  from sparse_lm.model.loss import loss_fn
+  from sparse_lm.moe.balancing import update_balancers
+  from sparse_lm.rl import grpo
+  from sparse_lm.train.step import make_train_step
+
+  monkeypatch.setattr(grpo, "make_sft_step", lambda graphdef, tx, schedule: make_train_step(
+      graphdef, tx, schedule, loss_fn, balance_fn=update_balancers, nan_at_step=2))
+  layers = (("num_layers", 3), ("mla_every", 2))
+  cfg = dataclasses.replace(PRESETS["tiny"], model_overrides=layers, sft_steps=4,
+                            sft_batch=2, checkpoint_every=2, seq_len=48)
+  model_cfg = get_preset("tiny", **dict(layers))
+  tok = trainer._tokenizer(cfg, tmp_path, model_cfg.vocab_size)
+  ckpts = tmp_path / "sft" / "checkpoints"
+  with pytest.raises(loop.NonFiniteLossError, match=(
+      r"\[sft\] non-finite loss \(nan\) or gradient norm .* at step 2 \(0-based.*the update "
+      r"was not applied; the last good checkpoint is step 2 in " + re.escape(str(ckpts)))):
+    trainer.run_sft(cfg, tmp_path, Transformer(model_cfg, rngs=nnx.Rngs(0)), tok)
+  assert sorted(p.name for p in ckpts.iterdir() if p.name.isdigit()) == ["2"]
+
+
 def test_resume_under_another_config_is_refused_naming_the_fields(tmp_path, monkeypatch, capsys):
   layers = (("num_layers", 3), ("mla_every", 2))
   cfg = dataclasses.replace(PRESETS["tiny"], model_overrides=layers, sft_steps=1,
