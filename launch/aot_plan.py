@@ -57,20 +57,66 @@ def chip_of(topology: str) -> str:
   return topology.split(":")[0].split("-")[0]
 
 
+def stage_name(stage: str) -> str:
+  """The stage name (the module under experiments/) of a --stage value: `stage_8k`, or the
+  same given as its file (`experiments/stage_8k.py`, `./experiments/stage_8k.py`,
+  `stage_8k.py`) or module (`experiments.stage_8k`).
+
+  Raises:
+    ValueError: a path or module outside experiments/ (the message says to pass the name).
+  """
+  s = stage.strip()
+  s = s[:-3] if s.endswith(".py") else s
+  parts = [q for q in re.split(r"[/\\]" if ("/" in s or "\\" in s) else r"\.", s)
+           if q not in ("", ".")]
+  if "experiments" in parts:
+    parts = parts[len(parts) - parts[::-1].index("experiments"):]
+  elif len(parts) > 1 and ("/" in s or "\\" in s):
+    parts = []
+  if not parts or not all(re.fullmatch(r"\w+", q) for q in parts):
+    raise ValueError(f"--stage {stage}: give the name of a stage in experiments/ (e.g. "
+                     "stage_8k for experiments/stage_8k.py)")
+  return ".".join(parts)
+
+
 def stage_config(stage: str, preset: str):
-  """The experiment's StageConfig for (stage, preset).
+  """The experiment's StageConfig for (stage, preset); `stage` as `stage_name` takes it.
 
   Raises:
     ValueError: no experiments/<stage>.py, or it has no such preset.
   """
+  stage = stage_name(stage)
   try:
     mod = importlib.import_module(f"experiments.{stage}")
-  except ModuleNotFoundError:
-    raise ValueError(f"--stage {stage}: no experiments/{stage}.py") from None
+  except ModuleNotFoundError as e:
+    if not f"experiments.{stage}.".startswith(f"{e.name}."):
+      raise  # the stage file exists; something it imports does not
+    raise ValueError(f"--stage {stage}: no experiments/{stage.replace('.', '/')}.py (give "
+                     "the name of a stage in experiments/, e.g. stage_8k)") from None
   stages = getattr(mod, "STAGES", {})
   if preset not in stages:
-    raise ValueError(f"--preset {preset}: experiments/{stage}.py has {sorted(stages)}")
+    raise ValueError(f"--preset {preset}: experiments/{stage.replace('.', '/')}.py has "
+                     f"{sorted(stages)}")
   return stages[preset]
+
+
+def check_writable(path: str) -> None:
+  """Check that the --json report can be written at `path` (before a plan's minutes of
+  compiling and tens of GB of host memory; the write came after them).
+
+  Raises:
+    ValueError: `path` is a directory, or its directory does not exist, is not a directory or
+      is not writable (named).
+  """
+  if os.path.isdir(path):
+    raise ValueError(f"--json {path}: is a directory; give a file name (e.g. {path}/plan.json)")
+  parent = os.path.dirname(path) or "."
+  if not os.path.isdir(parent):
+    raise ValueError(f"--json {path}: " + (f"{parent} is not a directory" if os.path.exists(
+        parent) else f"directory {parent} does not exist") + " (create it first)")
+  if not os.access(parent, os.W_OK | os.X_OK) or (os.path.exists(path) and not os.access(
+      path, os.W_OK)):
+    raise ValueError(f"--json {path}: not writable")
 
 
 def topology_devices(topology: str, num_slices: int = 1):
@@ -216,7 +262,8 @@ def _params(n: int) -> str:
 def main(argv=None) -> int:
   p = argparse.ArgumentParser(prog="python -m launch.aot_plan",
                               description=__doc__.split("\n\n")[0])
-  p.add_argument("--stage", default="stage_8k", help="experiments/<stage>.py")
+  p.add_argument("--stage", default="stage_8k", help="the stage name, e.g. stage_8k for "
+                 "experiments/stage_8k.py (that path is taken too)")
   p.add_argument("--preset", default="full")
   p.add_argument("--topology", default=None, help="e.g. v5p:16x16x16 (default: the stage's "
                  "StageConfig.topology)")
@@ -232,7 +279,8 @@ def main(argv=None) -> int:
                  "--steps sample_prefill,sample_decode the end-of-stage sample's engine calls)")
   p.add_argument("--lower-only", action="store_true", help="trace and lower the steps, do not "
                  "compile them (checks shapes and shardings in seconds; no memory numbers)")
-  p.add_argument("--json", default=None, help="also write the report here")
+  p.add_argument("--json", default=None, help="also write the report here (its directory "
+                 "must exist: checked before anything is compiled)")
   p.add_argument("--malloc-arenas", type=int, default=int(os.environ.get(
       "SPARSE_LM_MALLOC_ARENAS", 2)), help="glibc malloc arenas (0 = glibc's default)")
   p.add_argument("--trim-every", type=float, default=float(os.environ.get(
@@ -252,6 +300,12 @@ def main(argv=None) -> int:
            ("train", "eval", "eval_2x") if args.eval else ("train",))
   if any(s not in STEPS for s in steps):
     p.error(f"--steps {args.steps}: choose from {','.join(STEPS)}")
+  try:
+    args.stage = stage_name(args.stage)
+    if args.json:
+      check_writable(args.json)
+  except ValueError as e:
+    p.error(str(e))
 
   from launch.host_memory import GB as _GB, RssSampler, bound_malloc
   if args.malloc_arenas > 0:  # before jax starts its threads

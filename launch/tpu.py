@@ -94,11 +94,28 @@ def ssh(pod: Pod, node: str, command: str, worker: str = "all") -> list[str]:
           f"--worker={worker}", f"--command={command}"]
 
 
+# What `setup` keeps in REMOTE_DIR when it replaces the code there: the runs' logs
+# (logs/<run-name>.log) and runs/ (the experiments' default --workdir, runs/<preset>, is
+# relative to the checkout).
+KEPT = ("logs", "runs")
+
+
+def unpack_command(archive: str = "~/sparse_lm_checkout.tar.gz") -> str:
+  """The worker's shell command that replaces the code in REMOTE_DIR with `archive`: every
+  entry of REMOTE_DIR except KEPT is removed (an earlier setup's files that the new commit
+  no longer has go too), then the archive is unpacked over it. (`rm -rf REMOTE_DIR` deleted
+  the logs and any run under the checkout whenever setup was re-run to ship a fix.)"""
+  keep = " ".join(f"! -name {k}" for k in KEPT)
+  return (f"mkdir -p {REMOTE_DIR}/logs && "
+          f"find {REMOTE_DIR} -mindepth 1 -maxdepth 1 {keep} -exec rm -rf {{}} + && "
+          f"tar -xzf {archive} -C {REMOTE_DIR}")
+
+
 def setup_commands(pod: Pod, requirements: str = "requirements.txt") -> list[list[str]]:
-  """Archive the committed checkout, copy it to every worker, install requirements."""
+  """Archive the committed checkout, copy it to every worker, replace the code in REMOTE_DIR
+  with it (keeping logs/ and runs/: `unpack_command`), install requirements."""
   cmds = [["git", "archive", "--format=tar.gz", f"--output={ARCHIVE}", "HEAD"]]
-  remote = (f"rm -rf {REMOTE_DIR} && mkdir -p {REMOTE_DIR}/logs && "
-            f"tar -xzf ~/sparse_lm_checkout.tar.gz -C {REMOTE_DIR} && cd {REMOTE_DIR} && "
+  remote = (f"{unpack_command()} && cd {REMOTE_DIR} && "
             f"python3 -m venv ~/venv && ~/venv/bin/pip install -q -U pip && "
             f"~/venv/bin/pip install -q -r {requirements}")
   for node in pod.nodes:

@@ -10,7 +10,8 @@ is left over) before reading any value, then builds each variable with
 read one at a time, so host memory holds one HF tensor plus one shard of its target.
 
 CLI:
-    python -m sparse_lm.interop.hf import --hf_dir D --workdir W     # Orbax, see workdir.py
+    python -m sparse_lm.interop.hf import --hf_dir D --workdir W [--ignore-keys K1,K2]
+        # Orbax, see workdir.py
     python -m sparse_lm.interop.hf export --workdir W --out D [--layout kimi_k3] [--quantize]
         # the newest stage checkpoint in W (or --stage NAME; the import if W has none)
 """
@@ -113,13 +114,14 @@ def load_pretrained(path: str | os.PathLike, *, dtype: str | None = None, mesh=N
 
   Raises:
     ValueError: a config key that cannot map, or a missing / unexpected / mis-shaped tensor
-      (named), all before any tensor value is read.
+      (named), a config.json that is not JSON or a shard that is not a safetensors file (a Git
+      LFS pointer, truncated; the file named), all before any tensor value is read.
     FileNotFoundError: no config.json or no safetensors in `path`.
   """
   path = pathlib.Path(path)
   if not (path / "config.json").exists():
     raise FileNotFoundError(f"{path}: no config.json")
-  raw = json.loads((path / "config.json").read_text())
+  raw = hf_config.read_config_json(path)
   cfg, layout = hf_config.config_from_hf(raw, dtype=dtype, ignore_keys=ignore_keys)
   if overrides:
     mapped = set(overrides) & hf_config.MAPPED_FIELDS
@@ -226,22 +228,38 @@ def begin_checkpoint(path: pathlib.Path) -> None:
 
 
 # ------------------------------------------------------------------ CLI
-def import_to_workdir(hf_dir, workdir_path, *, dtype: str | None = None) -> pathlib.Path:
+def import_to_workdir(hf_dir, workdir_path, *, dtype: str | None = None,
+                      ignore_keys: tuple[str, ...] = ()) -> pathlib.Path:
   """HF checkpoint `hf_dir` -> `<workdir>/hf_import/` (Orbax; see interop/workdir.py), with
   the checkpoint's tokenizer (tokenizer.json or tiktoken.model) when it ships one.
+  `ignore_keys`: config.json keys to accept unmapped (load_pretrained).
 
   Raises:
     FileNotFoundError: no config.json in `hf_dir` (checked first: not an HF checkpoint).
-    ValueError: the tokenizer has more ids than config.json's vocab_size, or its files are
-      malformed (named); and load_pretrained's errors. Checked before the weights are read.
+    ValueError: `workdir_path` (or a directory above it) is a file; config.json is not JSON;
+      the tokenizer has more ids than config.json's vocab_size, or its files are malformed
+      (named); and load_pretrained's errors. Checked before the weights are read.
   """
   if not (pathlib.Path(hf_dir) / "config.json").is_file():
     raise FileNotFoundError(f"{hf_dir}: no config.json: give the directory of an HF "
                             "checkpoint (config.json, *.safetensors, the tokenizer files)")
+  _check_directory(workdir_path, "workdir")
+  raw = hf_config.read_config_json(hf_dir)
   tokenizer = workdir.checkpoint_tokenizer(hf_dir)
-  model, cfg = load_pretrained(hf_dir, dtype=dtype)
-  raw = json.loads((pathlib.Path(hf_dir) / "config.json").read_text())
+  model, cfg = load_pretrained(hf_dir, dtype=dtype, ignore_keys=tuple(ignore_keys))
   return workdir.save_import(model, cfg, raw, workdir_path, tokenizer=tokenizer)
+
+
+def _check_directory(path, what: str) -> None:
+  """Raise ValueError when `path` or the nearest existing directory above it is not a
+  directory (the write would end in NotADirectoryError, after the model was read)."""
+  p = pathlib.Path(path).absolute()
+  for q in (p, *p.parents):
+    if q.exists():
+      if not q.is_dir():
+        raise ValueError(f"{what} {path}: " + ("is a file" if q == p else f"{q} is a file")
+                         + f": give a directory (new or existing) for the {what}")
+      return
 
 
 def _export_source(workdir_path: str, stage: str | None):
@@ -276,9 +294,14 @@ def export_from_workdir(workdir_path, out, *, stage: str | None = None,
 
   Raises:
     FileNotFoundError: no checkpoint of `stage` (or of any stage, and no import).
-    ValueError: `save_pretrained`'s errors: checked before anything is written to `out`.
+    ValueError: `out` is "" (the current directory) or a file (or below one), checked first;
+      `save_pretrained`'s errors: checked before anything is written to `out`.
   """
   from sparse_lm.data import tokenizer_hf  # pylint: disable=g-import-not-at-top
+  if not str(out):  # pathlib.Path("") is ".": the current directory's files would be replaced
+    raise ValueError("out is empty: give a directory for the HF checkpoint (new or existing; "
+                     "its config.json, shards and tokenizer files are replaced)")
+  _check_directory(out, "out")
   model, cfg, extra, tokenizer = _export_source(str(workdir_path), stage)
   if layout is None:
     layout = "kimi_k3" if quantize else hf_config.default_layout(cfg)
@@ -309,6 +332,9 @@ def main(argv=None) -> None:
   a.add_argument("--hf-dir", "--hf_dir", dest="hf_dir", required=True)
   a.add_argument("--workdir", required=True)
   a.add_argument("--dtype", choices=("float32", "bfloat16"))
+  a.add_argument("--ignore-keys", "--ignore_keys", dest="ignore_keys", default="",
+                 metavar="KEY,KEY", help="config.json keys sparse_lm does not know, accepted "
+                 "unmapped (only keys you know do not change the model, e.g. yarn_factor)")
   b = sub.add_parser("export", help="a workdir's newest trained stage (or its hf_import) -> "
                      "HF checkpoint")
   b.add_argument("--workdir", required=True)
@@ -322,13 +348,17 @@ def main(argv=None) -> None:
   args = ap.parse_args(argv)
   if args.cmd == "export" and args.quantize and args.layout == "kimi_linear":
     b.error("--quantize needs --layout kimi_k3 (Kimi-Linear stores bf16 experts)")
+  if args.cmd == "export" and not args.out.strip():
+    b.error(f"--out {args.out!r} is empty: give a directory for the HF checkpoint (an export "
+            "replaces the config.json, shards and tokenizer files of the directory it is given)")
   if args.cmd == "export" and pathlib.Path(args.out).exists() and not pathlib.Path(
       args.out).is_dir():
     b.error(f"--out {args.out} is a file: give a directory (new or existing) for the HF "
             "checkpoint")
   try:  # a missing directory or a model the layout cannot hold: a message, status 2
     if args.cmd == "import":
-      out = import_to_workdir(args.hf_dir, args.workdir, dtype=args.dtype)
+      ignore = tuple(k.strip() for k in args.ignore_keys.split(",") if k.strip())
+      out = import_to_workdir(args.hf_dir, args.workdir, dtype=args.dtype, ignore_keys=ignore)
       tok = workdir.tokenizer_path(args.workdir)
       print(f"imported {args.hf_dir} -> {out}" + (f" (tokenizer {tok})" if tok else
                                                    " (the checkpoint ships no tokenizer)"))

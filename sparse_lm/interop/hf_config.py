@@ -16,6 +16,9 @@ reproduce, and any key we do not know, raises ValueError naming the key.
 from __future__ import annotations
 
 import dataclasses
+import json
+import os
+import pathlib
 from typing import Any
 
 from sparse_lm.config import ModelConfig
@@ -56,6 +59,24 @@ _DIRECT = {  # HF key -> ModelConfig field
     "moe_intermediate_size": "expert_hidden", "rms_norm_eps": "norm_eps",
     "routed_scaling_factor": "route_scale",
 }
+
+
+def read_config_json(hf_dir: str | os.PathLike) -> dict[str, Any]:
+  """The parsed config.json of HF checkpoint directory `hf_dir`.
+
+  Raises:
+    FileNotFoundError: no config.json.
+    ValueError: it is not valid JSON or not a JSON object, naming the file (json's message
+      alone, "Expecting property name enclosed in double quotes: line 1 column 2", did not).
+  """
+  path = pathlib.Path(hf_dir) / "config.json"
+  try:
+    raw = json.loads(path.read_text(encoding="utf-8"))
+  except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+    raise ValueError(f"{path}: not valid JSON: {e}") from None
+  if not isinstance(raw, dict):
+    raise ValueError(f"{path}: not a JSON object (a model config is {{\"key\": value, ...}})")
+  return raw
 
 
 def _get(c: dict, key: str, default=None):
@@ -128,7 +149,8 @@ def config_from_hf(raw: dict[str, Any], *, dtype: str | None = None,
                    - {a for al in _ALIASES.values() for a in al} - set(_ALIASES))
   if unknown:
     raise ValueError(f"config.json: unknown key(s) {unknown}: sparse_lm does not know what they "
-                     "do; pass ignore_keys=(...) if they do not change the model")
+                     f"do; if they do not change the model, pass ignore_keys={tuple(unknown)!r} "
+                     f"(the import CLI: --ignore-keys {','.join(unknown)})")
   for key, ok in (("num_expert_group", 1), ("topk_group", 1), ("moe_layer_freq", 1),
                   ("num_nextn_predict_layers", 0)):
     v = _get(c, key, ok)

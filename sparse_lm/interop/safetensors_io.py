@@ -45,12 +45,14 @@ class CheckpointReader:
 
   Raises:
     FileNotFoundError: neither model.safetensors nor the index exists in `path`.
+    ValueError: the index is not JSON or has no weight_map, or a shard is not a safetensors
+      file (a Git LFS pointer, truncated: `read_header`), naming the file.
   """
 
   def __init__(self, path: str | os.PathLike):
     self.path = pathlib.Path(path)
     if (self.path / INDEX).exists():
-      files = json.loads((self.path / INDEX).read_text())["weight_map"]
+      files = _read_index(self.path / INDEX)
     elif (self.path / SINGLE).exists():
       files = {k: SINGLE for k in read_header(self.path / SINGLE)[0]}
     else:
@@ -129,12 +131,63 @@ class CheckpointReader:
     return mxfp4.dequantize(value, self._read(self._mx[name]))
 
 
+# The first line of a Git LFS pointer file: what `git clone` of a Hugging Face repository gives
+# for each *.safetensors file when git-lfs is not installed (a ~130-byte text file).
+LFS_POINTER = b"version https://git-lfs.github.com/spec/"
+
+
+def _read_index(path: pathlib.Path) -> dict[str, str]:
+  """The weight_map of a model.safetensors.index.json; ValueError naming the file if it is not
+  JSON (e.g. a Git LFS pointer) or has no weight_map."""
+  try:
+    index = json.loads(path.read_text(encoding="utf-8"))
+  except ValueError as e:
+    lfs = path.read_bytes().startswith(LFS_POINTER)
+    raise ValueError(f"{path}: " + ("a Git LFS pointer file: run `git lfs pull` in "
+                                   f"{path.parent}" if lfs else f"not valid JSON ({e})")) from None
+  if not isinstance(index, dict) or not isinstance(index.get("weight_map"), dict):
+    raise ValueError(f"{path}: no weight_map (not a safetensors index)")
+  return index["weight_map"]
+
+
 def read_header(path: str | os.PathLike) -> tuple[dict[str, dict], int]:
-  """({name: {"dtype", "shape", "data_offsets"}}, offset of the data) of a safetensors file."""
+  """({name: {"dtype", "shape", "data_offsets"}}, offset of the data) of a safetensors file.
+
+  Raises:
+    ValueError: naming the file, when it is a Git LFS pointer (cloned without git-lfs: the
+      message says to run `git lfs pull`), is shorter than its header length says or than the
+      data its header lists (not a safetensors file, or truncated), or its header is not JSON.
+      The header length is checked against the file size before the header is read (a random
+      8 bytes asked for up to 2**64 bytes: MemoryError or OverflowError).
+  """
+  path = pathlib.Path(path)
+  size = path.stat().st_size
   with open(path, "rb") as f:
-    (n,) = struct.unpack("<Q", f.read(8))
-    header = json.loads(f.read(n))
+    if f.read(len(LFS_POINTER)) == LFS_POINTER:
+      raise ValueError(f"{path}: a Git LFS pointer file, not the tensors (the repository was "
+                       "cloned without git-lfs): run `git lfs install && git lfs pull` in "
+                       f"{path.parent}, or download it with `huggingface-cli download`")
+    f.seek(0)
+    head = f.read(8)
+    if len(head) < 8:
+      raise ValueError(f"{path}: {size} bytes: not a safetensors file (or truncated)")
+    (n,) = struct.unpack("<Q", head)
+    if 8 + n > size:
+      raise ValueError(f"{path}: not a safetensors file, or truncated: its first 8 bytes give "
+                       f"a header of {n:,} bytes, but the file has {size:,} bytes")
+    try:
+      header = json.loads(f.read(n))
+    except ValueError as e:  # JSONDecodeError, UnicodeDecodeError
+      raise ValueError(f"{path}: not a safetensors file: its header is not JSON ({e})") from None
+  if not isinstance(header, dict):
+    raise ValueError(f"{path}: not a safetensors file: its header is not a JSON object")
   header.pop("__metadata__", None)
+  ends = [e["data_offsets"][1] for e in header.values() if isinstance(e, dict)
+          and isinstance(e.get("data_offsets"), list) and len(e["data_offsets"]) == 2
+          and isinstance(e["data_offsets"][1], int)]
+  if ends and 8 + n + max(ends) > size:
+    raise ValueError(f"{path}: truncated: its header lists {8 + n + max(ends):,} bytes of "
+                     f"header and data, the file has {size:,} (an interrupted download?)")
   return header, 8 + n
 
 

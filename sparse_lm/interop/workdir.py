@@ -55,14 +55,14 @@ def checkpoint_tokenizer(hf_dir):
 
   Raises:
     ValueError: it has more ids than config.json's vocab_size (the model could not embed
-      them), or its files are malformed (named).
+      them), or its files (or config.json) are malformed (named).
   """
   from sparse_lm.data import tokenizer_hf  # pylint: disable=g-import-not-at-top
   d = pathlib.Path(hf_dir)
   if not any((d / f).is_file() for f in ("tokenizer.json", "tiktoken.model")):
     return None
   tok = tokenizer_hf.HFCheckpointTokenizer.from_directory(d)
-  raw = json.loads((d / "config.json").read_text())
+  raw = hf_config.read_config_json(d)
   vocab = raw.get("text_config", raw).get("vocab_size")
   if vocab is not None and tok.vocab_size > vocab:
     raise ValueError(f"{d}: the tokenizer has {tok.vocab_size} ids but config.json vocab_size "

@@ -46,6 +46,43 @@ def test_setup_copies_checkout_and_installs_on_every_worker_of_both_slices(capsy
     assert len(ssh) == 1 and "--worker=all" in ssh[0]
     remote = [a for a in ssh[0] if a.startswith("--command=")][0]
     assert "pip install -q -r requirements.txt" in remote and "tar -xzf" in remote
+    # re-running setup to ship a fix deleted ~/sparse_lm/logs/*.log and runs/ (`rm -rf
+    # ~/sparse_lm`): only the code is replaced now (test_setup_keeps_logs_and_runs)
+    assert "rm -rf ~/sparse_lm " not in remote and "rm -rf ~/sparse_lm/logs" not in remote
+    assert remote.startswith(f"--command={tpu.unpack_command()} && cd ~/sparse_lm && ")
+
+
+@pytest.mark.parametrize("earlier", [True, False])
+def test_setup_keeps_logs_and_runs(tmp_path, earlier):
+  """The worker's unpack step, run with HOME in tmp_path: over an earlier setup it removes the
+  old code (files the new commit no longer has included) and keeps logs/ and runs/; on a fresh
+  worker it creates the checkout with logs/."""
+  import os
+  import subprocess
+  import tarfile
+  home = tmp_path / "home"
+  remote = home / "sparse_lm"
+  src = tmp_path / "src"
+  for f, text in (("new.py", "new"), ("pkg/b.py", "b"), (".gitignore", "x")):
+    (src / f).parent.mkdir(parents=True, exist_ok=True)
+    (src / f).write_text(text)
+  home.mkdir()
+  with tarfile.open(home / "sparse_lm_checkout.tar.gz", "w:gz") as t:
+    for f in ("new.py", "pkg", ".gitignore"):
+      t.add(src / f, arcname=f)
+  if earlier:
+    for f in ("logs/s8k.log", "runs/tiny/checkpoints/4/x", "old.py", "pkg/a.py", ".old"):
+      (remote / f).parent.mkdir(parents=True, exist_ok=True)
+      (remote / f).write_text("kept" if f.startswith(("logs", "runs")) else "old")
+  env = dict(os.environ, HOME=str(home))
+  proc = subprocess.run(["bash", "-euo", "pipefail", "-c", tpu.unpack_command()], env=env,
+                        capture_output=True, text=True, timeout=30)
+  assert proc.returncode == 0, proc.stderr
+  files = sorted(str(p.relative_to(remote)) for p in remote.rglob("*") if p.is_file())
+  kept = ["logs/s8k.log", "runs/tiny/checkpoints/4/x"] if earlier else []
+  assert files == sorted([".gitignore", "new.py", "pkg/b.py", *kept]), files
+  assert (remote / "logs").is_dir()
+  assert all((remote / f).read_text() == "kept" for f in kept)
 
 
 def test_run_starts_on_all_workers_with_megascale_env_and_logs(capsys):
