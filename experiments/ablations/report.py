@@ -1,7 +1,7 @@
 """Run the ablations and write docs/ablations.md with tables and plots from the run's numbers.
 
   python -m experiments.ablations.report --preset=tiny [--only balancing,gate]
-      [--workdir runs/ablations] [--seeds 0,1] [--jobs 2] [--from-results]
+      [--workdir runs/ablations] [--seeds 0,1] [--jobs 2] [--from-results] [--replace]
 
 Every run trains stage_8k's tiny model; `--preset` names the ablation budget (steps, batch,
 sequence length: experiments/ablations/__init__.py, PRESETS and BUDGETS), never a larger model.
@@ -10,6 +10,8 @@ Each run's record is stored in docs/ablations/results.json (records of ablations
 kept); the report (tables: mean ± half-range over seeds; PNG plots under docs/ablations/) is
 rewritten from that file every time, so every number in it comes from a recorded run.
 `--from-results` only rewrites the report. Ablations without a record are listed as not run.
+A run never replaces a record of another budget (e.g. a `smoke` run the published `tiny` one)
+unless `--replace` is given.
 """
 
 from __future__ import annotations
@@ -56,6 +58,7 @@ def plot(record: dict[str, Any], out_dir: pathlib.Path) -> list[str]:
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  from experiments.ablations.run import common_steps  # pylint: disable=g-import-not-at-top
   keys = [("loss", "train loss (nats/token)")]
   if any(r["max_mean_load"] for v in record["variants"].values() for r in v["runs"]):
     keys.append(("max_mean_load", "max/mean expert load (worst layer)"))
@@ -68,7 +71,7 @@ def plot(record: dict[str, Any], out_dir: pathlib.Path) -> list[str]:
     for label, exps in gate.items():
       if not exps:
         continue
-      steps = sorted(exps[0], key=int)
+      steps = common_steps(exps)  # not one seed's extra checkpoint (a resumed run's)
       tokens = record["variants"][label]["runs"][0]["tokens_per_step"]
       worst = [sum(max(e[s]) for e in exps) / len(exps) for s in steps]
       ax.plot([int(s) * tokens for s in steps], worst, marker="o", label=label)
@@ -157,13 +160,14 @@ def _gate_verdict(v: dict[str, Any]) -> str:
   """The dense-tile exponent: the bounded gate's max against its bound; the unbounded gate's
   max and whether it grows over training (worst layer, mean over seeds, first vs last
   checkpoint); and what the run cannot show."""
+  from experiments.ablations.run import common_steps  # pylint: disable=g-import-not-at-top
   def curve(label):
     exps = [(r.get("probe") or {}).get("gate", {}).get("gate_exponent") for r in
             v[label]["runs"]]
     exps = [e for e in exps if e]
     if not exps:
       return {}, float("nan")
-    steps = sorted(exps[0], key=int)
+    steps = common_steps(exps)  # not one seed's extra checkpoint (a resumed run's)
     worst = {int(s): sum(max(e[s]) for e in exps) / len(exps) for s in steps}
     return worst, max(max(x) for e in exps for x in e.values())
   (bc, b), (uc, u) = curve("bounded (-5)"), curve("unbounded")
@@ -306,6 +310,13 @@ def _now() -> str:
   return datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC")
 
 
+def other_budgets(results: dict[str, Any], names: list[str], preset: str) -> list[str]:
+  """The records of `names` in `results` that a run at `preset` would replace with one of
+  another budget, each as "<name> (<its budget label>)"."""
+  return [f"{name} ({budget_label(results[name])})" for name in names
+          if name in results and results[name].get("preset") != preset]
+
+
 def _run(args, names, seeds, results, store, docs, argv) -> dict[str, Any]:
   """Train what `names` need (in `args.jobs` pinned workers, or here with one), record each
   ablation in `store` and the report, and the invocation in results["_meta"]["_runs"]."""
@@ -384,6 +395,9 @@ def main(argv=None) -> int:
   p.add_argument("--jobs", type=int, default=None, help="worker processes, each pinned to one "
                  "core (default 2 when 2+ cores are available, else 1: in this process)")
   p.add_argument("--from-results", action="store_true", help="rewrite the report only")
+  p.add_argument("--replace", action="store_true", help="replace recorded results of another "
+                 "budget (--preset) with this run's (without it, such a run stops before "
+                 "training)")
   args = p.parse_args(argv)
   names = [n.strip() for n in args.only.split(",") if n.strip()]
   if args.only and not names:
@@ -412,12 +426,18 @@ def main(argv=None) -> int:
     p.error(f"--from-results: no recorded results at {store}; run the ablations first "
             "(without --from-results) or point --docs at the directory that holds them")
   results = json.loads(store.read_text()) if store.exists() else {}
+  other = [] if args.from_results or args.replace else other_budgets(results, names, args.preset)
+  if other:
+    p.error(f"--preset {args.preset} would replace the recorded results of another budget in "
+            f"{store}: {'; '.join(other)}. Pass --replace to replace them, or --docs DIR to "
+            "record this run elsewhere")
   if not args.from_results:
     try:
       results = _run(args, names, seeds, results, store, docs, argv)
     except KeyboardInterrupt as e:  # jobs.Stopped, or train_run's stop in this process
       signum = getattr(e, "signum", signal.SIGINT)
-      print(f"[ablations] {e or 'interrupted'}" + ("" if "Rerun" in str(e) else
+      # jobs.Stopped says "Rerun the same command ...", train_run "... rerun to resume": once.
+      print(f"[ablations] {e or 'interrupted'}" + ("" if "rerun" in str(e).lower() else
             " Rerun the same command to resume (finished runs are read back, interrupted "
             "ones resume)."), file=sys.stderr, flush=True)
       return 128 + signum

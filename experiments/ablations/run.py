@@ -250,6 +250,15 @@ def _probe(run: dict, kind: str, key: str):
   return (run.get("probe") or {}).get(kind, {}).get(key)
 
 
+def common_steps(curves: list[dict]) -> list:
+  """The step keys every seed's {step: value} curve has, in step order: a run stopped and
+  resumed also keeps the checkpoint it saved on the interrupt (off the checkpoint grid, in that
+  seed only), so one seed's steps are not every seed's."""
+  if not curves:
+    return []
+  return sorted(set(curves[0]).intersection(*curves[1:]), key=int)
+
+
 def summarize(record: dict[str, Any]) -> tuple[list[str], list[list[str]]]:
   """(header, rows) of the ablation's table: per variant, mean ± spread over the seeds."""
   kind = next((a.summary for a in _ablations() if a.name == record["name"]), "loss")
@@ -310,8 +319,8 @@ def extra_tables(record: dict[str, Any]) -> list[tuple[str, list[str], list[list
   for label, v in record["variants"].items():
     runs = v["runs"]
     exps = [_probe(r, "gate", "gate_exponent") for r in runs]
-    if all(exps):
-      steps = sorted(exps[0], key=int)
+    steps = common_steps(exps) if all(exps) else []  # not one seed's extra checkpoint
+    if steps:
       n = len(exps[0][steps[0]])
       rows = [[str(s)] + [f"{mean([e[s][i] for e in exps]):.1f}" for i in range(n)]
               for s in steps]

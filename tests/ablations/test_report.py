@@ -177,3 +177,95 @@ def test_from_results_without_results_stops_with_a_clear_error(tmp_path, capsys,
     report.main(["--from-results", f"--docs={docs}"])
   assert e.value.code == 2 and needle in capsys.readouterr().err
   assert not (docs / "ablations.md").exists()
+
+
+def _gate_record(exps_by_seed: dict[int, dict[str, list[float]]]) -> dict:
+  """A gate record whose runs' probes have these dense-tile exponents ({seed: {step: per KDA
+  layer}}), the unbounded variant's 10 nats above the bounded one's."""
+  runs = lambda shift: [
+      {"seed": seed, "steps": 4, "tokens_per_step": 256, "seq_len": 64,
+       "loss": {"0": 5.0, "2": 4.0}, "max_mean_load": {}, "dead_frac": {},
+       "final": {"eval_loss@64": 4.0}, "seconds": 1.0,
+       "probe": {"gate": {"step": 4, "gate_exponent": {
+           s: [x + shift for x in e] for s, e in exps.items()}}}}
+      for seed, exps in exps_by_seed.items()]
+  return {"name": "gate", "preset": "smoke", "seeds": sorted(exps_by_seed),
+          "variants": {"bounded (-5)": {"value": "-5.0", "runs": runs(0.0)},
+                       "unbounded": {"value": "None", "runs": runs(10.0)}}}
+
+
+def test_gate_steps_kept_by_one_seed_only_are_left_out(tmp_path, monkeypatch):
+  """A run stopped by Ctrl-C saves an off-grid checkpoint (here step 1, seed 0 only) and its
+  gate probe covers it: the report, its tables and plot use the steps every seed has (a step
+  list from the first seed raised KeyError, and `--from-results` could never rebuild it)."""
+  import matplotlib.axes  # pylint: disable=g-import-not-at-top
+  from experiments.ablations.run import extra_tables  # pylint: disable=g-import-not-at-top
+  record = _gate_record({0: {"1": [7.0, 8.0], "2": [10.0, 20.0], "4": [12.0, 30.0]},
+                         1: {"2": [10.0, 22.0], "4": [12.0, 34.0]}})
+  tables = extra_tables(record)
+  assert [[row[0] for row in body] for _, _, body in tables] == [["2", "4"], ["2", "4"]]
+  assert tables[0][2][0] == ["2", "10.0", "21.0"], tables
+  text = report.verdict(record)
+  # worst layer, mean over both seeds: 21 at step 2, 32 at step 4 (not seed 0's step 1 alone)
+  assert "grows over training: 31.0 nats at step 2, 42.0 at step 4" in text, text
+  assert "(bounded: 21.0 -> 32.0)" in text, text
+  plotted = {}
+  real_plot = matplotlib.axes.Axes.plot
+
+  def spy(ax, xs, ys, *args, **kwargs):
+    plotted.setdefault(kwargs.get("label"), (list(xs), list(ys)))
+    return real_plot(ax, xs, ys, *args, **kwargs)
+  monkeypatch.setattr(matplotlib.axes.Axes, "plot", spy)
+  assert "gate_exponent.png" in report.plot(record, tmp_path / "plots")
+  assert plotted["bounded (-5)"] == ([2 * 256, 4 * 256], [21.0, 32.0]), plotted
+  docs = tmp_path / "docs"
+  (docs / "ablations").mkdir(parents=True)
+  (docs / "ablations" / "results.json").write_text(json.dumps({"gate": record}))
+  assert report.main(["--from-results", f"--docs={docs}"]) == 0
+  assert "| 2 | 10.0 | 21.0 |" in (docs / "ablations.md").read_text()
+
+
+def test_a_run_of_another_budget_does_not_replace_a_record_without_replace(tmp_path,
+                                                                           monkeypatch, capsys):
+  """A smoke run with the default --docs replaced the published 80-step tiny record with a
+  2-step one; it now stops before training, naming the record's budget and --replace."""
+  record = {**_gate_record({0: {"80": [1.0]}, 1: {"80": [1.0]}}), "preset": "tiny"}
+  for v in record["variants"].values():
+    for r in v["runs"]:
+      r.update(steps=80, tokens_per_step=2048, seq_len=128)
+  docs = tmp_path / "docs"
+  (docs / "ablations").mkdir(parents=True)
+  stored = json.dumps({"gate": record})
+  (docs / "ablations" / "results.json").write_text(stored)
+  assert report.other_budgets({"gate": record}, ["gate", "length"], "tiny") == []
+  argv = ["--preset", "smoke", "--only", "gate", f"--docs={docs}", f"--workdir={tmp_path}/w"]
+  with pytest.raises(SystemExit) as e:
+    report.main(argv)
+  err = " ".join(capsys.readouterr().err.split())
+  assert e.value.code == 2 and "--replace" in err, err
+  assert "gate (budget `tiny` (" in err and "80 steps of 2,048 tokens" in err, err
+  assert not (tmp_path / "w").exists()
+  assert (docs / "ablations" / "results.json").read_text() == stored
+  assert not (docs / "ablations.md").exists()
+  ran = []
+  monkeypatch.setattr(report, "_run", lambda args, names, *a: ran.append(names) or {})
+  monkeypatch.setattr(report, "write_report", lambda results, docs: None)
+  assert report.main(argv + ["--replace"]) == 0 and ran == [["gate"]]
+  # A run of the record's own budget (resuming or redoing it) needs no flag.
+  assert report.main(["--preset", "tiny", "--only", "gate", f"--docs={docs}"]) == 0
+  assert ran == [["gate"], ["gate"]]
+
+
+@pytest.mark.parametrize("message,said", [
+    ("/w/runs/abc/seed0 stopped at step 1; rerun to resume", "rerun to resume"),  # train_run
+    ("stopped by SIGINT: 2 worker(s) saved their runs and stopped. Rerun the same command to "
+     "resume (finished runs are read back).", "Rerun the same command"),  # jobs.Stopped
+    ("", "Rerun the same command"),
+])
+def test_an_interrupt_says_to_rerun_once(message, said, tmp_path, monkeypatch, capsys):
+  def stop(*a):
+    raise KeyboardInterrupt(message)
+  monkeypatch.setattr(report, "_run", stop)
+  assert report.main(["--preset", "smoke", "--jobs", "1", f"--docs={tmp_path}"]) == 130
+  err = capsys.readouterr().err
+  assert said in err and err.lower().count("rerun") == 1, err
