@@ -18,9 +18,10 @@ order for every feature, the k-th `<image>` placeholder of a packed row is the k
 cell of that row's patches: the encoder's 2x2 merge is a reshape of the packed patch row.
 
 Bad input never stops a run: an unreadable or zero-byte file is skipped; grayscale, 16-bit,
-palette, CMYK and RGBA / LA images are converted to 8-bit RGB (alpha composited on white); an
-image with a side above `max_side` (or more patches than a row holds) is downscaled with a
-warning. Each of these is counted in `ImageStats`.
+32-bit (float in [0, 1], or scaled by range: `to_rgb8`), palette, CMYK and RGBA / LA images
+are converted to 8-bit RGB (alpha composited on white); an image with a side above `max_side`
+(or more patches than a row holds) is downscaled with a warning. Each of these is counted in
+`ImageStats`.
 """
 
 from __future__ import annotations
@@ -71,7 +72,12 @@ class ImageStats:
 
 def to_rgb8(img, where: str, stats: ImageStats) -> np.ndarray:
   """A PIL image of any mode -> uint8 [h, w, 3] RGB; a conversion is counted as
-  `converted_<mode>` (16-bit images are scaled by 1/257, alpha is composited on white)."""
+  `converted_<mode>` (16-bit images are scaled by 1/257, alpha is composited on white).
+
+  32-bit images are scaled by their range: a float ("F") image whose values all lie in
+  [0, 1] is taken as intensities 0..1 (x 255); otherwise, as for int ("I") images, a maximum
+  above 255 means a 16-bit range (x 255 / 65535), else 0..255 as is. NaN becomes 0; the
+  result is clipped to 0..255."""
   from PIL import Image
 
   mode = img.mode
@@ -79,8 +85,10 @@ def to_rgb8(img, where: str, stats: ImageStats) -> np.ndarray:
     return np.asarray(img, np.uint8).copy()
   stats.add(f"converted_{mode}", where)
   if mode in ("I;16", "I;16B", "I;16L", "I;16N", "I", "F"):
-    a = np.asarray(img).astype(np.float64)
-    if mode == "F" or mode == "I":
+    a = np.nan_to_num(np.asarray(img).astype(np.float64), nan=0.0, posinf=0.0, neginf=0.0)
+    if mode == "F" and a.size and a.min() >= 0.0 and a.max() <= 1.0:
+      pass  # intensities in [0, 1]
+    elif mode == "F" or mode == "I":
       hi = max(float(a.max()), 1.0)
       a = a / (65535.0 if hi > 255 else 255.0)
     else:

@@ -273,9 +273,11 @@ class Transformer(nnx.Module):
     Args:
       tokens: [B, T] int32.
       segment_ids: [B, T] int32 packed-document ids (0 = padding) or None (one document).
-      images: None, or a `sparse_lm.vision.ImageBatch` (pixels [N, H, W, 3], sizes [N, 2])
-        whose encoded tokens replace the `<image>` placeholder spans of `tokens` in reading
-        order (ARCHITECTURE §7); needs cfg.vision.
+      images: None, a `sparse_lm.vision.ImageBatch` (pixels [N, H, W, 3], sizes [N, 2]:
+        `vision.pad_images`) whose encoded tokens replace the `<image>` placeholder spans of
+        `tokens` in reading order (ARCHITECTURE §7), or a `PackedImages` (`vision.pack_images`,
+        what the data pipeline feeds: row b's images fill row b's spans); pixels are uint8
+        0..255 or already normalised floats (`data.images.normalize`). Needs cfg.vision.
       train: accumulate the balancer statistics of the MoE layers.
 
     Returns:
@@ -288,6 +290,7 @@ class Transformer(nnx.Module):
 
     Raises:
       ValueError: images given to a model built without cfg.vision.
+      TypeError: images is neither an ImageBatch nor a PackedImages.
     """
     cfg = self.cfg
     valid = None if segment_ids is None else segment_ids != 0

@@ -10,8 +10,9 @@ Integration with the decoder (the whole API it needs):
     #                          x = self.vision.embed_into(x, tokens, images)
     # loss mask on targets:  ~vision.image_placeholder_mask(targets)     # no loss on images
 
-Data side: `vision.pad_images([img_a, img_b], patch_size)` -> ImageBatch(pixels [N, H, W, 3],
-sizes [N, 2]); the text holds `vision.image_token_span(h, w, patch_size, IMAGE_TOKEN_ID)` where
+Data side: `vision.pad_images([img_a, img_b], patch_size)` -> ImageBatch(pixels [N, H, W, 3]
+uint8 0..255 or normalised float, sizes [N, 2]), or `vision.pack_images` (uint8 only) ->
+PackedImages; the text holds `vision.image_token_span(h, w, patch_size, IMAGE_TOKEN_ID)` where
 each image goes (length `num_image_tokens(h, w, patch_size)` = ceil(h/2p) * ceil(w/2p)).
 """
 

@@ -176,6 +176,22 @@ def prefix_branch(segment_ids: jax.Array, sizes: list[int]) -> jax.Array:
   return jnp.sum(jnp.asarray(sizes[:-1], jnp.int32) < extent).astype(jnp.int32)
 
 
+def check_images(images, kinds) -> None:
+  """Raises TypeError unless `images` is an instance of `kinds` (ImageBatch and / or
+  PackedImages; NamedTuples, so they survive jit as themselves), naming what was given and
+  how to build the right one."""
+  if isinstance(images, kinds):
+    return
+  names = " or ".join(k.__name__ for k in (kinds if isinstance(kinds, tuple) else (kinds,)))
+  got = type(images).__name__
+  if hasattr(images, "shape"):
+    got += f" of shape {tuple(images.shape)}"
+  elif isinstance(images, (tuple, list)):
+    got += f" of {len(images)} items"
+  raise TypeError(f"images must be a vision.{names} (build one with vision.pad_images / "
+                  f"vision.pack_images), got a {got}")
+
+
 # ------------------------------------------------------------------------------ modules
 
 
@@ -238,11 +254,14 @@ def _stacked_blocks(cfg: ModelConfig, rngs: nnx.Rngs) -> VisionBlock:
 class VisionEncoder(nnx.Module):
   """Native-resolution ViT + 2x2 merge + MLP projector into d_model (module docstring).
 
-  Call: `encoder(pixels [N, H, W, 3] float, sizes [N, 2] int)` -> (embeddings fp32 [N, M, D],
+  Call: `encoder(pixels [N, H, W, 3], sizes [N, 2] int)` -> (embeddings fp32 [N, M, D],
   mask bool [N, M]), M = ceil(H/2p) * ceil(W/2p) for the padded canvas (H, W need not be
-  multiples of 2p: the canvas is zero-padded). Image n's valid tokens are embeddings[n, :m_n]
-  with m_n = num_image_tokens(h_n, w_n, p), row-major over its own merged grid; the rest are
-  zeros. Works under jit with traced sizes (shapes depend only on the canvas).
+  multiples of 2p: the canvas is zero-padded). pixels uint8 0..255 are normalised with
+  `data.images.normalize` (as `encode_packed` does uint8 patches, so both paths give the same
+  tokens for the same image); float pixels are taken as already normalised. Image n's valid
+  tokens are embeddings[n, :m_n] with m_n = num_image_tokens(h_n, w_n, p), row-major over its
+  own merged grid; the rest are zeros. Works under jit with traced sizes (shapes depend only on
+  the canvas).
 
   Params: patch_embed [p*p*3, C] (vision_patch, vision_embed); blocks (stacked `layers` axis,
   see VisionBlock); final_norm [C]; proj_1 [4C, 4C] (vision_merged, vision_mlp); proj_2
@@ -284,12 +303,19 @@ class VisionEncoder(nnx.Module):
     return x
 
   def __call__(self, pixels: jax.Array, sizes: jax.Array) -> tuple[jax.Array, jax.Array]:
-    """See the class docstring. pixels [N, H, W, 3]; sizes [N, 2] int (height, width)."""
+    """See the class docstring. pixels [N, H, W, 3] uint8 or normalised float; sizes [N, 2]
+    int (height, width).
+
+    Raises:
+      ValueError: pixels not [N, H, W, 3] or sizes not [N, 2].
+    """
     cfg = self.cfg
     p, dt = cfg.vision_patch_size, jnp.dtype(cfg.dtype)
     if pixels.ndim != 4 or pixels.shape[-1] != 3 or sizes.shape != (pixels.shape[0], 2):
       raise ValueError(f"VisionEncoder: pixels must be [N, H, W, 3] and sizes [N, 2], got "
                        f"{pixels.shape} and {sizes.shape}")
+    if pixels.dtype == jnp.uint8:  # before padding / masking: those zeros mean 0.0
+      pixels = image_data.normalize(pixels)
     pixels = patches.pad_to_cells(pixels, p)
     pixels = patches.mask_pixels(pixels, sizes)
     N, H, W, _ = pixels.shape
@@ -310,7 +336,12 @@ class VisionEncoder(nnx.Module):
     return e, mask
 
   def encode(self, images: ImageBatch) -> tuple[jax.Array, jax.Array]:
-    """`self(images.pixels, images.sizes)`."""
+    """`self(images.pixels, images.sizes)`.
+
+    Raises:
+      TypeError: images is not an `ImageBatch` (`check_images`).
+    """
+    check_images(images, ImageBatch)
     return self(images.pixels, images.sizes)
 
   def encode_packed(self, images: PackedImages) -> tuple[jax.Array, jax.Array]:
@@ -336,9 +367,11 @@ class VisionEncoder(nnx.Module):
       (its forward runs again in the backward pass; it keeps only its inputs).
 
     Raises:
+      TypeError: images is not a `PackedImages` (`check_images`).
       ValueError: L not a multiple of 4 (of 4 x 2^(n-1) with n prefix buckets) or
         inconsistent shapes.
     """
+    check_images(images, PackedImages)
     cfg = self.cfg
     p = cfg.vision_patch_size
     x, seg, coords = images.patches, images.segment_ids, images.coords
@@ -400,7 +433,12 @@ class VisionEncoder(nnx.Module):
     feeds), row b's images fill row b's spans (`merge.merge_rows`), so the splice stays within
     a batch shard. The one call the decoder needs:
     `x = self.embed(tokens); x = self.vision.embed_into(x, tokens, images)`.
+
+    Raises:
+      TypeError: images is neither an `ImageBatch` nor a `PackedImages` (e.g. a bare pixel
+        array or a (pixels, sizes) tuple given as `model(tokens, images=...)`).
     """
+    check_images(images, (ImageBatch, PackedImages))
     if isinstance(images, PackedImages):
       e, valid = self.encode_packed(images)
       return merge.merge_rows(text_embeddings, tokens, e, valid, image_token_id)

@@ -10,11 +10,14 @@ array [N, H_max, W_max, 3] with per-image sizes [N, 2], and padding patches are 
 attention (so they never change the valid outputs).
 
 Batch format (`ImageBatch`):
-  pixels [N, H_max, W_max, 3] float (any float dtype; the caller normalises, e.g. to [-1, 1]);
+  pixels [N, H_max, W_max, 3] uint8 RGB 0..255 (the encoder normalises it with
+    `sparse_lm.data.images.normalize`, as it does packed uint8 patches) or float (any float
+    dtype, already normalised by the caller, e.g. `normalize(uint8_image)`, taken as is);
     image n occupies pixels[n, :h_n, :w_n]; whatever lies outside is ignored (zeroed).
   sizes  [N, 2] int32 (h_n, w_n) in pixels, 0 <= h_n <= H_max, 0 <= w_n <= W_max. A size of
     (0, 0) is an empty slot (all its tokens masked), so N can stay fixed under jit.
-`pad_images(list of [h, w, 3] arrays)` builds one on the host.
+`pad_images(list of [h, w, 3] arrays)` builds one on the host; `pack_images` builds the packed
+form (`PackedImages`) from uint8 images.
 """
 
 from __future__ import annotations
@@ -44,16 +47,60 @@ class PackedImages(NamedTuple):
   coords: jax.Array
 
 
+def _check_patch_size(fn: str, patch_size) -> None:
+  """Raises ValueError unless patch_size is a positive int."""
+  if (isinstance(patch_size, bool) or not isinstance(patch_size, (int, np.integer))
+      or patch_size < 1):
+    raise ValueError(f"{fn}: patch_size must be a positive int, got {patch_size!r}")
+
+
+def _check_images(fn: str, images, dtype=None) -> None:
+  """Raises ValueError unless `images` is a sequence of [h, w, 3] arrays whose dtype matches
+  `dtype`: uint8 images for a uint8 target, floating-point (already normalised) images for a
+  float target; dtype None checks only the shapes. Messages name the image index."""
+  if isinstance(images, (np.ndarray, jax.Array)) and images.ndim == 3:
+    raise ValueError(f"{fn}: images must be a list of [h, w, 3] arrays, got one array of "
+                     f"shape {images.shape}: pass [image]")
+  uint8 = np.dtype(np.uint8)
+  for n, im in enumerate(images):
+    if not isinstance(im, (np.ndarray, jax.Array)):
+      raise ValueError(f"{fn}: images[{n}] is a {type(im).__name__}, not an array: pass "
+                       "NumPy arrays, e.g. np.asarray(image, np.uint8) for pixels 0..255")
+    if im.ndim != 3 or im.shape[-1] != 3:
+      raise ValueError(f"{fn}: expected [h, w, 3] images, got shape {im.shape} for "
+                       f"images[{n}] (grayscale: np.repeat(x[..., None], 3, -1); RGBA: "
+                       "x[..., :3]; CHW: x.transpose(1, 2, 0))")
+    if dtype is None:
+      continue
+    if dtype == uint8 and im.dtype != uint8:
+      fix = ("(x * 255).round().astype(np.uint8) for floats in [0, 1]"
+             if jnp.issubdtype(im.dtype, jnp.floating) else
+             "np.clip(x, 0, 255).astype(np.uint8)")
+      raise ValueError(f"{fn}: images[{n}] has dtype {im.dtype}; pass uint8 pixels 0..255: "
+                       f"{fix}")
+    if dtype != uint8 and not jnp.issubdtype(im.dtype, jnp.floating):
+      raise ValueError(f"{fn}: images[{n}] has dtype {im.dtype} but dtype={dtype.name} takes "
+                       "float pixels already normalised: pass uint8 images with dtype=None "
+                       "or np.uint8 (the encoder normalises them), or normalise first with "
+                       "sparse_lm.data.images.normalize")
+
+
 def pack_images(images: Sequence[np.ndarray], patch_size: int = 14, slots: int | None = None
                 ) -> PackedImages:
   """Host-side: uint8 [h, w, 3] images -> one packed row (R = 1) of `slots` patch slots
   (default: just enough), images in order with segment ids 1, 2, ...
 
+  Pixels must be uint8 RGB 0..255 (the encoder normalises them); float images, or other
+  integer dtypes (whose values could wrap), are refused rather than cast.
+
   Raises:
-    ValueError: the images need more than `slots` patches.
+    ValueError: an image is not a uint8 [h, w, 3] array (the message names its index, dtype
+      or shape and the fix), patch_size < 1, or the images need more than `slots` patches.
   """
   from sparse_lm.data import images as image_data
-  parts = [image_data.image_patches(np.asarray(im, np.uint8), patch_size) for im in images]
+  _check_patch_size("pack_images", patch_size)
+  _check_images("pack_images", images, np.uint8)
+  parts = [image_data.image_patches(np.asarray(im), patch_size) for im in images]
   n = sum(p.shape[0] for p, _ in parts)
   slots = n if slots is None else slots
   if n > slots:
@@ -71,7 +118,8 @@ def pack_images(images: Sequence[np.ndarray], patch_size: int = 14, slots: int |
 class ImageBatch(NamedTuple):
   """A padded batch of native-size images (a pytree; see the module docstring).
 
-  pixels: [N, H_max, W_max, 3] float.  sizes: [N, 2] int32 (height, width) in pixels.
+  pixels: [N, H_max, W_max, 3] uint8 0..255 (normalised by the encoder) or float (already
+  normalised).  sizes: [N, 2] int32 (height, width) in pixels.
   """
   pixels: jax.Array
   sizes: jax.Array
@@ -104,20 +152,32 @@ def image_token_span(height: int, width: int, patch_size: int, image_token_id: i
 
 def pad_images(images: Sequence[np.ndarray], patch_size: int = 14, *,
                height: int | None = None, width: int | None = None,
-               dtype=np.float32) -> ImageBatch:
+               dtype=None) -> ImageBatch:
   """Host-side: stack native-size images [h_n, w_n, 3] into a zero-padded ImageBatch.
 
   H_max / W_max are the largest height / width rounded up to a multiple of 2 * patch_size, or
   the given `height` / `width` (fixed shapes avoid recompiles; they must be multiples of
   2 * patch_size and at least as large as every image).
 
+  Pixels are either uint8 RGB 0..255 (the encoder normalises them, as in the packed path) or
+  float, already normalised (e.g. `sparse_lm.data.images.normalize(uint8_image)`), and are
+  never rescaled here. `dtype`: of the padded pixels; None (default) keeps uint8 when every
+  image is uint8, else float32. A uint8 dtype takes only uint8 images, a float dtype only float
+  images (a uint8 image cast to float would reach the encoder unnormalised).
+
   Raises:
-    ValueError: an image is not [h, w, 3], or does not fit the requested height / width.
+    ValueError: an image is not an [h, w, 3] array or its dtype does not match `dtype` (the
+      message names its index), patch_size < 1, or an image does not fit the requested
+      height / width.
   """
+  _check_patch_size("pad_images", patch_size)
+  _check_images("pad_images", images)
+  if dtype is None:
+    all_uint8 = len(images) > 0 and all(im.dtype == np.uint8 for im in images)
+    dtype = np.uint8 if all_uint8 else np.float32
+  dtype = np.dtype(dtype)
+  _check_images("pad_images", images, dtype)
   cell = MERGE * patch_size
-  for im in images:
-    if im.ndim != 3 or im.shape[-1] != 3:
-      raise ValueError(f"pad_images: expected [h, w, 3] images, got shape {im.shape}")
   hmax = max([im.shape[0] for im in images], default=0)
   wmax = max([im.shape[1] for im in images], default=0)
   H = height if height is not None else max(cell, -(-hmax // cell) * cell)
@@ -128,7 +188,7 @@ def pad_images(images: Sequence[np.ndarray], patch_size: int = 14, *,
   pixels = np.zeros((len(images), H, W, 3), dtype)
   sizes = np.zeros((len(images), 2), np.int32)
   for n, im in enumerate(images):
-    pixels[n, :im.shape[0], :im.shape[1]] = im
+    pixels[n, :im.shape[0], :im.shape[1]] = np.asarray(im)
     sizes[n] = im.shape[:2]
   return ImageBatch(jnp.asarray(pixels), jnp.asarray(sizes))
 
