@@ -93,10 +93,16 @@ def load(workdir: str | pathlib.Path, stage: str | None = None, *,
   if stage is None and stages:
     stage = names[-1]
   if stage not in names:
+    from sparse_lm.interop import workdir as hf_import  # pylint: disable=g-import-not-at-top
+    imported = stage is None and not names and hf_import.imported_config(workdir) is not None
     raise FileNotFoundError(
         f"no checkpoint of {stage or 'any stage'} in {workdir} (stages with checkpoints: "
-        f"{names or 'none'}); train one with `python -m experiments.<stage> "
-        f"--workdir={workdir}`")
+        f"{names or 'none'}); " + (
+            "it holds an HF import (`python -m sparse_lm.interop.hf import`): load that with "
+            "`sparse_lm.interop.workdir.load_from_workdir`, generate from it with `python -m "
+            f"sparse_lm.generate --workdir {workdir}`, or fine-tune it with `python -m "
+            f"experiments.<stage> --set init_from={workdir} --workdir=<new dir>`" if imported else
+            f"train one with `python -m experiments.<stage> --workdir={workdir}`"))
   ckpt = Checkpointer(workdir / stage / "checkpoints", keep=10**6)
   _refuse_other_runs(ckpt, workdir / stage)
   mesh = shd.make_mesh(shd.MeshLayout(), devices)

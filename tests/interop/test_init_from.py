@@ -175,6 +175,10 @@ def test_init_from_takes_the_import_directory_itself_and_names_what_a_wrong_path
   assert hf_import.imported_config(w) == hf_import.imported_config(w / "hf_import")
   assert hf_import.imported_config(w).name == "kimi_linear"
   assert hf_import.imported_config(tmp_path) is None
+  from sparse_lm.train import load  # an import is not a stage: the message says how to load it
+  with pytest.raises(FileNotFoundError, match=r"it holds an HF import .*load_from_workdir.*"
+                     r"--set init_from="):
+    load(w)
   missing = loop._init_from_missing  # pylint: disable=protected-access
   msg = missing(small_stage(name="ft", init_from=str(KIMI_LINEAR)), tmp_path, tmp_path / "x")
   assert "HF checkpoint directory, not an import" in msg
