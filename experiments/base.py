@@ -227,9 +227,12 @@ def build_stage(stages: Mapping[str, StageConfig], argv: Sequence[str] | None = 
     parser.error(f"--progress-every={args.progress_every} must be >= 1")
   workdir = args.workdir or f"runs/{args.preset}"
   try:
-    local_workdir(workdir)
+    path = local_workdir(workdir)
   except ValueError as e:
     parser.error(str(e))
+  if (path / stage.name).exists() and not (path / stage.name).is_dir():
+    parser.error(f"--workdir={workdir}: {path / stage.name} (the stage's directory) is a file; "
+                 "move it aside or give another --workdir")
   return stage, workdir, args
 
 

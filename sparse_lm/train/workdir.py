@@ -29,7 +29,9 @@ def local_workdir(path: str | os.PathLike, flag: str = "--workdir") -> pathlib.P
 
   Raises:
     ValueError: path is a URL (scheme://...); the message names `flag` and the fix: a bucket
-      mounted at the same path on every host (Cloud Storage FUSE) or a shared filesystem.
+      mounted at the same path on every host (Cloud Storage FUSE) or a shared filesystem. Or
+      path, or the nearest existing directory above it, is a file (the first write would fail
+      with NotADirectoryError after the compiles).
   """
   text = os.fspath(path)
   if _URL.match(text):
@@ -38,7 +40,14 @@ def local_workdir(path: str | os.PathLike, flag: str = "--workdir") -> pathlib.P
         "on every host (Cloud Storage FUSE, e.g. `gcsfuse --implicit-dirs BUCKET /gcs/BUCKET`) "
         f"and pass {flag}=/gcs/BUCKET/..., or use another filesystem every host shares "
         "(docs/launch.md)")
-  return pathlib.Path(text).absolute()
+  p = pathlib.Path(text).absolute()
+  for q in (p, *p.parents):
+    if q.exists():
+      if not q.is_dir():
+        raise ValueError(f"{flag}={text}: " + ("is a file" if q == p else f"{q} is a file")
+                         + "; give a directory (new or existing)")
+      break
+  return p
 
 
 class WorkdirLockedError(RuntimeError):

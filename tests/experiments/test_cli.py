@@ -46,6 +46,23 @@ def test_url_workdir_is_refused_before_anything_is_built(capsys):
   assert not pathlib.Path("gs:").exists()
 
 
+def test_a_workdir_that_is_a_file_is_refused_before_anything_is_built(tmp_path, capsys):
+  """A file as --workdir (or above it, or as the stage's directory in it) ended in a
+  NotADirectoryError / FileExistsError traceback after the compiles; now the parser stops."""
+  afile = tmp_path / "afile"
+  afile.write_text("x")
+  (tmp_path / "w").mkdir()
+  (tmp_path / "w" / "stage_8k").write_text("x")
+  for workdir, want in ((afile, f"--workdir={afile}: is a file"),
+                        (afile / "sub", f"--workdir={afile / 'sub'}: {afile} is a file"),
+                        (tmp_path / "w", "(the stage's directory) is a file")):
+    with pytest.raises(SystemExit) as e:
+      base.main(stage_8k.STAGES, ["--workdir", str(workdir), "--steps", "2"])
+    assert e.value.code == 2
+    err = capsys.readouterr().err
+    assert want in err, err
+
+
 def test_help_shows_the_stage_defaults_and_list_keys_prints_every_key(capsys):
   with pytest.raises(SystemExit) as e:
     base.main(stage_8k.STAGES, ["--help"])
