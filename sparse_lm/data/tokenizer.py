@@ -240,7 +240,12 @@ class Tokenizer:
   @classmethod
   def load(cls, path: str) -> Tokenizer:
     """Loads a ``tokenizer.json`` (HF or ours), a SentencePiece ``.model`` file, or with
-    ``hf:DIR`` the tokenizer of the HF checkpoint directory DIR (``tokenizer_hf.py``)."""
+    ``hf:DIR`` the tokenizer of the HF checkpoint directory DIR (``tokenizer_hf.py``).
+
+    Raises:
+      FileNotFoundError: no such file.
+      ValueError: the file is neither (named, with the parser's first line of complaint).
+    """
     for prefix, make in PATH_PREFIXES.items():
       if path.startswith(prefix):
         return make(path[len(prefix):])
@@ -250,9 +255,16 @@ class Tokenizer:
                               "an HF checkpoint's tokenizer, or None to train a BPE on the data)")
     with open(path, "rb") as f:
       data = f.read()
-    if path.endswith(".model") or not data.lstrip().startswith(b"{"):
-      return cls(sp_model_proto=data)
-    return cls.from_json(data.decode("utf-8"))
+    sp = path.endswith(".model") or not data.lstrip().startswith(b"{")
+    try:
+      return cls(sp_model_proto=data) if sp else cls.from_json(data.decode("utf-8"))
+    except Exception as e:  # pylint: disable=broad-except  (each parser raises its own kind)
+      why = (str(e).strip().splitlines() or [type(e).__name__])[-1][:200]
+      raise ValueError(
+          f"tokenizer file {path!r} (DataConfig.tokenizer) cannot be read as "
+          + ("a SentencePiece .model" if sp else "a tokenizer.json") + f" ({why}); give a "
+          "tokenizer.json or a SentencePiece .model, hf:DIR for an HF checkpoint's tokenizer, "
+          "or None to train a BPE on the data") from None
 
   def __repr__(self) -> str:
     kind = "hf" if self._hf is not None else "sentencepiece"

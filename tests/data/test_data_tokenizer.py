@@ -2,6 +2,7 @@
 
 import io
 import os
+import re
 
 import numpy as np
 import pytest
@@ -129,6 +130,22 @@ def test_given_sentencepiece_model(tmp_path):
 def test_missing_tokenizer_file_is_an_error(tmp_path):
   with pytest.raises(FileNotFoundError, match="does not exist"):
     load_or_train_tokenizer(DataConfig(tokenizer=str(tmp_path / "none.json")), None, 512)
+
+
+def test_a_tokenizer_file_that_is_neither_format_is_a_named_error(tmp_path):
+  """Text that is not JSON (read as a SentencePiece proto), JSON that is not a tokenizer, and
+  a truncated tokenizer.json: a ValueError naming the file and the setting (they were a
+  sentencepiece RuntimeError, a bare `Exception` of the tokenizers library, a message naming
+  neither)."""
+  for name, text, kind in (("notes.txt", "not json", "a SentencePiece .model"),
+                           ("a.json", '{"a": 1}', "a tokenizer.json"),
+                           ("cut.json", '{"model": {"type": "BPE", "vocab": {"a"', "a tokenizer.json")):
+    path = tmp_path / name
+    path.write_text(text)
+    with pytest.raises(ValueError, match=re.escape(f"tokenizer file {str(path)!r} "
+                                                   f"(DataConfig.tokenizer) cannot be read as "
+                                                   f"{kind} (")):
+      load_or_train_tokenizer(DataConfig(tokenizer=str(path)), None, 512)
 
 
 def test_long_texts_encoded_in_pieces_match_whole_text_encoding(stdlib_tokenizer):
