@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from jax.sharding import NamedSharding
 
 from sparse_lm import sharding as shd
@@ -83,7 +84,18 @@ def cache_bytes(cfg: ModelConfig, length: int, batch: int = 1, *,
   Returns:
     int bytes: KDA layers (W-1)(2HK + HV) values in cfg.dtype plus H K V fp32, independent of
     length; MLA layers length x (kv_lora_rank + qk_rope_head_dim) values in cfg.dtype.
+
+  Raises:
+    TypeError: cfg is not a ModelConfig (a preset name: `config.get_preset(name)`).
+    ValueError: length < 0 or batch < 1, or either is not an int (named).
   """
+  if not isinstance(cfg, ModelConfig):
+    raise TypeError(f"cache_bytes: cfg must be a ModelConfig, got {cfg!r} (for a preset "
+                    "name: sparse_lm.config.get_preset(name))")
+  for name, value, low in (("length", length, 0), ("batch", batch, 1)):
+    if (not isinstance(value, (int, np.integer)) or isinstance(value, bool)
+        or value < low):
+      raise ValueError(f"cache_bytes: {name}={value!r} must be an int >= {low}")
   item = jnp.dtype(cfg.dtype).itemsize
   H, K, V, W = cfg.kda_num_heads, cfg.kda_head_dim, cfg.kda_value_dim, cfg.kda_conv_size
   kda = (W - 1) * (2 * H * K + H * V) * item + H * K * V * 4

@@ -32,7 +32,8 @@ class SamplingParams:
       subnormal flushed to zero) and the pick would not be the argmax.
     top_k: keep the k most likely tokens; 0 = all.
     top_p: nucleus mass in (0, 1]; 1 = all.
-    stop_tokens: token ids that end a row (the stop token is returned, with its log-prob).
+    stop_tokens: token ids (ints; one int is taken as one id) that end a row (the stop token
+      is returned, with its log-prob).
 
   Raises:
     ValueError: a value outside its range (names the field).
@@ -44,9 +45,13 @@ class SamplingParams:
   stop_tokens: Sequence[int] = ()
 
   def __post_init__(self):
-    if not self.temperature >= 0:
-      raise ValueError(f"SamplingParams: temperature={self.temperature} must be >= 0 "
-                       "(0 = greedy)")
+    for name in ("temperature", "top_p"):
+      value = getattr(self, name)
+      if not isinstance(value, (int, float, np.integer, np.floating)) or isinstance(value, bool):
+        raise ValueError(f"SamplingParams: {name}={value!r} must be a number")
+    if not 0 <= self.temperature < float("inf"):
+      raise ValueError(f"SamplingParams: temperature={self.temperature} must be finite and "
+                       ">= 0 (0 = greedy)")
     if (not isinstance(self.top_k, (int, np.integer)) or isinstance(self.top_k, bool)
         or not 0 <= self.top_k < 2**31):
       raise ValueError(f"SamplingParams: top_k={self.top_k!r} must be an int in [0, 2**31) "
@@ -55,7 +60,14 @@ class SamplingParams:
     if not 0 < self.top_p <= 1:
       raise ValueError(f"SamplingParams: top_p={self.top_p} must be in (0, 1] (1 = no nucleus "
                        "truncation)")
-    object.__setattr__(self, "stop_tokens", tuple(int(t) for t in self.stop_tokens))
+    stops = self.stop_tokens
+    if isinstance(stops, (int, np.integer)) and not isinstance(stops, bool):
+      stops = (stops,)  # one stop id
+    if (isinstance(stops, (str, bytes)) or not hasattr(stops, "__iter__") or not all(
+        isinstance(t, (int, np.integer)) and not isinstance(t, bool) for t in stops)):
+      raise ValueError(f"SamplingParams: stop_tokens={self.stop_tokens!r} must be token ids "
+                       "(ints), e.g. (tokenizer.eos_id,)")
+    object.__setattr__(self, "stop_tokens", tuple(int(t) for t in stops))
 
   @property
   def mode(self) -> int:

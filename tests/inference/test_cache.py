@@ -45,3 +45,16 @@ def test_cache_bytes_is_what_the_engine_allocates(dtype):
   kda = 3 * (2 * 64 + 64) * item + 2 * 32 * 32 * 4
   assert cache_bytes(cfg, 128, batch=3) == 3 * (6 * kda + 3 * 128 * 24 * item)
   assert cache_bytes(cfg, 128, mla_everywhere=True) == 9 * 128 * 24 * item
+
+
+def test_cache_bytes_refuses_bad_arguments_by_name():
+  """A negative length gave positive bytes, a negative batch negative bytes, a float length a
+  float, a preset name an AttributeError."""
+  cfg = get_preset("tiny")
+  assert cache_bytes(cfg, 0) > 0 and cache_bytes(cfg, 64, 2) == 2 * cache_bytes(cfg, 64)
+  for args, field in (((cfg, -5), "length=-5"), ((cfg, 1024, -2), "batch=-2"),
+                      ((cfg, 10.5), "length=10.5"), ((cfg, 8, 0), "batch=0")):
+    with pytest.raises(ValueError, match=f"cache_bytes: {field} must be an int"):
+      cache_bytes(*args)
+  with pytest.raises(TypeError, match=r"cfg must be a ModelConfig.*get_preset\(name\)"):
+    cache_bytes("tiny", 1024)

@@ -113,7 +113,8 @@ def test_cli_interactive_continues_the_state(workdir, monkeypatch):
 
 
 @pytest.mark.parametrize("flags, want", [
-    (["--temperature", "-1"], r"--temperature=-1.0 must be >= 0"),
+    (["--temperature", "-1"], r"--temperature=-1.0 must be finite and >= 0"),
+    (["--temperature", "inf"], r"--temperature=inf must be finite and >= 0"),
     (["--top-p", "1.5"], r"--top-p"),
     (["--max-new-tokens", "0"], r"--max-new-tokens=0 must be >= 1"),
     # out of the engine's integer ranges: OverflowError tracebacks before

@@ -65,3 +65,18 @@ def test_a_vanishing_temperature_is_greedy(temperature):
     assert sp.mode == (0 if t < 1e-5 else 1)
     tok, _ = jax.jit(sample)(logits, keys, mode=sp.mode, temperature=t, top_k=0, top_p=1.0)
     np.testing.assert_array_equal(tok, np.argmax(logits, -1), err_msg=str(t))
+
+
+def test_sampling_params_refuse_what_they_would_coerce_or_crash_on():
+  """A string temperature (a TypeError from `>=`), an infinite one (uniform sampling), a
+  non-integer stop id (1.7 silently became 1) and a bare string are refused by name; one int
+  as stop_tokens is one stop id (it was `'int' object is not iterable`)."""
+  for kwargs, field in ((dict(temperature="0.5"), "temperature"),
+                        (dict(temperature=float("inf")), "temperature"),
+                        (dict(top_p="0.9"), "top_p"), (dict(stop_tokens=[1.7]), "stop_tokens"),
+                        (dict(stop_tokens="5"), "stop_tokens"),
+                        (dict(stop_tokens=[True]), "stop_tokens")):
+    with pytest.raises(ValueError, match=f"SamplingParams: {field}="):
+      SamplingParams(**kwargs)
+  assert SamplingParams(stop_tokens=5).stop_tokens == (5,)
+  assert SamplingParams(stop_tokens=np.array([3, 4])).stop_tokens == (3, 4)
