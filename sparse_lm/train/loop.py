@@ -547,7 +547,8 @@ class _StageLoop:
         self.bar.print(f"[{stage.name}] {preemption.requested} before step {start} (during "
                        f"the compiles{' and the step-0 eval' if start == 0 else ''}): stopped "
                        f"with nothing new to save; {kept}; run the same command again to "
-                       "resume from it.")
+                       + ("resume from it." if self.last_saved is not None else
+                          "start the stage."))
         return state, True
       clock = self.clock = _HostClock()
       step_gc = _StepGC(stage.gc_every)
@@ -638,7 +639,8 @@ class _StageLoop:
     reason = ("no step was trained since the start" if step == start else
               "a save needs every process, and the others wait for this one's batch")
     self.bar.print(f"{why}: stopped without saving ({reason}); {kept}; run the same command "
-                   "again to resume from it.")
+                   "again to " + ("resume from it." if self.last_saved is not None else
+                                  "start the stage."))
 
   def drain(self, state):
     """Read the metrics of the last dispatched step; stop on a non-finite loss."""

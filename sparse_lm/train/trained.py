@@ -93,6 +93,10 @@ def load(workdir: str | pathlib.Path, stage: str | None = None, *,
   if stage is None and stages:
     stage = names[-1]
   if stage not in names:
+    if (workdir / "checkpoints").is_dir():  # a stage's directory, not the workdir above it
+      raise FileNotFoundError(
+          f"{workdir} is a stage directory: load it with load({str(workdir.parent)!r}, "
+          f"stage={workdir.name!r})")
     from sparse_lm.interop import workdir as hf_import  # pylint: disable=g-import-not-at-top
     imported = stage is None and not names and hf_import.imported_config(workdir) is not None
     raise FileNotFoundError(

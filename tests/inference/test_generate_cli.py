@@ -183,6 +183,10 @@ def test_cli_refusals_echo_nothing_and_a_full_session_ends_cleanly(workdir, monk
   with pytest.raises(FileNotFoundError, match=r"is a stage directory: pass --workdir "
                      + re.escape(str(root)) + " --stage stage_8k"):
     cli.main(["--workdir", str(root / "stage_8k"), "--prompt", "x"])
+  from sparse_lm.train import load  # the Python loader says the same in its own terms
+  with pytest.raises(FileNotFoundError, match=r"is a stage directory: load it with load\("
+                     + re.escape(repr(str(root.absolute()))) + r", stage='stage_8k'\)"):
+    load(root / "stage_8k")
   with pytest.raises(SystemExit) as stop:
     cli.main(["--workdir", str(root), "--prompt", ""])
   assert stop.value.code == 2 and "--prompt is empty" in capsys.readouterr().err

@@ -59,7 +59,7 @@ def test_a_signal_during_the_step0_eval_stops_before_the_first_step(workdir, mon
   out = capsys.readouterr().out
   assert (f"[stage_8k] {signal.Signals(signum).name} before step 0 (during the compiles and "
           "the step-0 eval): stopped with nothing new to save; no checkpoint of this stage "
-          "was saved") in out, out
+          "was saved; run the same command again to start the stage.") in out, out
   again = loop.run(stage, workdir, progress=False)
   assert not again.preempted and again.start_step == 0 and again.end_step == 2
 
