@@ -128,6 +128,40 @@ class Preemption:
       signal.signal(s, handler)
 
 
+class Interrupted(Exception):
+  """A SIGTERM / SIGINT during work with nothing to save (`InterruptWork`); `signal_name`."""
+
+  def __init__(self, signal_name: str):
+    super().__init__(signal_name)
+    self.signal_name = signal_name
+
+
+class InterruptWork:
+  """Context manager: SIGTERM and SIGINT raise `Interrupted` in the main thread (once the
+  C++ call under way returns), for work after the last save that a rerun redoes: the
+  end-of-stage held-out losses and sample. (Without it, Ctrl-C there was a KeyboardInterrupt
+  traceback and SIGTERM a silent death.) A no-op off the main thread and in a multi-process
+  job, whose signals JAX's preemption service handles (`Preemption`)."""
+
+  def __init__(self, multiprocess: bool | None = None):
+    self.multiprocess = (jax.process_count() > 1) if multiprocess is None else multiprocess
+    self._previous = {}
+
+  def __enter__(self):
+    if not self.multiprocess and threading.current_thread() is threading.main_thread():
+      self._previous = {s: signal.signal(s, self._handle) for s in Preemption.SIGNALS}
+    return self
+
+  @staticmethod
+  def _handle(signum, frame):
+    del frame
+    raise Interrupted(signal.Signals(signum).name)
+
+  def __exit__(self, *exc):
+    for s, handler in self._previous.items():
+      signal.signal(s, handler)
+
+
 class BatchFetcher:
   """`next(iterator)` run on a worker thread, the caller waiting in polls of `poll` seconds so
   that a stop request (SIGTERM / SIGINT, `Preemption.requested`) is honoured while the data
@@ -385,7 +419,17 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
         start = int(jax.device_get(state.step))
         state, preempted = loop.train(state, start)
         end = int(jax.device_get(state.step))
-        final_eval, sample = ({}, "") if preempted else loop.finish(state, end)
+        final_eval, sample = {}, ""
+        if not preempted:
+          loop.save(state, final=True)
+          try:
+            with InterruptWork():
+              final_eval, sample = loop.finish(state, end)
+          except Interrupted as e:  # the final checkpoint is saved; a rerun redoes the rest
+            preempted = True
+            say(f"[{stage.name}] {e.signal_name} during the end-of-stage held-out losses and "
+                f"sample: stopped; the final checkpoint (step {end}) is saved to "
+                f"{loop.ckpt.directory}; run the same command again to redo them.")
       finally:
         loop.close()
   if not preempted:
@@ -693,9 +737,8 @@ class _StageLoop:
     self.bar.print(f"[{self.stage.name}] step {step}: held-out loss {loss:.4f}")
 
   def finish(self, state, end) -> tuple[dict[str, float], str]:
-    """The final save, held-out losses at 1x and 2x the length, and the sample."""
+    """Held-out losses at 1x and 2x the length, and the sample (after the final save)."""
     stage = self.stage
-    self.save(state, final=True)
     final_eval, sample = {}, ""
     self.evaluate(state, end)
     if end in self.evals:

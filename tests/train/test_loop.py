@@ -60,8 +60,27 @@ def test_a_signal_during_the_step0_eval_stops_before_the_first_step(workdir, mon
   assert (f"[stage_8k] {signal.Signals(signum).name} before step 0 (during the compiles and "
           "the step-0 eval): stopped with nothing new to save; no checkpoint of this stage "
           "was saved; run the same command again to start the stage.") in out, out
-  again = loop.run(stage, workdir, progress=False)
-  assert not again.preempted and again.start_step == 0 and again.end_step == 2
+  # the same signal during the end-of-stage held-out losses (after the final save): a line
+  # saying so (it was a KeyboardInterrupt traceback, or a silent death by SIGTERM); the same
+  # command then redoes them from the final checkpoint
+  finish = loop._StageLoop.finish  # pylint: disable=protected-access
+
+  def finish_signalled(self, state, end):
+    os.kill(os.getpid(), signum)
+    return finish(self, state, end)
+
+  with monkeypatch.context() as m:
+    m.setattr(loop._StageLoop, "finish", finish_signalled)  # pylint: disable=protected-access
+    again = loop.run(stage, workdir, progress=False)
+  assert again.preempted and again.start_step == 0 and again.end_step == 2
+  assert again.final_eval == {} and len(again.losses) == 2
+  out = capsys.readouterr().out
+  assert (f"[stage_8k] {signal.Signals(signum).name} during the end-of-stage held-out losses "
+          "and sample: stopped; the final checkpoint (step 2) is saved to ") in out, out
+  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+  done = loop.run(stage, workdir, progress=False)
+  assert not done.preempted and done.start_step == done.end_step == 2
+  assert sorted(done.final_eval) == ["eval_loss@128", "eval_loss@64"], done.final_eval
 
 
 def test_sigint_resume_and_truncated_fallback_are_bit_exact(workdir, tmp_path_factory, capsys):
