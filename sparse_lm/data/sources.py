@@ -186,7 +186,10 @@ class JsonlSource(Source):
       raise ValueError(f"{self.doc_ids[index]}: JSON record has no field 'text' "
                        f"(fields: {sorted(record) if isinstance(record, dict) else type(record)})")
     text = record["text"]
-    return text if isinstance(text, str) and text.strip() else None
+    if text is not None and not isinstance(text, str):  # null: an empty document
+      raise ValueError(f"{self.doc_ids[index]}: JSON field 'text' is a {type(text).__name__} "
+                       f"({str(text)[:40]!r}), not a string")
+    return text if text is not None and text.strip() else None
 
 
 class ParquetSource(Source):
@@ -267,7 +270,10 @@ class ArrayRecordSource(Source):
         record = None
       if isinstance(record, dict) and "text" in record:
         text = record["text"]
-    return text if isinstance(text, str) and text.strip() else None
+    if text is not None and not isinstance(text, str):  # null: an empty document
+      raise ValueError(f"{self.doc_ids[index]}: JSON field 'text' is a {type(text).__name__} "
+                       f"({str(text)[:40]!r}), not a string")
+    return text if text is not None and text.strip() else None
 
 
 def _glob_files(scheme: str, pattern: str) -> tuple[str, list[str]]:
@@ -385,13 +391,14 @@ def parse_source(spec: str) -> tuple[str, str]:
   return scheme, path
 
 
-@functools.lru_cache(maxsize=16)
 def open_source(spec: str, *, split: str, eval_fraction: float,
                 long_documents: bool = False) -> Source:
   """Opens the ``split`` ("train" or "eval") of the source ``spec``.
 
   Listing is cheap (paths, sizes, record offsets); text is read lazily by ``Source.load``.
-  Cached per process, so the train and eval pipelines and ``describe`` share one listing.
+  Cached per process, so the train and eval pipelines and ``describe`` share one listing; a
+  file added, removed or changed (size or modification time) since makes a new listing (a
+  notebook that edits its data and trains again read the old record offsets).
 
   Raises:
     ValueError: unknown scheme, bad split, or a malformed file (no 'text' field/column).
@@ -399,6 +406,21 @@ def open_source(spec: str, *, split: str, eval_fraction: float,
   """
   if split not in ("train", "eval"):
     raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
+  scheme, path = parse_source(spec)
+  stamp = ()
+  if scheme != "stdlib":
+    root, files = _glob_files(scheme, path)
+    stamp = tuple((f, st.st_size, st.st_mtime_ns) for f in files
+                  for st in (os.stat(os.path.join(root, f)),))
+  return _open_source(spec, split=split, eval_fraction=eval_fraction,
+                      long_documents=long_documents, stamp=stamp)
+
+
+@functools.lru_cache(maxsize=16)
+def _open_source(spec: str, *, split: str, eval_fraction: float, long_documents: bool,
+                 stamp: tuple) -> Source:
+  """`open_source`'s listing, cached by `stamp` (the files' names, sizes and mtimes)."""
+  del stamp  # the cache key only
   scheme, path = parse_source(spec)
   if scheme == "stdlib":
     root, files = stdlib_files()

@@ -53,6 +53,15 @@ def test_jsonl_source(tmp_path):
   bad.write_text(json.dumps({"content": "x"}) + "\n")
   with pytest.raises(ValueError, match="'text'"):
     open_source(f"jsonl:{bad}", split="train", eval_fraction=0.0).load(0)
+  # a text that is not a string is named (it was dropped silently; with every record so, the
+  # error said the documents were empty); null is an empty document
+  odd = bad  # rewritten: the cached listing is not reused for a changed file
+  odd.write_text(json.dumps({"text": 123}) + "\n" + json.dumps({"text": None}) + "\n")
+  src = open_source(f"jsonl:{odd}", split="train", eval_fraction=0.0)
+  with pytest.raises(ValueError, match=r"bad.jsonl:0: JSON field 'text' is a int \('123'\), "
+                     "not a string"):
+    src.load(0)
+  assert src.load(1) is None
 
 
 def test_parquet_source(tmp_path):
