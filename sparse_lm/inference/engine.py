@@ -147,7 +147,7 @@ class Engine:
                     ("prefill_chunk", prefill_chunk), ("kv_block", 1 if kv_block is None
                                                        else kv_block),
                     ("decode_steps", decode_steps)):
-      if not isinstance(v, (int, np.integer)) or v <= 0:
+      if not isinstance(v, (int, np.integer)) or isinstance(v, bool) or v <= 0:
         raise ValueError(f"Engine: {name}={v!r} must be a positive int"
                          + (" (or None: the model's attention_chunk_size)"
                             if name == "kv_block" else ""))

@@ -266,3 +266,5 @@ def test_caches_larger_than_the_device_are_refused_before_allocating(setup):
     Engine(model, max_length=10**11, max_batch=8)
   with pytest.raises(ValueError, match="kv_block=0 must be a positive int"):
     Engine(model, max_length=32, kv_block=0)
+  with pytest.raises(ValueError, match="max_length=True must be a positive int"):
+    Engine(model, max_length=True)  # a bool was taken as a length of 1
