@@ -186,10 +186,16 @@ class JsonlSource(Source):
       raise ValueError(f"{self.doc_ids[index]}: JSON record has no field 'text' "
                        f"(fields: {sorted(record) if isinstance(record, dict) else type(record)})")
     text = record["text"]
-    if text is not None and not isinstance(text, str):  # null: an empty document
-      raise ValueError(f"{self.doc_ids[index]}: JSON field 'text' is a {type(text).__name__} "
-                       f"({str(text)[:40]!r}), not a string")
-    return text if text is not None and text.strip() else None
+    return _document_text(text, self.doc_ids[index])
+
+
+def _document_text(text, doc_id: str) -> str | None:
+  """A record's "text" value as a document: None for null or whitespace only; ValueError
+  naming `doc_id` for a value that is not a string (a number or list was dropped silently)."""
+  if text is not None and not isinstance(text, str):
+    raise ValueError(f"{doc_id}: JSON field 'text' is a {type(text).__name__} "
+                     f"({str(text)[:40]!r}), not a string")
+  return text if text is not None and text.strip() else None
 
 
 class ParquetSource(Source):
@@ -270,10 +276,7 @@ class ArrayRecordSource(Source):
         record = None
       if isinstance(record, dict) and "text" in record:
         text = record["text"]
-    if text is not None and not isinstance(text, str):  # null: an empty document
-      raise ValueError(f"{self.doc_ids[index]}: JSON field 'text' is a {type(text).__name__} "
-                       f"({str(text)[:40]!r}), not a string")
-    return text if text is not None and text.strip() else None
+    return _document_text(text, self.doc_ids[index])
 
 
 def _glob_files(scheme: str, pattern: str) -> tuple[str, list[str]]:
@@ -407,27 +410,27 @@ def open_source(spec: str, *, split: str, eval_fraction: float,
   if split not in ("train", "eval"):
     raise ValueError(f"split must be 'train' or 'eval', got {split!r}")
   scheme, path = parse_source(spec)
-  stamp = ()
+  root, stamp = None, ()
   if scheme != "stdlib":
     root, files = _glob_files(scheme, path)
     stamp = tuple((f, st.st_size, st.st_mtime_ns) for f in files
                   for st in (os.stat(os.path.join(root, f)),))
   return _open_source(spec, split=split, eval_fraction=eval_fraction,
-                      long_documents=long_documents, stamp=stamp)
+                      long_documents=long_documents, root=root, stamp=stamp)
 
 
 @functools.lru_cache(maxsize=16)
 def _open_source(spec: str, *, split: str, eval_fraction: float, long_documents: bool,
-                 stamp: tuple) -> Source:
-  """`open_source`'s listing, cached by `stamp` (the files' names, sizes and mtimes)."""
-  del stamp  # the cache key only
-  scheme, path = parse_source(spec)
+                 root: str | None, stamp: tuple) -> Source:
+  """`open_source`'s listing of the files `stamp` names under `root` (the cache key: their
+  names, sizes and mtimes)."""
+  scheme, _ = parse_source(spec)
   if scheme == "stdlib":
     root, files = stdlib_files()
     stats = SourceStats(files=len(files))
     return _file_documents(spec, root, files, long_documents=long_documents,
                            eval_fraction=eval_fraction, split=split, stats=stats)
-  root, files = _glob_files(scheme, path)
+  files = [f for f, _, _ in stamp]
   if scheme == "text":
     stats = SourceStats(files=len(files))
     return _file_documents(spec, root, files, long_documents=False,

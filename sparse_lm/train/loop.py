@@ -136,30 +136,17 @@ class Interrupted(Exception):
     self.signal_name = signal_name
 
 
-class InterruptWork:
+class InterruptWork(Preemption):
   """Context manager: SIGTERM and SIGINT raise `Interrupted` in the main thread (once the
   C++ call under way returns), for work after the last save that a rerun redoes: the
   end-of-stage held-out losses and sample. (Without it, Ctrl-C there was a KeyboardInterrupt
-  traceback and SIGTERM a silent death.) A no-op off the main thread and in a multi-process
-  job, whose signals JAX's preemption service handles (`Preemption`)."""
+  traceback and SIGTERM a silent death.) `Preemption`'s handlers, installed and restored the
+  same way (a no-op off the main thread and in a multi-process job), but a signal stops the
+  work at once instead of after a step."""
 
-  def __init__(self, multiprocess: bool | None = None):
-    self.multiprocess = (jax.process_count() > 1) if multiprocess is None else multiprocess
-    self._previous = {}
-
-  def __enter__(self):
-    if not self.multiprocess and threading.current_thread() is threading.main_thread():
-      self._previous = {s: signal.signal(s, self._handle) for s in Preemption.SIGNALS}
-    return self
-
-  @staticmethod
-  def _handle(signum, frame):
+  def _handle(self, signum, frame):
     del frame
     raise Interrupted(signal.Signals(signum).name)
-
-  def __exit__(self, *exc):
-    for s, handler in self._previous.items():
-      signal.signal(s, handler)
 
 
 class BatchFetcher:
