@@ -69,6 +69,7 @@ def test_a_signal_during_the_step0_eval_stops_before_the_first_step(workdir, mon
     os.kill(os.getpid(), signum)
     return finish(self, state, end)
 
+  handlers = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
   with monkeypatch.context() as m:
     m.setattr(loop._StageLoop, "finish", finish_signalled)  # pylint: disable=protected-access
     again = loop.run(stage, workdir, progress=False)
@@ -77,7 +78,7 @@ def test_a_signal_during_the_step0_eval_stops_before_the_first_step(workdir, mon
   out = capsys.readouterr().out
   assert (f"[stage_8k] {signal.Signals(signum).name} during the end-of-stage held-out losses "
           "and sample: stopped; the final checkpoint (step 2) is saved to ") in out, out
-  assert signal.getsignal(signal.SIGINT) is signal.default_int_handler  # handlers restored
+  assert {s: signal.getsignal(s) for s in handlers} == handlers  # the handlers are restored
   done = loop.run(stage, workdir, progress=False)
   assert not done.preempted and done.start_step == done.end_step == 2
   assert sorted(done.final_eval) == ["eval_loss@128", "eval_loss@64"], done.final_eval
