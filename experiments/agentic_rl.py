@@ -76,7 +76,43 @@ def _typed(key: str, text: str, value, current):
     return float(value)
   if isinstance(current, str):
     return text
+  if dataclasses.is_dataclass(current):
+    raise ValueError(f"--set {key}={text!r}: {key} is a group of settings; set its fields one "
+                     f"by one, e.g. --set {key}.{dataclasses.fields(current)[0].name}=VALUE "
+                     f"(fields: {[f.name for f in dataclasses.fields(current)]})")
   return value
+
+
+def _typed_optional(key: str, text: str, value, hint: str):
+  """A field whose preset value is None, or null for a field that may be None (`hint`: its
+  annotation, e.g. "str | None"): null, or a value of the annotation's other type. Raises ValueError naming the key and the type."""
+  if value is None:
+    return None
+  if "str" in hint:
+    return text
+  if "int" in hint and (isinstance(value, bool) or not isinstance(value, int)):
+    raise ValueError(f"--set {key}={text!r} must be an integer or null")
+  return value
+
+
+def _check_model_overrides(pairs) -> tuple:
+  """model_overrides as ((name, value), ...) with each name a ModelConfig field and each value
+  parsed to the field's type (a string "5" for an int field is taken as 5). Raises ValueError
+  naming the field, the nearest valid names or the wanted type."""
+  import difflib  # pylint: disable=import-outside-toplevel
+  import typing  # pylint: disable=import-outside-toplevel
+  from experiments.base import _parse  # pylint: disable=import-outside-toplevel
+  from sparse_lm.config import ModelConfig  # pylint: disable=import-outside-toplevel
+  hints = typing.get_type_hints(ModelConfig)
+  out = []
+  for name, value in pairs:
+    if name not in hints:
+      near = difflib.get_close_matches(name, list(hints), n=3, cutoff=0.6)
+      raise ValueError(f"model_overrides: unknown ModelConfig field {name!r}"
+                       + (f"; did you mean {', '.join(near)}?" if near else ""))
+    text = value if isinstance(value, str) else json.dumps(value)
+    out.append((name, _parse(text, hints[name], f"model_overrides.{name}")))
+  return tuple(out)
 
 
 def apply_sets(cfg: RLConfig, sets: list[str]) -> RLConfig:
@@ -97,11 +133,21 @@ def apply_sets(cfg: RLConfig, sets: list[str]) -> RLConfig:
     cls = _NESTED.get(prefix) if field else RLConfig
     names = {f.name for f in dataclasses.fields(cls)} if cls else set()
     if (field or key) not in names:
+      if cls is not None and field:  # a typo inside a group: that group's fields
+        raise ValueError(f"unknown --set key {key!r}; {prefix}.<field> is one of "
+                         f"{[f.name for f in dataclasses.fields(cls)]}")
       raise ValueError(f"unknown --set key {key!r}; RLConfig fields: "
                        f"{[f.name for f in dataclasses.fields(RLConfig)]}, nested: "
                        f"{sorted(_NESTED)}.<field>")
     current = getattr(getattr(cfg, prefix) if field else cfg, field or key)
-    (nested[prefix] if field else top)[field or key] = _typed(key, text, value, current)
+    hint = str({f.name: f.type for f in dataclasses.fields(cls)}[field or key])
+    if current is None or (value is None and "None" in hint):
+      typed = _typed_optional(key, text, value, hint)
+    else:
+      typed = _typed(key, text, value, current)
+    if key == "model_overrides":
+      typed = _check_model_overrides(typed)
+    (nested[prefix] if field else top)[field or key] = typed
   for prefix, changes in nested.items():
     if changes:
       top[prefix] = dataclasses.replace(getattr(cfg, prefix), **changes)
@@ -139,9 +185,9 @@ def main(argv=None) -> int:
       if getattr(args, name) is not None:
         cfg = dataclasses.replace(cfg, **{name: getattr(args, name)})
     cfg.validate()
-    local_workdir(args.workdir or f"runs/rl_{args.preset}")
+    local_workdir(args.workdir or f"runs/rl_{args.preset}", create=True)
     if cfg.init_from:
-      local_workdir(cfg.init_from, "--init_from")
+      local_workdir(cfg.init_from, "--init_from", existing=True)
       pretraining_stages(cfg.init_from)  # before anything runs
   except (ValueError, TypeError, FileNotFoundError) as e:
     parser.error(str(e))

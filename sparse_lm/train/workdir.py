@@ -21,7 +21,8 @@ LOCK_FILENAME = "run.lock"
 _URL = re.compile(r"^[A-Za-z][A-Za-z0-9+.-]*://")
 
 
-def local_workdir(path: str | os.PathLike, flag: str = "--workdir") -> pathlib.Path:
+def local_workdir(path: str | os.PathLike, flag: str = "--workdir", *, existing: bool = False,
+                  create: bool = False) -> pathlib.Path:
   """`path` as an absolute local path. sparse_lm writes a workdir (checkpoints, the run lock,
   metrics, the tokenizer) through the local filesystem, so a URL such as gs://bucket/runs is
   refused here, before anything is built, instead of becoming a local folder named "gs:" that
@@ -31,7 +32,10 @@ def local_workdir(path: str | os.PathLike, flag: str = "--workdir") -> pathlib.P
     ValueError: path is a URL (scheme://...); the message names `flag` and the fix: a bucket
       mounted at the same path on every host (Cloud Storage FUSE) or a shared filesystem. Or
       path, or the nearest existing directory above it, is a file (the first write would fail
-      with NotADirectoryError after the compiles).
+      with NotADirectoryError after the compiles). With `create`, the directory is made here
+      and an OSError doing so (no permission, a read-only or virtual filesystem such as
+      /proc) becomes a ValueError naming `flag`. `existing` only words the message for a
+      directory that must exist already (an `--init_from`).
   """
   text = os.fspath(path)
   if _URL.match(text):
@@ -45,8 +49,15 @@ def local_workdir(path: str | os.PathLike, flag: str = "--workdir") -> pathlib.P
     if q.exists():
       if not q.is_dir():
         raise ValueError(f"{flag}={text}: " + ("is a file" if q == p else f"{q} is a file")
-                         + "; give a directory (new or existing)")
+                         + ("; give an existing directory" if existing else
+                            "; give a directory (new or existing)"))
       break
+  if create:
+    try:
+      p.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+      raise ValueError(f"{flag}={text}: cannot create it ({type(e).__name__}: {e.strerror or e}); "
+                       "give a directory you can write") from e
   return p
 
 
