@@ -20,7 +20,8 @@ import json
 import sys
 
 from sparse_lm.rl.grpo import GRPOConfig
-from sparse_lm.rl.trainer import RLConfig, pretraining_stages
+from sparse_lm.rl.trainer import (NotAnRLWorkdirError, RLConfig, check_rl_workdir,
+                                  pretraining_stages)
 from sparse_lm.train.optimizer import OptimizerConfig
 from sparse_lm.train.workdir import local_workdir
 
@@ -185,11 +186,12 @@ def main(argv=None) -> int:
       if getattr(args, name) is not None:
         cfg = dataclasses.replace(cfg, **{name: getattr(args, name)})
     cfg.validate()
+    check_rl_workdir(local_workdir(args.workdir or f"runs/rl_{args.preset}"))  # not a stage's
     local_workdir(args.workdir or f"runs/rl_{args.preset}", create=True)
     if cfg.init_from:
       local_workdir(cfg.init_from, "--init_from", existing=True)
       pretraining_stages(cfg.init_from)  # before anything runs
-  except (ValueError, TypeError, FileNotFoundError) as e:
+  except (ValueError, TypeError, FileNotFoundError, NotAnRLWorkdirError) as e:
     parser.error(str(e))
   import os  # pylint: disable=import-outside-toplevel
   from experiments.base import enable_compilation_cache  # pylint: disable=import-outside-toplevel

@@ -21,6 +21,7 @@ import dataclasses
 import json
 import math
 import pathlib
+import re
 import time
 from typing import Any
 
@@ -38,6 +39,7 @@ from sparse_lm.train.loop import NonFiniteLossError, Preemption
 from sparse_lm.train.metrics import MetricsWriter, drop_lines_after
 from sparse_lm.train.optimizer import OptimizerConfig, make_optimizer, wsd_schedule
 from sparse_lm.train.state import TrainState, split_model
+from sparse_lm.train.trained import _stage_dirs as stage_dirs_with_checkpoints
 from sparse_lm.train.workdir import WorkdirLock, local_workdir
 
 EVAL_SEED_OFFSET = 1_000_003  # the held-out task stream
@@ -47,6 +49,7 @@ RESUMABLE_CHANGES = ("eval_tasks", "eval_every", "checkpoint_every")
 # SFT checkpoint serves GRPO runs under other settings. seq_len too when sft_seq_len is set.
 GRPO_ONLY = ("grpo_steps", "prompts_per_step", "grpo", "grpo_optim", "partial_credit",
              "max_turn_tokens")
+PHASES = ("sft", "grpo")  # the stage directories of an RL workdir
 
 
 @dataclasses.dataclass(frozen=True)
@@ -80,7 +83,7 @@ class RLConfig:
   def env_instance(self):
     if self.env not in envs_lib.ENVS:
       raise ValueError(f"RLConfig.env={self.env!r}; choose one of {sorted(envs_lib.ENVS)}")
-    return envs_lib.ENVS[self.env](**dict(self.env_overrides))
+    return envs_lib.make_env(self.env, **dict(self.env_overrides))
 
   def validate(self) -> None:
     """Raise ValueError naming the offending field."""
@@ -105,8 +108,8 @@ class RLConfig:
     for name in ("sft_optim", "grpo_optim"):  # before SFT runs, not when GRPO starts
       try:
         getattr(self, name).validate()
-      except (ValueError, TypeError) as e:
-        raise ValueError(f"RLConfig: {str(e).replace('optim.', name + '.', 1)}") from None
+      except (ValueError, TypeError) as e:  # every "optim.x" (the --set hint's too) is name's
+        raise ValueError("RLConfig: " + _OPTIM_KEY.sub(name + ".", str(e))) from None
     self.env_instance()
     get_preset(self.preset, **dict(self.model_overrides))
 
@@ -134,6 +137,9 @@ class RLConfig:
         raise ValueError(f"RLConfig: grpo.{name}={value!r} must be a finite number {want}")
 
 
+_OPTIM_KEY = re.compile(r"(?<![\w.])optim[.]")  # OptimizerConfig's messages name "optim.<field>"
+
+
 def _is_int(x) -> bool:
   return isinstance(x, int) and not isinstance(x, bool)
 
@@ -143,36 +149,66 @@ def _is_number(x) -> bool:
 
 
 def fit_lengths(cfg: RLConfig, tok, log=print, *, samples: int = 256) -> RLConfig:
-  """`cfg` with `seq_len` and `sft_seq_len` raised to what the env's episodes need with `tok`.
+  """`cfg` with `max_turn_tokens`, `seq_len` and `sft_seq_len` raised to what the env's
+  episodes need with `tok`.
 
   How many tokens a task takes depends on the tokenizer (the preset's own, or a pretraining
   run's with `init_from`) and the env, so a preset's lengths, sized for one pair, can be too
-  short for another: an SFT transcript longer than `sft_seq_len` stopped the run, and a prompt
-  with no room for `max_turn_tokens` got no turn at all (success 0, silently). Over `samples`
-  tasks (a fixed draw, so a resumed run gets the same lengths): the longest SFT transcript L
-  and the longest prompt P; `sft_seq_len` (if set) becomes at least L and `seq_len` at least
-  max(L, P + max_turn_tokens), each rounded up to a multiple of 16, and each change is logged.
+  short for another: an SFT transcript longer than `sft_seq_len` stopped the run; a model turn
+  longer than `max_turn_tokens` is cut off, so its call never closes (the code env's calls,
+  25-32 tokens, against the tiny preset's 24: no episode could succeed); and a turn is only
+  started with `max_turn_tokens` of room left in `seq_len` (rollout.run_episodes), so a prompt
+  or a final answer starting too late got no turn at all (success 0, silently). Over `samples`
+  tasks (a fixed draw, so a resumed run gets the same lengths), with the reference transcripts
+  (rollout.transcript): the longest transcript L, the longest model turn M (its stop token
+  included) and the latest start S of a model turn; `max_turn_tokens` becomes at least M,
+  `sft_seq_len` (if set) at least L and `seq_len` at least max(L, S + max_turn_tokens), each
+  rounded up to a multiple of 16, and the changes are logged in one line. As for the other
+  lengths, a value given explicitly is raised too: one below what the reference needs cannot
+  run the env.
 
   Raises:
     ValueError: an unknown `cfg.env` (RLConfig.env_instance).
   """
   env = cfg.env_instance()
   rng = np.random.default_rng([cfg.seed, 5])
-  tasks = [env.sample(rng) for _ in range(samples)]
-  longest = max(len(rollout.transcript(tok, t)[0]) for t in tasks)
-  prompt = max(len(rollout.prompt_ids(tok, t)) for t in tasks)
+  longest = prompt = turn = start = 0
+  for _ in range(samples):
+    task = env.sample(rng)
+    ids, gen = rollout.transcript(tok, task)
+    longest = max(longest, len(ids))
+    prompt = max(prompt, len(rollout.prompt_ids(tok, task)))
+    for first, length in _turns(gen):
+      turn, start = max(turn, length), max(start, first)
   up = lambda n: -(-n // 16) * 16
   changes = {}
+  if cfg.max_turn_tokens < turn:
+    changes["max_turn_tokens"] = up(turn)
+  max_turn = changes.get("max_turn_tokens", cfg.max_turn_tokens)
   if cfg.sft_seq_len is not None and cfg.sft_seq_len < longest:
     changes["sft_seq_len"] = up(longest)
-  need = max(longest, prompt + cfg.max_turn_tokens)
+  need = max(longest, prompt + max_turn, start + max_turn)
   if cfg.seq_len < need:
     changes["seq_len"] = up(need)
   if changes:
     log(f"{cfg.env} episodes with this tokenizer: SFT transcripts up to {longest} tokens, "
-        f"prompts up to {prompt} (+ max_turn_tokens {cfg.max_turn_tokens}); using "
+        f"model turns up to {turn}, prompts up to {prompt}, the last turn starting at up to "
+        f"token {start} (+ max_turn_tokens {max_turn}); using "
         + ", ".join(f"{k}={v} (was {getattr(cfg, k)})" for k, v in changes.items()))
   return dataclasses.replace(cfg, **changes)
+
+
+def _turns(generated) -> list[tuple[int, int]]:
+  """(start, length) of each run of model-written tokens (a model turn) in a transcript's
+  mask; observations separate the turns."""
+  out, first = [], None
+  for i, g in enumerate(list(generated) + [False]):
+    if g and first is None:
+      first = i
+    elif not g and first is not None:
+      out.append((first, i - first))
+      first = None
+  return out
 
 
 def _rng(cfg: RLConfig, phase: str, step: int) -> np.random.Generator:
@@ -181,17 +217,33 @@ def _rng(cfg: RLConfig, phase: str, step: int) -> np.random.Generator:
 
 
 def _tokenizer(cfg: RLConfig, workdir: pathlib.Path, vocab: int, log=print):
-  """The init_from run's tokenizer, else one cached in workdir, else a BPE trained on this
-  environment's transcripts (seconds)."""
+  """The init_from run's tokenizer (its tokenizer.json, else the one its newest checkpoint
+  records: an RL workdir that was itself initialised from a pretraining run has no
+  tokenizer.json), else one cached in workdir, else a BPE trained on this environment's
+  transcripts (seconds; the code env runs each reference program in its sandbox: minutes)."""
   from sparse_lm.data.tokenizer import Tokenizer, train_bpe  # pylint: disable=import-outside-toplevel
   if cfg.init_from:
-    return Tokenizer.load(str(pathlib.Path(cfg.init_from) / "tokenizer.json"))
+    path = pathlib.Path(cfg.init_from) / "tokenizer.json"
+    if path.exists():
+      return Tokenizer.load(str(path))
+    ckpt = Checkpointer(pretraining_stages(cfg.init_from)[-1], async_save=False)
+    try:
+      recorded = ckpt.read_meta(ckpt.all_steps()[-1]).get("tokenizer") or {}
+    finally:
+      ckpt.close()
+    if not recorded.get("json"):
+      raise FileNotFoundError(
+          f"init_from={cfg.init_from!r} has no tokenizer.json and its newest checkpoint "
+          f"({ckpt.directory}) records no tokenizer: give the workdir of the run that trained "
+          "it (the one holding tokenizer.json)")
+    return Tokenizer.from_json(recorded["json"])
   path = workdir / "tokenizer.json"
   if path.exists():
     return Tokenizer.load(str(path))
   env, rng = cfg.env_instance(), _rng(cfg, "tok", 0)
-  log(f"training a {vocab}-id BPE tokenizer on 2,000 solved {cfg.env} tasks (the code env "
-      f"runs each in its sandbox: minutes); cached in {path}")
+  slow = " (the code env runs each in its sandbox: minutes)" if cfg.env == "code" else ""
+  log(f"training a {vocab}-id BPE tokenizer on 2,000 solved {cfg.env} tasks{slow}; cached in "
+      f"{path}")
   texts = []
   for _ in range(2000):
     task = env.sample(rng)
@@ -213,10 +265,10 @@ def _fresh_state(model, optim: OptimizerConfig, steps: int, seed: int):
   return graphdef, tx, state
 
 
-def _restore(ckpt: Checkpointer, state: TrainState, check_meta=None):
+def _restore(ckpt: Checkpointer, state: TrainState, check_meta=None, *, set_aside=True):
   abstract = jax.tree.map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype,
                                                          sharding=a.sharding), state)
-  return ckpt.restore_latest(abstract, check_meta)
+  return ckpt.restore_latest(abstract, check_meta, set_aside=set_aside)
 
 
 def check_resume(meta: dict, cfg: RLConfig, phase: str) -> None:
@@ -250,31 +302,84 @@ def check_resume(meta: dict, cfg: RLConfig, phase: str) -> None:
         f"--workdir{hint}.")
 
 
-def pretraining_stages(init_from: str) -> list[pathlib.Path]:
-  """The `<stage>/checkpoints` directories of the pretraining workdir `init_from`, oldest
-  first (by modification time); the RL run starts from the newest.
+class NotAnRLWorkdirError(ConfigMismatchError):
+  """The RL run's workdir holds another run's checkpoints (a pretraining stage's): the RL
+  phases would be written beside them, from random weights. A ConfigMismatchError (a
+  ValueError): the CLI prints the message and exits 2, as for a workdir of other settings."""
+
+
+def check_rl_workdir(workdir: str | pathlib.Path) -> None:
+  """Refuse a workdir that holds `<name>/checkpoints` other than the RL phases' (sft, grpo).
+
+  Such a directory is a pretraining stage's (`python -m experiments.stage_8k --workdir W`), or
+  another run's: an RL run there started from random weights, reused that run's
+  tokenizer.json and wrote sft/ and grpo/ beside the stages, after which
+  `sparse_lm.train.load(W)` failed (the newest checkpoints were an RL phase's).
 
   Raises:
-    FileNotFoundError: there are none (the message says what to give instead).
+    NotAnRLWorkdirError: naming the directory found and the way on (`--init_from W` with a
+      fresh `--workdir`).
   """
-  stages = sorted(pathlib.Path(init_from).glob("*/checkpoints"),
-                  key=lambda p: p.stat().st_mtime)
+  workdir = pathlib.Path(workdir)
+  others = sorted(d.parent for d in workdir.glob("*/checkpoints")
+                  if d.is_dir() and d.parent.name not in PHASES)
+  if others:
+    saved = [d for d in stage_dirs_with_checkpoints(workdir) if d.name not in PHASES]
+    found = ", ".join(f"{d}/checkpoints" for d in others)
+    raise NotAnRLWorkdirError(
+        f"--workdir {workdir} holds {found}: the checkpoints of a pretraining stage (or of "
+        "another run), not of an RL run (whose workdir holds only sft/ and grpo/). An RL run "
+        "there would start from random weights and write its phases beside that run's. "
+        + (f"To start RL from that run's weights, give --init_from {workdir} and a fresh "
+           f"--workdir (e.g. --workdir {workdir}_rl)." if saved else
+           f"{found} holds no saved step yet; give a fresh --workdir (and --init_from "
+           f"{workdir} once it has saved one)."))
+
+
+def pretraining_stages(init_from: str, log=None) -> list[pathlib.Path]:
+  """The `<stage>/checkpoints` directories of the workdir `init_from` that hold a saved step,
+  oldest first (by their newest step's modification time; `sparse_lm.train.load`'s order):
+  the RL run starts from the newest. A pretraining workdir's stages, or an RL workdir's phases
+  (sft, grpo: a new RL run from a finished one's policy). A newer `<stage>/checkpoints` with
+  no step yet (a run stopped before its first save) is passed over, said in `log`.
+
+  Raises:
+    FileNotFoundError: there are none (the message names the empty directories, if any, and
+      what to give instead).
+  """
+  root = pathlib.Path(init_from)
+  stages = [d / "checkpoints" for d in stage_dirs_with_checkpoints(root)] if root.is_dir() \
+      else []
+  empty = sorted(d for d in root.glob("*/checkpoints") if d.is_dir() and d not in stages)
+  if not stages and empty:
+    raise FileNotFoundError(
+        f"init_from={init_from!r}: {', '.join(map(str, empty))} holds no checkpoint yet (the "
+        "run stopped before its first save): run it until it saves one (rerun its command: "
+        "it resumes), or give another pretraining workdir, or leave init_from unset to start "
+        "from scratch")
   if not stages:
     raise FileNotFoundError(
         f"init_from={init_from!r} holds no <stage>/checkpoints: give the workdir of a "
         "pretraining run (e.g. runs/tiny after python -m experiments.stage_8k --preset=tiny), "
         "or leave init_from unset to start from scratch")
+  if empty and log is not None:
+    log(f"init_from: {', '.join(map(str, empty))} holds no checkpoint yet (passed over); "
+        f"using the newest stage that has one, {stages[-1].parent.name}")
   return stages
 
 
-def _init_from_pretraining(model, cfg: RLConfig):
-  """Weights and balancer biases of the newest checkpoint in cfg.init_from (any stage).
+def _init_from_pretraining(model, cfg: RLConfig, log=print):
+  """Weights and balancer biases of the newest checkpoint in cfg.init_from (any stage, or an
+  RL workdir's newest phase), with one log line naming the stage or phase and the step.
 
   Raises:
     ConfigMismatchError: the checkpoint holds another model than cfg.preset with
       cfg.model_overrides builds (the message lists the fields and the --set that matches).
+    FileNotFoundError: no stage of cfg.init_from holds a checkpoint (`pretraining_stages`).
+    UnreadableCheckpointError: none of the newest stage's checkpoints can be read (nothing in
+      init_from is moved: it is only read).
   """
-  stages = pretraining_stages(cfg.init_from)
+  stages = pretraining_stages(cfg.init_from, log)
   _, _, state = _fresh_state(model, OptimizerConfig(), 1, cfg.seed)
 
   def same_model(meta):
@@ -287,11 +392,49 @@ def _init_from_pretraining(model, cfg: RLConfig):
           "model_overrides='[[\"field\", value], ...]' for the fields listed), or leave "
           "init_from unset to start from scratch.") from None
 
-  restored = _restore(Checkpointer(stages[-1], async_save=False), state, same_model)
-  if restored is None:
-    raise FileNotFoundError(f"no checkpoint under {stages[-1]}")
+  ckpt = Checkpointer(stages[-1], async_save=False)
+  try:  # a reader: an unreadable step of another run is never moved aside
+    restored = _restore(ckpt, state, same_model, set_aside=False)
+  finally:
+    ckpt.close()
+  if restored is None:  # removed since it was listed
+    raise FileNotFoundError(f"init_from={cfg.init_from!r}: {stages[-1]} holds no checkpoint "
+                            "any more; rerun to use the newest stage that has one")
+  meta = restored[2]
+  what = (f"RL phase {meta['phase']!r}" if "phase" in meta and "stage" not in meta else
+          f"pretraining stage {stages[-1].parent.name!r}")
+  log(f"init_from: the weights of {what} step {meta.get('step')}"
+      f"{' (final)' if meta.get('final') else ' (not its final step)'} in {stages[-1]}")
   graphdef, _, _ = split_model(model)
   return nnx.merge(graphdef, restored[0].params, restored[0].model_vars)
+
+
+def check_saved_phases(cfg: RLConfig, workdir: pathlib.Path) -> None:
+  """`check_resume` on the newest checkpoint of each phase in `workdir` (its meta only), before
+  anything is built or evaluated: a finished workdir rerun with another GRPO setting was
+  refused only after the SFT phase was restored and its held-out eval rerun (and
+  sft/eval.json rewritten). Steps whose meta cannot be read are left to the restore.
+
+  Raises:
+    ConfigMismatchError: as check_resume.
+  """
+  for phase in PHASES:
+    directory = workdir / phase / "checkpoints"
+    steps = sorted((int(p.name) for p in directory.iterdir() if p.name.isdigit()),
+                   reverse=True) if directory.is_dir() else []
+    if not steps:
+      continue
+    ckpt = Checkpointer(directory, async_save=False)
+    try:
+      for step in steps:
+        try:
+          meta = dict(ckpt.read_meta(step))
+        except Exception:  # pylint: disable=broad-except  (corrupt: restore_latest reports it)
+          continue
+        check_resume(meta, cfg, phase)
+        break
+    finally:
+      ckpt.close()
 
 
 def evaluate(engine, tok, model, cfg: RLConfig, *, num_tasks: int | None = None) -> dict:
@@ -342,7 +485,8 @@ class _Phase:
   that step and raises Preempted."""
 
   def __init__(self, cfg: RLConfig, workdir: pathlib.Path, name: str, model,
-               optim: OptimizerConfig, steps: int, progress: bool, preemption=None, tok=None):
+               optim: OptimizerConfig, steps: int, progress: bool, preemption=None, tok=None,
+               log=print):
     self.name, self.steps, self.every = name, steps, cfg.checkpoint_every
     self.preemption = preemption
     self.graphdef, self.tx, self.state = _fresh_state(model, optim, steps, cfg.seed)
@@ -357,6 +501,10 @@ class _Phase:
     restored = _restore(self.ckpt, self.state, lambda m: check_resume(m, cfg, name))
     if restored is not None:
       self.state = restored[0]
+      step = int(self.state.step)
+      log(f"[{name}] resuming from step {step} of {steps} ({self.ckpt.directory})"
+          if step < steps else f"[{name}] finished at step {step}: restored from "
+          f"{self.ckpt.directory}")
     self.writer = MetricsWriter(workdir / name / "tb", after_step=int(self.state.step))
     self.bar = _Bar(steps, int(self.state.step), name, progress)
 
@@ -417,7 +565,7 @@ def run_sft(cfg: RLConfig, workdir: pathlib.Path, model, tok, log=print,
   is not finite (`_Phase.check_finite`)."""
   env = cfg.env_instance()
   phase = _Phase(cfg, workdir, "sft", model, cfg.sft_optim, cfg.sft_steps, progress,
-                 preemption, tok)
+                 preemption, tok, log)
   step_fn = jax.jit(grpo.make_sft_step(phase.graphdef, phase.tx, phase.schedule),
                     donate_argnums=0)
   state, start, t0 = phase.state, int(phase.state.step), time.perf_counter()
@@ -490,15 +638,23 @@ def run_grpo(cfg: RLConfig, workdir: pathlib.Path, model, tok, engine, log=print
     _, ref_params, ref_vars = split_model(model)
     ref = jax.tree.map(jnp.copy, (ref_params, ref_vars))
   phase = _Phase(cfg, workdir, "grpo", model, cfg.grpo_optim, cfg.grpo_steps, progress,
-                 preemption, tok)
+                 preemption, tok, log)
   graphdef, state = phase.graphdef, phase.state
   step_fn = jax.jit(grpo.make_grpo_step(graphdef, phase.tx, phase.schedule, cfg.grpo),
                     donate_argnums=0)
   logp_fn = make_logp_fn(graphdef)
   history = []
+  curve = workdir / "grpo" / "eval_curve.jsonl"
+  start = int(state.step)
   # a resumed phase repeats the steps after its checkpoint: their old evals are dropped
-  drop_lines_after(workdir / "grpo" / "eval_curve.jsonl", int(state.step))
-  for step in range(int(state.step), cfg.grpo_steps):
+  drop_lines_after(curve, start)
+  if _curve_step(cfg, start) and start not in _curve_steps(curve):
+    # A signal at an eval step saves that step and stops before its eval (a prompt stop; the
+    # eval is `eval_tasks` episodes); the resumed phase runs it first, on the restored weights
+    # (the same ones), so eval_curve.jsonl keeps every point.
+    _curve_eval(engine, tok, nnx.merge(graphdef, state.params, state.model_vars), cfg, curve,
+                start, log)
+  for step in range(start, cfg.grpo_steps):
     rng = _rng(cfg, "grpo", step)
     tasks = [t for t in (env.sample(rng) for _ in range(P)) for _ in range(G)]
     engine.load_weights(nnx.merge(graphdef, state.params, state.model_vars))
@@ -528,12 +684,36 @@ def run_grpo(cfg: RLConfig, workdir: pathlib.Path, model, tok, engine, log=print
             f"{record['rollout_tokens_per_s']:.0f} tok/s |dlogp| {mismatch:.1e}")
     log(f"grpo {step + 1}/{cfg.grpo_steps} {info}")
     phase.end_step(step, state, info)
-    if cfg.eval_every and (step + 1) % cfg.eval_every == 0 and step + 1 < cfg.grpo_steps:
-      ev = evaluate(engine, tok, nnx.merge(graphdef, state.params, state.model_vars), cfg)
-      with open(workdir / "grpo" / "eval_curve.jsonl", "a", encoding="utf-8") as f:
-        f.write(json.dumps({"step": step + 1, **ev}) + "\n")
-      log(f"held-out after grpo step {step + 1}: {ev}")
+    if _curve_step(cfg, step + 1):
+      _curve_eval(engine, tok, nnx.merge(graphdef, state.params, state.model_vars), cfg, curve,
+                  step + 1, log)
   return phase.close(), history
+
+
+def _curve_step(cfg: RLConfig, done: int) -> bool:
+  """Whether GRPO evaluates after `done` steps (eval_curve.jsonl: every `eval_every` steps
+  before the last; the last one's eval is eval.json)."""
+  return bool(cfg.eval_every) and 0 < done < cfg.grpo_steps and done % cfg.eval_every == 0
+
+
+def _curve_steps(path: pathlib.Path) -> set[int]:
+  """The steps eval_curve.jsonl holds (none if it is missing; unreadable lines ignored)."""
+  steps = set()
+  if path.exists():
+    for line in path.read_text(encoding="utf-8").splitlines():
+      try:
+        steps.add(int(json.loads(line)["step"]))
+      except (ValueError, KeyError, TypeError):
+        pass
+  return steps
+
+
+def _curve_eval(engine, tok, model, cfg: RLConfig, path: pathlib.Path, done: int, log) -> None:
+  """The held-out eval after GRPO step `done`, appended to eval_curve.jsonl and logged."""
+  ev = evaluate(engine, tok, model, cfg)
+  with open(path, "a", encoding="utf-8") as f:
+    f.write(json.dumps({"step": done, **ev}) + "\n")
+  log(f"held-out after grpo step {done}: {ev}")
 
 
 def run(cfg: RLConfig, workdir: str, log=print, progress: bool = False) -> dict:
@@ -542,6 +722,14 @@ def run(cfg: RLConfig, workdir: str, log=print, progress: bool = False) -> dict:
   The workdir is locked for the run (`<workdir>/run.lock`: a second run stops at once with
   WorkdirLockedError); SIGTERM / SIGINT save the current phase after its step and raise
   Preempted (run again to resume).
+
+  Raises (each before any compile or held-out eval):
+    ValueError: an invalid config (RLConfig.validate), a URL workdir.
+    NotAnRLWorkdirError (a ConfigMismatchError): the workdir holds a pretraining stage's
+      checkpoints (`check_rl_workdir`), before anything is written there.
+    ConfigMismatchError: a phase checkpoint of the workdir was written under another config
+      (`check_saved_phases`, before the model is built), or init_from holds another model.
+    FileNotFoundError: init_from holds no checkpoint (`pretraining_stages`).
   """
   cfg.validate()
   t0 = time.perf_counter()
@@ -550,22 +738,25 @@ def run(cfg: RLConfig, workdir: str, log=print, progress: bool = False) -> dict:
   wd = local_workdir(workdir)
   if cfg.init_from:
     local_workdir(cfg.init_from, "init_from")
+    pretraining_stages(cfg.init_from)
+  check_rl_workdir(wd)  # before the lock: nothing is written into another run's workdir
   with WorkdirLock(wd):  # before the tokenizer: a second run stops before any work
     model_cfg = get_preset(cfg.preset, **dict(cfg.model_overrides))
-    model = Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed))
-    if cfg.init_from:
-      model = _init_from_pretraining(model, cfg)
     tok = _tokenizer(cfg, wd, model_cfg.vocab_size, log)
     if tok.vocab_size > model_cfg.vocab_size:
       raise ValueError(f"tokenizer has {tok.vocab_size} ids > model vocab_size "
                        f"{model_cfg.vocab_size}")
     cfg = fit_lengths(cfg, tok, log)
+    check_saved_phases(cfg, wd)  # a changed config is refused before any eval or compile
+    model = Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed))
+    if cfg.init_from:
+      model = _init_from_pretraining(model, cfg, log)
     with Preemption() as preemption:
       model = run_sft(cfg, wd, model, tok, log=log, progress=progress, preemption=preemption)
       engine = Engine(model, max_length=cfg.seq_len,
                       max_batch=max(cfg.prompts_per_step * cfg.grpo.group_size, 1))
       out = {}
-      for phase in ("sft", "grpo"):
+      for phase in PHASES:
         if phase == "grpo":
           model, out["history"] = run_grpo(cfg, wd, model, tok, engine, log=log,
                                             progress=progress, preemption=preemption)

@@ -110,8 +110,12 @@ def test_init_from_without_checkpoints_is_refused_before_anything_runs(tmp_path,
     agentic_rl.main(["--preset=tiny", f"--init_from={tmp_path}", f"--workdir={tmp_path}/rl"])
   assert e.value.code == 2
   assert "holds no <stage>/checkpoints" in capsys.readouterr().err
-  assert not (tmp_path / "rl").exists()
+  assert not any((tmp_path / "rl").glob("*"))  # the CLI may create it; nothing is written
+  # a stage that has saved no step is not one to start from (tests/rl/test_trainer_guards.py)
   (tmp_path / "stage_8k" / "checkpoints").mkdir(parents=True)
+  with pytest.raises(FileNotFoundError, match="stage_8k/checkpoints holds no checkpoint yet"):
+    trainer.pretraining_stages(str(tmp_path))
+  (tmp_path / "stage_8k" / "checkpoints" / "100").mkdir()
   assert trainer.pretraining_stages(str(tmp_path)) == [tmp_path / "stage_8k" / "checkpoints"]
 
 
