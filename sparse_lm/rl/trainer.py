@@ -721,7 +721,8 @@ def run(cfg: RLConfig, workdir: str, log=print, progress: bool = False) -> dict:
 
   The workdir is locked for the run (`<workdir>/run.lock`: a second run stops at once with
   WorkdirLockedError); SIGTERM / SIGINT save the current phase after its step and raise
-  Preempted (run again to resume).
+  Preempted (run again to resume); one during the held-out eval after SFT raises Preempted once
+  that eval is written, before GRPO is built (during the last eval the run just finishes).
 
   Raises (each before any compile or held-out eval):
     ValueError: an invalid config (RLConfig.validate), a URL workdir.
@@ -765,4 +766,9 @@ def run(cfg: RLConfig, workdir: str, log=print, progress: bool = False) -> dict:
         out[phase]["wall_s"] = time.perf_counter() - t0  # since run() began: compiles, evals
         path.write_text(json.dumps(out[phase], indent=1))
         log(f"held-out after {phase}: {out[phase]}")
+        signal_name = preemption.stop_after(-1) if phase != PHASES[-1] else None
+        if signal_name:  # during the eval: stop before the next phase's compile and steps
+          raise Preempted(f"[{phase}] {signal_name} during the held-out eval after {phase}: "
+                          f"{phase} is saved and its eval written to {path}; run the same "
+                          "command again to go on")
   return out

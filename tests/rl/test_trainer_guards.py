@@ -242,3 +242,33 @@ def test_a_grpo_phase_preempted_at_an_eval_step_keeps_that_eval(tmp_path):
   # a finished phase rerun neither repeats nor adds a point
   trainer.run_grpo(cfg, tmp_path, Transformer(model_cfg, rngs=nnx.Rngs(1)), tok, engine)
   assert [json.loads(l)["step"] for l in curve.read_text().splitlines()] == [1]
+
+
+def test_a_signal_during_the_eval_after_sft_stops_before_grpo(tmp_path, monkeypatch):
+  """A SIGTERM during the held-out eval after SFT used to be acted on only after GRPO was
+  built, compiled, rolled out and had taken a step; the run now stops once that eval is
+  written, with Preempted naming it."""
+  import os
+  import signal
+  from sparse_lm.inference import engine as engine_lib
+  def sft(cfg, wd, model, tok, **k):  # a finished SFT phase, without its training
+    (wd / "sft").mkdir()
+    return model
+  monkeypatch.setattr(trainer, "run_sft", sft)
+  monkeypatch.setattr(engine_lib.Engine, "__init__", lambda self, *a, **k: None)
+
+  def evaluate(*a, **k):
+    os.kill(os.getpid(), signal.SIGTERM)  # the run's handler records it
+    return {"success": 0.5}
+
+  def grpo(*a, **k):
+    raise AssertionError("GRPO started after the signal")
+  monkeypatch.setattr(trainer, "evaluate", evaluate)
+  monkeypatch.setattr(trainer, "run_grpo", grpo)
+  cfg = dataclasses.replace(PRESETS["tiny"], model_overrides=(("num_layers", 3),
+                                                              ("mla_every", 2)))
+  with pytest.raises(trainer.Preempted, match=r"\[sft\] SIGTERM during the held-out eval after "
+                     r"sft: sft is saved and its eval written to .*eval.json; run the same "
+                     "command again"):
+    trainer.run(cfg, str(tmp_path), log=lambda *a: None)
+  assert (tmp_path / "sft" / "eval.json").exists()
