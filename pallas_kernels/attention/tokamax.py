@@ -80,6 +80,27 @@ def tokamax_flags() -> None:
     absl_logger.addFilter(_CACHE_MISS_FILTER)
 
 
+# The sequence length tokamax's attention kernels are given: a multiple of this (see
+# `pad_to_block`). With tokamax 0.0.17 on an H100 (and in an earlier H200 suite run), the SFT
+# step of `tests/rl/test_trainer.py::test_sft_resumes_exactly` (T = 32, head dims 24 / 16, for
+# which tokamax picks its Triton kernel) got NaN gradients from the MLA layer back, finite with
+# the length padded to 128 by a wrapper like this one, and finite with either tokamax's
+# attention or its grouped matmul swapped for XLA's: values that depend on what other kernels
+# left in memory, as from a read past the end of a length that is not a multiple of the
+# kernel's block (likely; not confirmed in tokamax's source). docs/benchmarks.md, 2026-12-07.
+SEQ_BLOCK = 128
+
+
+def pad_to_block(x: jax.Array, axis: int = 1, block: int = SEQ_BLOCK) -> jax.Array:
+  """x zero-padded at the end of `axis` to a multiple of `block` (x itself if it is one)."""
+  pad = -x.shape[axis] % block
+  if not pad:
+    return x
+  widths = [(0, 0)] * x.ndim
+  widths[axis] = (0, pad)
+  return jnp.pad(x, widths)
+
+
 def tokamax_masked(q, k, v, *, scale: float, k_start=None, k_end=None, is_causal: bool = False,
                    implementation=None):
   """tokamax attention where query i of row b sees keys [k_start[b, i], k_end[b, i]) (and
@@ -94,7 +115,9 @@ def tokamax_masked(q, k, v, *, scale: float, k_start=None, k_end=None, is_causal
 
   Returns:
     o [B, T, H, Dv] in q's dtype. A query with an empty range is not defined here: callers
-    give every query at least one key.
+    give every query at least one key. T is padded to a multiple of `SEQ_BLOCK` for the
+    kernel (why: there); a padding query sees only itself, no real query sees a padding key,
+    and the padding is sliced off (the same values and gradients as the unpadded call).
 
   Raises:
     RuntimeError: no implementation accepted the inputs (each one's reason listed).
@@ -102,6 +125,17 @@ def tokamax_masked(q, k, v, *, scale: float, k_start=None, k_end=None, is_causal
   tokamax_flags()
   from tokamax._src.ops.attention import api as tk_api
   from tokamax._src.ops.attention import base as tk_base
+  B, T = q.shape[:2]
+  if T % SEQ_BLOCK:
+    Tp = T + (-T % SEQ_BLOCK)
+    t = jnp.arange(Tp, dtype=jnp.int32)[None]
+    start = jnp.zeros((B, T), jnp.int32) if k_start is None else k_start.astype(jnp.int32)
+    end = jnp.full((B, T), T, jnp.int32) if k_end is None else k_end.astype(jnp.int32)
+    k_start = jnp.where(t < T, jnp.pad(start, ((0, 0), (0, Tp - T))), t)  # padding: itself
+    k_end = jnp.where(t < T, jnp.pad(end, ((0, 0), (0, Tp - T))), t + 1)
+    q, k, v = pad_to_block(q), pad_to_block(k), pad_to_block(v)
+    return tokamax_masked(q, k, v, scale=scale, k_start=k_start, k_end=k_end,
+                          is_causal=is_causal, implementation=implementation)[:, :T]
   row = lambda a: None if a is None else a[:, None, :]  # [B, 1 (heads), T]
   mask = tk_base.Mask(k_start=row(k_start), k_end=row(k_end), is_causal=is_causal)
   impls = (implementation,) if implementation else ("mosaic", "triton", "xla")

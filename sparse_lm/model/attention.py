@@ -23,6 +23,7 @@ import jax.numpy as jnp
 
 from pallas_kernels.attention import (flash_attention, resolve_backend, run_ranges,
                                      tokamax_flags, tokamax_masked)
+from pallas_kernels.attention.tokamax import pad_to_block
 
 _NEG = -1e30  # finite "minus infinity" for masked logits (avoids inf - inf = nan)
 
@@ -78,13 +79,16 @@ def attention_tokamax(q, k, v, *, segment_ids=None, scale: float, implementation
   array: causal plus a per-query start index (`k_start`). That needs tokamax's `Mask`, which
   the public function builds only from dense arrays, so we call the op's implementation table
   (`tokamax_masked`). `implementation=None` lets tokamax choose (Mosaic GPU on an H100/H200);
-  "xla" and "xla_chunked" run on CPU and are used by the tests.
+  "xla" and "xla_chunked" run on CPU and are used by the tests. T is padded to a multiple of
+  `pallas_kernels.attention.tokamax.SEQ_BLOCK` for the kernels (why: there).
   """
   import tokamax
-  if segment_ids is None:
+  if segment_ids is None:  # causal: the padding keys (after every query) are never seen
     tokamax_flags()
-    return tokamax.dot_product_attention(q, k, v, scale=scale, is_causal=True,
-                                         implementation=implementation)
+    T = q.shape[1]
+    return tokamax.dot_product_attention(
+        pad_to_block(q), pad_to_block(k), pad_to_block(v), scale=scale, is_causal=True,
+        implementation=implementation)[:, :T]
   return tokamax_masked(q, k, v, scale=scale, k_start=run_ranges(segment_ids)[0],
                         is_causal=True, implementation=implementation)
 
