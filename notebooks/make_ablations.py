@@ -9,7 +9,7 @@ plots. It trains nothing; rerun the report to refresh the numbers.
 
 from nbformat.v4 import new_code_cell, new_markdown_cell
 
-from nbwrite import write_notebook
+from nbwrite import COLAB, FIND_CHECKOUT, GET_CODE, write_notebook
 
 cells = [
     new_markdown_cell(
@@ -17,12 +17,12 @@ cells = [
         "Loads the runs recorded by `python -m experiments.ablations.report --preset=tiny` "
         "(`docs/ablations/results.json`) and shows, per claim, the table (mean ± half-range "
         "over seeds), what the numbers say, and the curves. Claims without a record are listed "
-        "as not run."),
+        "as not run.\n\n" + COLAB),
     new_code_cell(
-        "import json, os, pathlib\n"
-        "ROOT = pathlib.Path(os.getcwd())\n"
-        "while not (ROOT / 'experiments').is_dir() and ROOT != ROOT.parent:\n"
-        "  ROOT = ROOT.parent\n"
+        "import json, os, pathlib, subprocess, sys\n"
+        + FIND_CHECKOUT + GET_CODE +
+        "import sparse_lm\n"
+        "ROOT = pathlib.Path(sparse_lm.__file__).resolve().parent.parent  # the repository\n"
         "os.chdir(ROOT)\n"
         "store = ROOT / 'docs' / 'ablations' / 'results.json'\n"
         "results = json.loads(store.read_text()) if store.exists() else {}\n"

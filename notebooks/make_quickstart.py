@@ -5,7 +5,7 @@
 
 from nbformat.v4 import new_code_cell, new_markdown_cell
 
-from nbwrite import FIND_CHECKOUT, write_notebook
+from nbwrite import COLAB, FIND_CHECKOUT, GET_CODE, write_notebook
 
 cells = [
     new_markdown_cell(
@@ -13,23 +13,10 @@ cells = [
         "Builds the `tiny` preset of the hybrid KDA + Gated MLA model with Stable LatentMoE "
         "(Quantile Balancing) and Block AttnRes, trains it for a few hundred steps on the Python "
         "standard library's source (no download), plots the loss and samples text.\n\n"
-        "On Colab: `Runtime → Run all`. The first cell clones and installs the repository when "
-        "it is not already importable."),
+        + COLAB),
     new_code_cell(
         "import os, pathlib, subprocess, sys\n"
-        + FIND_CHECKOUT +
-        "try:\n"
-        "  import sparse_lm  # noqa: F401\n"
-        "except ImportError:  # Colab: fetch the code and its pinned requirements\n"
-        "  REPO = os.environ.get('SPARSE_LM_REPO')  # the git URL of your sparse_lm copy\n"
-        "  if not REPO:\n"
-        "    raise RuntimeError('sparse_lm is not importable: open this notebook from a checkout '\n"
-        "                       'of the repository, or (Colab) set SPARSE_LM_REPO to its git URL '\n"
-        "                       'and rerun')\n"
-        "  subprocess.run(['git', 'clone', '--depth=1', REPO, 'sparse_lm_repo'], check=True)\n"
-        "  subprocess.run([sys.executable, '-m', 'pip', 'install', '-q', '-r',\n"
-        "                  'sparse_lm_repo/requirements.txt'], check=True)\n"
-        "  sys.path.insert(0, os.path.abspath('sparse_lm_repo'))\n"
+        + FIND_CHECKOUT + GET_CODE +
         "os.environ.setdefault('JAX_PLATFORMS', 'cpu' if 'COLAB_TPU_ADDR' not in os.environ\n"
         "                      and not os.path.exists('/proc/driver/nvidia') else '')\n"
         "if not os.environ['JAX_PLATFORMS']:\n"
@@ -41,9 +28,10 @@ cells = [
     new_code_cell(
         "from sparse_lm.config import get_preset\n"
         "from sparse_lm.model.params import count_params\n"
+        "size = lambda n: f'{n / 1e9:.3f}B' if n >= 1e9 else f'{n / 1e6:.2f}M'\n"
         "for name in ('tiny', 'small', 'full'):\n"
         "  c = count_params(get_preset(name))\n"
-        "  print(f\"{name:>5}: {c['total']/1e9:10.3f}B total, {c['active']/1e9:8.3f}B active\")"),
+        "  print(f\"{name:>5}: {size(c['total']):>9} total, {size(c['active']):>9} active\")"),
     new_markdown_cell("## Train the tiny preset\nThe `stage_8k` experiment at the tiny preset "
                       "(its sequence length scaled down to 256 tokens)."),
     new_code_cell(

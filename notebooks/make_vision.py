@@ -5,7 +5,7 @@
 
 from nbformat.v4 import new_code_cell, new_markdown_cell
 
-from nbwrite import FIND_CHECKOUT, write_notebook
+from nbwrite import COLAB, FIND_CHECKOUT, GET_CODE, write_notebook
 
 cells = [
     new_markdown_cell(
@@ -14,10 +14,10 @@ cells = [
         "(scikit-learn's handwritten digits and words rendered with matplotlib's DejaVu fonts, "
         "packed with standard-library text; nothing is downloaded), then shows held-out "
         "images with the captions the model generates. The same run as "
-        "`python -m experiments.vision_demo --preset=tiny`."),
+        "`python -m experiments.vision_demo --preset=tiny`.\n\n" + COLAB),
     new_code_cell(
-        "import os, pathlib, sys\n"
-        + FIND_CHECKOUT +
+        "import os, pathlib, subprocess, sys\n"
+        + FIND_CHECKOUT + GET_CODE +
         "os.environ.setdefault('JAX_PLATFORMS', 'cpu')\n"
         "import dataclasses, tempfile\n"
         "import numpy as np\n"

@@ -229,3 +229,11 @@ def test_embedding_lookup_backward_equals_autodiff_of_take():
   np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
   np.testing.assert_array_equal(np.asarray(nn.embedding_lookup(table, tokens)),
                                 np.asarray(table)[np.asarray(tokens)])
+
+
+@pytest.mark.parametrize("devices, slices", [(0, 1), (-8, 1), (8, 0)])
+def test_resolve_refuses_fewer_than_one_device_or_slice(devices, slices):
+  """`benchmarks.ep_drops --virtual-devices 0` reported drop rates for a mesh of 0 devices:
+  resolve gave {'fsdp': 0, 'expert': 8} (and fsdp=-1 for -8 devices)."""
+  with pytest.raises(ValueError, match=r"num_(devices|slices)=-?\d+ must be an int >= 1"):
+    shd.MeshLayout.parse("expert=8").resolve(devices, slices)

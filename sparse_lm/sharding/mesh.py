@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Any, Mapping, Sequence
 
 import jax
@@ -87,8 +88,12 @@ class MeshLayout:
     """Concrete (ici, dcn) sizes: replaces the -1s.
 
     Raises:
-      ValueError: more than one -1 per group, or sizes that do not multiply to the devices.
+      ValueError: more than one -1 per group, or sizes that do not multiply to the devices;
+        fewer than one device or slice.
     """
+    for name, n in (("num_devices", num_devices), ("num_slices", num_slices)):
+      if isinstance(n, bool) or not isinstance(n, numbers.Integral) or n < 1:
+        raise ValueError(f"mesh layout: {name}={n!r} must be an int >= 1")
     if num_devices % num_slices:
       raise ValueError(f"{num_devices} devices do not split into {num_slices} slices")
     dcn = _fill(self.dcn, num_slices, "dcn_", "slices")
