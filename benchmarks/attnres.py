@@ -49,7 +49,7 @@ def _time(fn, args, repeats):
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
   p.add_argument("--sources", type=int, default=5, help="stack slots N (3 filled)")
   p.add_argument("--batch", type=int, default=8)
   p.add_argument("--length", type=int, default=8192)

@@ -69,7 +69,7 @@ def build(cfg, variant: str):
 
 
 def main(argv=None):
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
   p.add_argument("--batch", type=int, default=8)
   p.add_argument("--length", type=int, default=8192)
   p.add_argument("--repeats", type=int, default=10)

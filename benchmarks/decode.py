@@ -117,23 +117,23 @@ MOE_KNOBS = {"block_f": "MOE_BLOCK_F", "num_warps": "MOE_WARPS", "num_stages": "
 
 def parse_moe_variants(text: str) -> list[dict]:
   """'block_f=16;num_stages=2,num_warps=8' -> [{"block_f": 16}, {"num_stages": 2,
-  "num_warps": 8}]. Raises SystemExit naming the bad key or value."""
+  "num_warps": 8}]. Raises ValueError naming the bad key or value."""
   out = []
   for part in text.split(";"):
     change = {}
     for kv in filter(None, part.split(",")):
       k, _, v = kv.partition("=")
       if k not in MOE_KNOBS or not v:
-        raise SystemExit(f"--moe-variants: {kv!r}: keys are {sorted(MOE_KNOBS)}, as key=value")
+        raise ValueError(f"--moe-variants: {kv!r}: keys are {sorted(MOE_KNOBS)}, as key=value")
       if k == "use_dot":
         if v not in ("0", "1", "true", "false"):
-          raise SystemExit(f"--moe-variants: use_dot={v!r} must be 0/1 or true/false")
+          raise ValueError(f"--moe-variants: use_dot={v!r} must be 0/1 or true/false")
         change[k] = v in ("1", "true")
       else:
         try:
           change[k] = int(v)
         except ValueError:
-          raise SystemExit(f"--moe-variants: {k}={v!r} must be an integer") from None
+          raise ValueError(f"--moe-variants: {k}={v!r} must be an integer") from None
     if change:
       out.append(change)
   return out
@@ -293,7 +293,10 @@ def main(argv=None):
   if not cases or set(cases) - set(PROFILE_CASES):
     p.error(f"--profile-cases {args.profile_cases!r}: expected a comma list of "
             f"{', '.join(PROFILE_CASES)}")
-  variants = parse_moe_variants(args.moe_variants) if args.moe_variants else []
+  try:
+    variants = parse_moe_variants(args.moe_variants) if args.moe_variants else []
+  except ValueError as e:
+    p.error(str(e))
   parts = set(args.parts.split(","))
   if not parts or parts - {"decode", "prefill"}:
     p.error(f"--parts {args.parts!r}: expected decode, prefill or decode,prefill")

@@ -192,8 +192,24 @@ def summary(rates, worst, windows) -> dict:
               overall=float(t.mean()), worst_call=float(np.max(worst)), per_step=t.tolist())
 
 
-def _windows(text: str, steps: int) -> list[tuple[int, int]]:
-  cuts = [0] + [int(x) for x in text.split(",") if x] + [steps]
+def parse_windows(text: str) -> list[int]:
+  """--windows "5,20" -> [5, 20]: the step cuts of the window means.
+
+  Raises:
+    ValueError: an item that is not an integer, a cut below 1, or cuts not increasing.
+  """
+  try:
+    cuts = [int(x) for x in text.split(",") if x.strip()]
+  except ValueError:
+    raise ValueError(f"--windows {text!r}: expected a comma list of step numbers, e.g. "
+                     "5,20") from None
+  if any(c < 1 for c in cuts) or any(a >= b for a, b in zip(cuts, cuts[1:])):
+    raise ValueError(f"--windows {text!r}: expected increasing step numbers >= 1, e.g. 5,20")
+  return cuts
+
+
+def _windows(cuts: list[int], steps: int) -> list[tuple[int, int]]:
+  cuts = [0] + list(cuts) + [steps]
   return [(a, b) for a, b in zip(cuts, cuts[1:]) if a < b]
 
 
@@ -218,6 +234,17 @@ def main(argv=None) -> int:
   # Every argument is checked here, before a tokenizer is trained or a step compiled.
   if args.steps < 1:
     p.error(f"--steps {args.steps}: expected a positive integer")
+  if not (math.isfinite(args.train_cap) and args.train_cap > 0):
+    p.error(f"--train-cap {args.train_cap}: expected a number > 0 (the receive buffer as a "
+            "multiple of the tokens per block, e.g. 1.25)")
+  if args.virtual_devices < 1:
+    p.error(f"--virtual-devices {args.virtual_devices}: expected an integer >= 1")
+  if args.deadline_s is not None and not args.deadline_s > 0:
+    p.error(f"--deadline-s {args.deadline_s}: expected a number of seconds > 0")
+  try:
+    windows = parse_windows(args.windows)
+  except ValueError as e:
+    p.error(str(e))
   preset_stage = cli_args.stage_preset(p, args.stage, args.preset)
   try:
     base = apply_overrides(preset_stage, args.sets)
@@ -227,6 +254,9 @@ def main(argv=None) -> int:
     caps = [float(c) for c in args.caps.split(",")]
   except ValueError:
     p.error(f"--caps {args.caps!r}: expected a comma list of numbers, e.g. 1.0,1.25,1.5")
+  if not all(math.isfinite(c) and c > 0 for c in caps):
+    p.error(f"--caps {args.caps!r}: each cap must be a number > 0 (a multiple of the tokens "
+            "per block), e.g. 1.0,1.25,1.5")
   virtual = bool(args.virtual_mesh)
   try:
     layout = (shd.MeshLayout.parse(args.mesh) if args.mesh is not None
@@ -251,12 +281,12 @@ def main(argv=None) -> int:
   tokenizer = data_lib.load_or_train_tokenizer(base.data, workdir,
                                                base.model_config().vocab_size)
   if virtual:
-    return _main_virtual(args, base, mesh, tokenizer, caps, layouts)
+    return _main_virtual(args, base, mesh, tokenizer, caps, layouts, windows)
   overrides = dict(base.model_overrides, ragged_buffer_factor=args.train_cap,
                    ep_exchange="dense")
   stage = dataclasses.replace(base, model_overrides=tuple(sorted(overrides.items())))
   r = measure(stage, mesh, args.steps, tokenizer, caps)
-  windows = _windows(args.windows, args.steps)
+  windows = _windows(windows, args.steps)
   rows = []
   for c in caps:
     row = summary(r[f"cap_{c}"], r[f"worst_layer_cap_{c}"], windows)
@@ -276,7 +306,7 @@ def main(argv=None) -> int:
   return 0
 
 
-def _main_virtual(args, stage, mesh, tokenizer, caps, layouts) -> int:
+def _main_virtual(args, stage, mesh, tokenizer, caps, layouts, cuts) -> int:
   cfg = stage.model_config()
   head = dict(stage=args.stage, preset=args.preset, command=" ".join(sys.argv),
               date=time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
@@ -290,7 +320,7 @@ def _main_virtual(args, stage, mesh, tokenizer, caps, layouts) -> int:
 
   def write(res):
     n = len(res["step_seconds"])
-    windows = _windows(args.windows, n)
+    windows = _windows(cuts, n)
     table = {name: {str(c): summary(r["rate"][str(c)], r["worst_call"][str(c)], windows)
                     for c in caps if r["rate"][str(c)]}
              for name, r in res["layouts"].items()}

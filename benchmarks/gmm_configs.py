@@ -35,7 +35,7 @@ TOLERANCE = 1e-2  # max |result - exact| / max |exact| for a result to count
 
 
 def main(argv=None) -> None:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
   p.add_argument("--preset", default="small", choices=("tiny", "small", "full"))
   p.add_argument("--tokens", type=int, default=8 * 8192, help="tokens per step (batch x length)")
   p.add_argument("--repeats", type=int, default=20)

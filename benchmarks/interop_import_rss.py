@@ -17,6 +17,7 @@ import itertools
 import shutil
 import tempfile
 import json
+import math
 import os
 import pathlib
 import resource
@@ -53,7 +54,13 @@ def write(out: pathlib.Path, size_gb: float, small: bool = False, shard_mb: int 
   per_expert = 3 * base.d_model * base.expert_hidden * 4 * base.num_moe_layers
   other = sum(int(np.prod(v.shape)) * 4 for p, v in flat.items()
               if "expert" not in "".join(map(str, p)))
-  experts = max(8, int((size_gb * 2**30 - other) // per_expert))
+  experts = int((size_gb * 2**30 - other) // per_expert)
+  if experts < 8:  # the layout's floor: 8 experts (a smaller size writes this much anyway)
+    floor = (other + 8 * per_expert) / 2**30
+    print(f"interop_import_rss: --size_gb {size_gb:g} is below the smallest checkpoint of this "
+          f"layout (8 experts{', --small' if small else ''}): writing about {floor:.2f} GB",
+          file=sys.stderr, flush=True)
+    experts = 8
   cfg = ModelConfig(**synth, num_experts=experts)
   _, state = _abstract(cfg)
   flat = dict(nnx.to_flat_state(state))
@@ -97,7 +104,7 @@ def _current_rss() -> int:
   raise RuntimeError("no VmRSS in /proc/self/status")
 
 
-def main():
+def main(argv=None):
   ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
   ap.add_argument("--size_gb", type=float, default=2.0,
                   help="checkpoint size in GB (--small writes a narrower model, same size)")
@@ -107,10 +114,22 @@ def main():
   ap.add_argument("--small", action="store_true", help="narrower model (for the test)")
   ap.add_argument("--json", action="store_true", help="print one JSON line of numbers")
   ap.add_argument("--shard_mb", type=int, default=256, help="safetensors shard size in MB")
-  args = ap.parse_args()
+  args = ap.parse_args(argv)
   if args.measure:
     measure(args.measure)
     return
+  # Every argument is checked here, before anything is written.
+  if not (math.isfinite(args.size_gb) and args.size_gb > 0):
+    ap.error(f"--size_gb {args.size_gb:g}: expected a size in GB > 0")
+  if args.shard_mb < 1:
+    ap.error(f"--shard_mb {args.shard_mb}: expected a shard size in MB >= 1")
+  if args.dir is not None:
+    try:
+      os.makedirs(args.dir, exist_ok=True)
+    except OSError as e:
+      ap.error(f"--dir {args.dir!r}: cannot create it ({e.strerror or e})")
+    if not os.access(args.dir, os.W_OK | os.X_OK):
+      ap.error(f"--dir {args.dir!r}: not a writable directory")
   if args.dir is None:
     tmp = tempfile.mkdtemp(prefix="interop_rss_ckpt_")
     try:

@@ -52,7 +52,7 @@ def _fns(path, B, H, T, D, num_warps=4, block_k=32, interpret=False):
 
 
 def main(argv=None) -> None:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
   p.add_argument("--shape", default="1,16,8192,128", metavar="B,H,T,D")
   p.add_argument("--configs", default="4:32,4:16,4:64,4:64/32", metavar="WARPS:BLOCK,...",
                  help="intra_chunk_wy's num_warps and block_k to time (BLOCK or FWD/BWD)")

@@ -19,6 +19,7 @@ time of the window, and the objects the collector tracked at its end.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import importlib
 import json
@@ -33,7 +34,6 @@ from benchmarks import cli_args
 def measure_one(stage_module: str, preset: str, steps: int, gc_every: int,
                 sets: list[str]) -> dict:
   """Train in this process with `gc_every`; the collections of the window, by generation."""
-  import dataclasses  # pylint: disable=g-import-not-at-top
   from experiments.base import apply_overrides  # pylint: disable=g-import-not-at-top
   from sparse_lm.train import loop  # pylint: disable=g-import-not-at-top
 
@@ -110,7 +110,13 @@ def main(argv=None) -> int:
     p.error(f"--gc-every {args.gc_every!r}: expected integers such as 100,0")
   if any(s < 0 for s in settings):
     p.error(f"--gc-every {args.gc_every!r}: each value must be >= 0 (0: Python's collector)")
-  cli_args.stage_preset(p, args.stage, args.preset)  # here, not in each child
+  stage = cli_args.stage_preset(p, args.stage, args.preset)  # here, not in each child
+  from experiments.base import apply_overrides  # pylint: disable=g-import-not-at-top
+  for every in settings:  # the child's own stage: the --set keys and values, checked here
+    try:
+      apply_overrides(dataclasses.replace(stage, steps=args.steps, gc_every=every), args.sets)
+    except ValueError as e:
+      p.error(str(e))
   results = []
   for every in settings:
     cmd = [sys.executable, "-m", "benchmarks.loop_gc", "--one", str(every), "--stage",

@@ -24,7 +24,7 @@ import time
 
 
 def main(argv=None) -> None:
-  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p = argparse.ArgumentParser(description=" ".join(__doc__.split("\n\n")[0].split()))
   p.add_argument("--topology", default="v5p:2x2x1")
   p.add_argument("--layers", type=int, default=8)
   p.add_argument("--tokens", type=int, default=8192)

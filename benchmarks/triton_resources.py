@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import shutil
 import subprocess
 import sys
 import textwrap
@@ -116,6 +117,9 @@ def main(argv=None) -> None:
     p.error(f"--block-k {block_k}: expected a power of two >= 16")
   if a.num_warps not in (1, 2, 4, 8, 16):
     p.error(f"--num-warps {a.num_warps}: expected 1, 2, 4, 8 or 16")
+  if a.triton_python is not None and shutil.which(a.triton_python) is None:
+    p.error(f"--triton-python {a.triton_python!r}: no such executable (expected the path of "
+            "a Python with `triton` installed)")
   os.environ.setdefault("JAX_PLATFORMS", "cpu")
   names = dump_ttir(a.out, block_k, a.num_warps, a.segments, a.bf16_operands)
   print(f"TTIR of {', '.join(names)} in {a.out}", flush=True)

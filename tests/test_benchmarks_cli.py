@@ -175,6 +175,17 @@ def test_gmm_cpu_refuses_rows_that_do_not_split_into_equal_groups(capsys):
     (["--caps", "1.0,x"], r"--caps '1.0,x': expected a comma list of numbers"),
     (["--set", "foo=1"], r"unknown --set key 'foo'"),
     (["--steps", "0"], r"--steps 0"),
+    # a cap <= 0 trained and printed a drop rate above 100%
+    (["--caps", "-1.0"], r"--caps '-1.0': each cap must be a number > 0"),
+    (["--caps", "1.0,0"], r"--caps '1.0,0': each cap must be a number > 0"),
+    (["--caps", "nan"], r"--caps 'nan': each cap must be a number > 0"),
+    (["--train-cap", "-2"], r"--train-cap -2.0: expected a number > 0"),
+    (["--deadline-s", "-5"], r"--deadline-s -5.0: expected a number of seconds > 0"),
+    (["--virtual-devices", "0"], r"--virtual-devices 0: expected an integer >= 1"),
+    # parsed after the training steps: a ValueError traceback after the run
+    (["--windows", "a"], r"--windows 'a': expected a comma list of step numbers"),
+    (["--windows", "20,5"], r"--windows '20,5': expected increasing step numbers >= 1"),
+    (["--windows", "0"], r"--windows '0': expected increasing step numbers >= 1"),
 ])
 def test_ep_drops_bad_arguments_are_refused_by_name(argv, match, capsys):
   from benchmarks import ep_drops
@@ -199,6 +210,117 @@ def test_loop_gc_refuses_an_unknown_preset_before_starting_a_child(capsys):
   from benchmarks import loop_gc
   line = _refused(loop_gc.main, ["--preset", "foo", "--steps", "2", "--gc-every", "0"], capsys)
   assert "--preset 'foo': expected one of" in line
+
+
+@pytest.mark.parametrize("argv, match", [
+    # each failed in the first child, a traceback of the child's apply_overrides
+    (["--set", "foo=1"], r"unknown --set key 'foo'"),
+    (["--set", "seed=x"], r"seed"),
+    (["--set", "seed"], r"--set expects key=value, got 'seed'"),
+])
+def test_loop_gc_checks_set_keys_before_starting_a_child(argv, match, capsys, monkeypatch):
+  from benchmarks import loop_gc
+
+  def no_child(*a, **k):
+    raise AssertionError(f"a child was started: {a}")
+
+  monkeypatch.setattr(loop_gc.subprocess, "run", no_child)
+  line = _refused(loop_gc.main, ["--steps", "2", "--gc-every", "0"] + argv, capsys)
+  assert re.search(match, line), line
+
+
+@pytest.mark.parametrize("argv, match", [
+    # --size_gb <= 0 wrote the floor of 8 experts (0.74 GB) without a word
+    (["--size_gb", "-1"], r"--size_gb -1: expected a size in GB > 0"),
+    (["--size_gb", "0"], r"--size_gb 0: expected a size in GB > 0"),
+    (["--size_gb", "nan"], r"--size_gb nan: expected a size in GB > 0"),
+    (["--shard_mb", "0"], r"--shard_mb 0: expected a shard size in MB >= 1"),
+    (["--shard_mb", "-4"], r"--shard_mb -4: expected a shard size in MB >= 1"),
+])
+def test_interop_import_rss_refuses_bad_sizes_before_writing(argv, match, tmp_path, capsys):
+  from benchmarks import interop_import_rss
+  out = tmp_path / "ckpt"
+  line = _refused(interop_import_rss.main, argv + ["--small", "--dir", str(out)], capsys)
+  assert re.search(match, line), line
+  assert not out.exists()
+
+
+def test_interop_import_rss_refuses_a_dir_it_cannot_create(tmp_path, capsys):
+  """A --dir under a file: usage error (a FileNotFoundError traceback from the writer before,
+  after the abstract model was built)."""
+  from benchmarks import interop_import_rss
+  (tmp_path / "file").write_text("")
+  bad = str(tmp_path / "file" / "ckpt")
+  line = _refused(interop_import_rss.main, ["--small", "--size_gb", "0.05", "--dir", bad],
+                  capsys)
+  assert f"--dir {bad!r}: cannot create it" in line, line
+
+
+def test_interop_import_rss_says_when_the_size_is_below_the_floor(tmp_path, capsys,
+                                                                  monkeypatch):
+  """A --size_gb below the layout's 8 experts says what size it writes instead (it wrote the
+  floor silently); stopped here at the writer."""
+  from benchmarks import interop_import_rss
+  from sparse_lm.interop import safetensors_io
+
+  class Stop(Exception):
+    pass
+
+  def writer(*a, **k):
+    raise Stop
+
+  monkeypatch.setattr(safetensors_io, "ShardWriter", writer)
+  with pytest.raises(Stop):
+    interop_import_rss.write(tmp_path / "ckpt", 0.001, small=True, shard_mb=16)
+  err = capsys.readouterr().err
+  assert re.search(r"--size_gb 0.001 is below the smallest checkpoint of this layout \(8 "
+                   r"experts, --small\): writing about [0-9.]+ GB", err), err
+
+
+def test_triton_resources_checks_the_triton_python_before_lowering(tmp_path, capsys):
+  """A --triton-python that is not there (or not executable): usage error before the kernels
+  are lowered and their IR written (a FileNotFoundError after writing before)."""
+  from benchmarks import triton_resources
+  out = tmp_path / "ttir"
+  for py in (tmp_path / "nope" / "python", tmp_path / "not_executable"):
+    if py.name == "not_executable":
+      py.write_text("#!/bin/sh\n")
+    line = _refused(triton_resources.main, ["--triton-python", str(py), "--out", str(out)],
+                    capsys)
+    assert f"--triton-python {str(py)!r}: no such executable" in line, line
+    assert not out.exists()
+
+
+@pytest.mark.parametrize("variants, match", [
+    # raise SystemExit(msg): exit status 1, no usage line
+    ("foo=1", r"--moe-variants: 'foo=1': keys are \['block_f', 'num_stages', 'num_warps', "
+              r"'use_dot'\]"),
+    ("block_f=x", r"--moe-variants: block_f='x' must be an integer"),
+    ("block_f=16;use_dot=2", r"--moe-variants: use_dot='2' must be 0/1 or true/false"),
+])
+def test_decode_moe_variants_errors_are_usage_errors(variants, match, capsys):
+  from benchmarks import decode
+  with pytest.raises(SystemExit) as e:
+    decode.main(["--preset", "tiny", "--moe-variants", variants])
+  assert e.value.code == 2, e.value.code
+  err = capsys.readouterr().err
+  assert err.startswith("usage:"), err
+  assert re.search(match, err.strip().splitlines()[-1]), err
+
+
+@pytest.mark.parametrize("module", ["attnres", "attnres_group", "gmm_configs", "kda_intra",
+                                    "tpu_compile_probe"])
+def test_help_description_is_the_docstrings_first_paragraph(module, capsys):
+  """--help gave the docstring's first line, cut mid-sentence."""
+  import importlib
+  mod = importlib.import_module(f"benchmarks.{module}")
+  with pytest.raises(SystemExit) as e:
+    mod.main(["--help"])
+  assert e.value.code == 0
+  words = lambda text: " ".join(text.split())
+  first = words(mod.__doc__.split("\n\n")[0])
+  assert first.endswith((".", ")", ":")), first
+  assert first in words(capsys.readouterr().out)
 
 
 def test_layer_step_parses_set_values_to_the_field_types(capsys):
