@@ -749,6 +749,12 @@ def run(cfg: RLConfig, workdir: str, log=print, progress: bool = False) -> dict:
                        f"{model_cfg.vocab_size}")
     cfg = fit_lengths(cfg, tok, log)
     check_saved_phases(cfg, wd)  # a changed config is refused before any eval or compile
+    for phase in PHASES:
+      steps, optim = getattr(cfg, f"{phase}_steps"), getattr(cfg, f"{phase}_optim")
+      if 0 < steps < optim.warmup_steps:
+        log(f"warning: {phase}_optim.warmup_steps={optim.warmup_steps} > {phase}_steps={steps}: "
+            f"the {phase} learning rate never reaches its peak {optim.peak_lr:g} (lower "
+            f"{phase}_optim.warmup_steps)")
     model = Transformer(model_cfg, rngs=nnx.Rngs(cfg.seed))
     if cfg.init_from:
       model = _init_from_pretraining(model, cfg, log)

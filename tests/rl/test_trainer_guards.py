@@ -272,3 +272,22 @@ def test_a_signal_during_the_eval_after_sft_stops_before_grpo(tmp_path, monkeypa
                      "command again"):
     trainer.run(cfg, str(tmp_path), log=lambda *a: None)
   assert (tmp_path / "sft" / "eval.json").exists()
+
+
+def test_a_warmup_longer_than_the_phase_is_warned_about(tmp_path, monkeypatch):
+  """`--set sft_optim.warmup_steps=500 --set sft_steps=10` ran silently with a peak learning
+  rate never reached; the run now says so before SFT."""
+  lines = []
+
+  def stop(*a, **k):
+    raise KeyboardInterrupt  # the check is before SFT: stop there
+  monkeypatch.setattr(trainer, "run_sft", stop)
+  cfg = dataclasses.replace(PRESETS["tiny"], model_overrides=(("num_layers", 3),
+                                                              ("mla_every", 2)), sft_steps=10,
+                            sft_optim=dataclasses.replace(PRESETS["tiny"].sft_optim,
+                                                          warmup_steps=500))
+  with pytest.raises(KeyboardInterrupt):
+    trainer.run(cfg, str(tmp_path), log=lines.append)
+  assert any("warning: sft_optim.warmup_steps=500 > sft_steps=10: the sft learning rate never "
+             "reaches its peak" in x for x in lines), lines
+  assert not any("grpo_optim.warmup_steps" in x for x in lines)
