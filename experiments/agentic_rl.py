@@ -186,8 +186,7 @@ def main(argv=None) -> int:
       if getattr(args, name) is not None:
         cfg = dataclasses.replace(cfg, **{name: getattr(args, name)})
     cfg.validate()
-    check_rl_workdir(local_workdir(args.workdir or f"runs/rl_{args.preset}"))  # not a stage's
-    local_workdir(args.workdir or f"runs/rl_{args.preset}", create=True)
+    check_rl_workdir(local_workdir(args.workdir or f"runs/rl_{args.preset}", create=True))
     if cfg.init_from:
       local_workdir(cfg.init_from, "--init_from", existing=True)
       pretraining_stages(cfg.init_from)  # before anything runs
