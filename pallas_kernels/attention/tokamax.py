@@ -12,6 +12,8 @@ import logging
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.attention.xla import _pad_to
+
 
 def run_ranges(segment_ids: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Each position's run of equal ids as [start, end): int32 [B, T] each.
@@ -93,12 +95,7 @@ SEQ_BLOCK = 128
 
 def pad_to_block(x: jax.Array, axis: int = 1, block: int = SEQ_BLOCK) -> jax.Array:
   """x zero-padded at the end of `axis` to a multiple of `block` (x itself if it is one)."""
-  pad = -x.shape[axis] % block
-  if not pad:
-    return x
-  widths = [(0, 0)] * x.ndim
-  widths[axis] = (0, pad)
-  return jnp.pad(x, widths)
+  return _pad_to(x, block, axis)
 
 
 def tokamax_masked(q, k, v, *, scale: float, k_start=None, k_end=None, is_causal: bool = False,
