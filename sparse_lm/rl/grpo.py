@@ -68,7 +68,10 @@ def group_advantages(rewards: Sequence[float], group_size: int, *, scale_by_std:
   if r.size % group_size:
     raise ValueError(f"{r.size} rewards do not split into groups of group_size={group_size}")
   r = r.reshape(-1, group_size)
-  adv = r - r.mean(axis=1, keepdims=True)
+  # exactly 0 for a constant group: its float mean may differ from the rewards by a rounding
+  # error, which a small eps would turn into an advantage (eps = 1e-16: -0.5 each)
+  adv = np.where((r == r[:, :1]).all(axis=1, keepdims=True), 0.0,
+                 r - r.mean(axis=1, keepdims=True))
   if scale_by_std:
     adv = adv / (r.std(axis=1, keepdims=True) + eps)
   return adv.reshape(-1).astype(np.float32)
