@@ -30,7 +30,7 @@ from sparse_lm.sharding import MeshLayout
 from sparse_lm.train import metrics as metrics_lib
 from sparse_lm.train.config import StageConfig
 from sparse_lm.train.optimizer import OptimizerConfig
-from sparse_lm.train.workdir import local_workdir
+from sparse_lm.train.workdir import local_workdir, write_failure
 
 __all__ = ["StageConfig", "OptimizerConfig", "DataConfig", "MeshLayout", "apply_overrides",
            "main", "valid_keys"]
@@ -268,4 +268,16 @@ def main(stages: Mapping[str, StageConfig], argv: Sequence[str] | None = None) -
           UnreadableCheckpointError) as e:
     print(f"error: {e}", file=sys.stderr)
     return failed(1)  # a job of several processes leaves now, not at the shutdown barrier
+  except KeyboardInterrupt:  # Ctrl-C before the step loop holds signals (data, state init), or
+    # a second Ctrl-C: nothing is saved then; one line, not a traceback
+    print(f"[{stage.name}] interrupted (SIGINT): stopped at once with nothing new saved; run "
+          "the same command again to resume from the last checkpoint (or start the stage)",
+          file=sys.stderr)
+    return failed(130)
+  except OSError as e:  # a full disk, a read-only workdir: one line, not a traceback
+    message = write_failure(e, workdir)
+    if message is None:
+      raise
+    print(f"error: {message}", file=sys.stderr)
+    return failed(1)
   return 0  # a preempted run saved its state and said so; rerunning resumes it

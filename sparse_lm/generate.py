@@ -136,8 +136,12 @@ def load_checkpoint(path: str | pathlib.Path, *, preset: str | None = None):
             else f"{path.parent} holds no checkpoint step")
     raise FileNotFoundError(f"--checkpoint {path}: no such checkpoint; {have}")
   if not (path.is_dir() and path.name.isdigit()):
+    steps = (sorted(int(p.name) for p in path.iterdir() if p.name.isdigit() and p.is_dir())
+             if path.is_dir() else [])
+    hint = (f"; the steps saved there: {', '.join(map(str, steps))} (e.g. --checkpoint "
+            f"{path / str(steps[-1])})" if steps else "")
     raise FileNotFoundError(f"--checkpoint {path}: expected a step directory "
-                            "<workdir>/<stage>/checkpoints/<step>")
+                            f"<workdir>/<stage>/checkpoints/<step>{hint}")
   mgr = ocp.CheckpointManager(path.parent)
   step = int(path.name)
   ckpt_lib.quiet_abandoned_reads()  # a failed read's other reads report late

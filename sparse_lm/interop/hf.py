@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import errno
 import itertools
 import json
 import math
@@ -372,6 +373,15 @@ def main(argv=None) -> None:
             + (tok[0] if tok else "none (the source has none)"))
   except (FileNotFoundError, ValueError) as e:
     (a if args.cmd == "import" else b).error(str(e))
+  except OSError as e:  # a full disk, a read-only directory: one line, not a traceback
+    # (the same errnos and words as sparse_lm.train.workdir.write_failure; train imports interop)
+    if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM):
+      raise
+    where = args.workdir if args.cmd == "import" else args.out
+    verb = "access" if e.errno in (errno.EACCES, errno.EPERM) else "write"  # may be a read
+    (a if args.cmd == "import" else b).error(
+        f"cannot {verb} {e.filename or f'a file under {where}'}: {e.strerror or e}; free space "
+        "or fix the permissions and run the same command again, or give another directory")
 
 
 if __name__ == "__main__":

@@ -214,7 +214,16 @@ class ShardWriter:
   def _flush(self) -> None:
     k = len(self._shards)
     self._shards.append(list(self._cur))  # before the write: `abort` removes a partial file
-    save_file(self._cur, self.path / f"shard-{k:05d}.tmp", metadata={"format": "pt"})
+    tmp = self.path / f"shard-{k:05d}.tmp"
+    try:
+      save_file(self._cur, tmp, metadata={"format": "pt"})
+    except Exception as e:  # pylint: disable=broad-except
+      # safetensors reports a failed write (a full disk) as SafetensorError("... (os error
+      # 28)"): raised as the OSError it is, so callers can tell it from a bad tensor
+      code = re.search(r"os error (\d+)", str(e))
+      if isinstance(e, OSError) or code is None:
+        raise
+      raise OSError(int(code.group(1)), os.strerror(int(code.group(1))), str(tmp)) from e
     self._cur, self._cur_bytes = {}, 0
 
   def abort(self) -> None:

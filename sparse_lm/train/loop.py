@@ -388,14 +388,17 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
     parts = build(stage, mesh)
     with shd.use_mesh(mesh, stage.mesh.rules):
       ckpt = Checkpointer(stage_dir / "checkpoints", keep=stage.keep_checkpoints)
+      init_record: dict = {}  # the init_from step this run starts from, if it does
       state, data_state = _starting_state(stage, workdir, mesh, parts, ckpt, tokenizer,
-                                          allow_config_change, say)
+                                          allow_config_change, say, init_record=init_record)
       loop = _StageLoop(stage, mesh, parts, ckpt, tokenizer, data_state,
                         int(jax.device_get(state.step)), progress=progress,
                         progress_every=progress_every, alerts=alerts, on_step=on_step,
                         precompile=(jax.default_backend() == "gpu" if precompile is None
                                     else precompile),
                         allow_config_change=allow_config_change)
+      if init_record:  # saved with every checkpoint: a resume can tell what it started from
+        loop.meta[INIT_RECORD] = init_record
       no_eval = "no held-out split"
       if stage.data.eval_fraction > 0 and not loop.eval_batches:
         no_eval = "no held-out loss: the held-out split has no tokens"
@@ -428,9 +431,11 @@ def run(stage: StageConfig, workdir: str | pathlib.Path, *, progress: bool = Tru
                    preempted, stage_dir)
 
 
-def _starting_state(stage, workdir, mesh, parts, ckpt, tokenizer, allow_config_change, say
-                    ) -> tuple[TrainState, dict | None]:
-  """(state, data position) of this stage's latest checkpoint, else `init_from`, else fresh."""
+def _starting_state(stage, workdir, mesh, parts, ckpt, tokenizer, allow_config_change, say,
+                    *, init_record: dict | None = None) -> tuple[TrainState, dict | None]:
+  """(state, data position) of this stage's latest checkpoint, else `init_from`, else fresh.
+  `init_record` (if given) receives the `init_from` stage and step the stage started from
+  (`INIT_RECORD`), from `_init_from` or, resuming, from the checkpoint's meta."""
   target = shd.with_shardings(parts.abstract_state, parts.state_shardings)
   changes: list[str] = []
 
@@ -445,6 +450,12 @@ def _starting_state(stage, workdir, mesh, parts, ckpt, tokenizer, allow_config_c
     state, data_state, meta = restored
     step = int(jax.device_get(state.step))
     say(f"[{stage.name}] resuming from step {step} ({ckpt.directory})")
+    if meta.get(INIT_RECORD):
+      if init_record is not None:
+        init_record.update(meta[INIT_RECORD])
+      warning = init_from_moved_on(stage.name, workdir, meta[INIT_RECORD], ckpt.directory)
+      if warning:
+        say(warning)
     if changes:
       say(f"[{stage.name}] config changed since the checkpoint: " + "; ".join(changes))
     if not _same_tree(state.opt_state, target.opt_state):
@@ -455,7 +466,8 @@ def _starting_state(stage, workdir, mesh, parts, ckpt, tokenizer, allow_config_c
       state = state.replace(opt_state=_fresh_opt_state(parts, state.params, step))
     return state, data_state
   if stage.init_from:
-    return _init_from(stage, workdir, mesh, target, tokenizer.fingerprint, parts, say), None
+    return _init_from(stage, workdir, mesh, target, tokenizer.fingerprint, parts, say,
+                      record=init_record), None
   return parts.init(), None
 
 
@@ -760,6 +772,27 @@ class _StageLoop:
     self.writer.close()
 
 
+# The meta key of the `init_from` checkpoint a stage started from: {"stage", "step", "final"}.
+INIT_RECORD = "init_from_checkpoint"
+
+
+def init_from_moved_on(name: str, workdir, record: dict, ckpt_dir) -> str | None:
+  """A warning when stage `name` (resumed from its own checkpoints in `ckpt_dir`) started from
+  an unfinished checkpoint of its `init_from` stage (`record`, `INIT_RECORD`) and that stage
+  has a newer step now: the resumed stage goes on from the older weights. None otherwise."""
+  if not record or record.get("final") or not isinstance(record.get("step"), int):
+    return None
+  prev_dir = pathlib.Path(workdir) / str(record.get("stage")) / "checkpoints"
+  steps = (sorted(int(p.name) for p in prev_dir.iterdir() if p.name.isdigit())
+           if prev_dir.is_dir() else [])
+  if not steps or steps[-1] <= record["step"]:
+    return None
+  return (f"[{name}] warning: {name} started from {record['stage']} step {record['step']}, "
+          f"before {record['stage']} finished; {record['stage']} has step {steps[-1]} now, "
+          f"which this run does not use (it resumes {name}'s own checkpoints). To start {name} "
+          f"again from it, move {ckpt_dir} aside and run the same command.")
+
+
 def _init_from_missing(stage, workdir, prev_dir) -> str:
   """What to do when `stage.init_from` names neither a stage with a checkpoint nor an import."""
   where = f"[{stage.name}] init_from={stage.init_from!r}"
@@ -778,7 +811,8 @@ def _init_from_missing(stage, workdir, prev_dir) -> str:
           f"workdir pass its name (stage_8k, ...), {scratch}")
 
 
-def _init_from(stage, workdir, mesh, target, fingerprint, parts, say) -> TrainState:
+def _init_from(stage, workdir, mesh, target, fingerprint, parts, say, record=None
+               ) -> TrainState:
   """The previous stage's final checkpoint, restarted at step 0 of this stage (or, when
   init_from is an HF import directory, its weights with a fresh optimizer)."""
   tx, state_sh = parts.tx, parts.state_shardings
@@ -793,6 +827,8 @@ def _init_from(stage, workdir, mesh, target, fingerprint, parts, say) -> TrainSt
                       params=params, model_vars=model_vars, opt_state=opt_state,
                       rng=jax.device_put(jax.random.PRNGKey(stage.seed + 1), state_sh.rng))
   prev_dir = workdir / stage.init_from / "checkpoints"
+  if not prev_dir.is_dir():  # before the Checkpointer, which would create it (empty)
+    raise FileNotFoundError(_init_from_missing(stage, workdir, prev_dir))
   prev = Checkpointer(prev_dir, keep=10**6)
   def check(meta):
     check_model(meta, stage.model_config(), stage.name)
@@ -816,6 +852,8 @@ def _init_from(stage, workdir, mesh, target, fingerprint, parts, say) -> TrainSt
   if not meta.get("final"):
     say(f"[{stage.name}] warning: {stage.init_from} did not finish; using its step "
         f"{meta.get('step')} checkpoint")
+  if record is not None:
+    record.update(stage=stage.init_from, step=meta.get("step"), final=bool(meta.get("final")))
   say(f"[{stage.name}] initialised from {stage.init_from} step {meta.get('step')} ({prev_dir})"
       f"{', optimizer state kept' if stage.keep_optimizer_state else ''}")
   if stage.keep_optimizer_state:

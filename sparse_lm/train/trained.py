@@ -106,7 +106,8 @@ def load(workdir: str | pathlib.Path, stage: str | None = None, *,
             "`sparse_lm.interop.workdir.load_from_workdir`, generate from it with `python -m "
             f"sparse_lm.generate --workdir {workdir}`, or fine-tune it with `python -m "
             f"experiments.<stage> --set init_from={workdir} --workdir=<new dir>`" if imported else
-            f"train one with `python -m experiments.<stage> --workdir={workdir}`"))
+            f"train one with `python -m experiments.{stage or '<stage>'} "
+            f"--workdir={workdir}`"))
   ckpt = Checkpointer(workdir / stage / "checkpoints", keep=10**6)
   _refuse_other_runs(ckpt, workdir / stage)
   mesh = shd.make_mesh(shd.MeshLayout(), devices)
