@@ -191,10 +191,23 @@ class _AbandonedReadFilter(logging.Filter):
 
   def filter(self, record: logging.LogRecord) -> bool:
     text = record.getMessage()
-    return not ("never retrieved" in text and any(k in text for k in _READ_MARKS))
+    if "never retrieved" not in text:
+      return True
+    if any(k in text for k in _READ_MARKS):
+      return False
+    # The message may name only the error (a JSONDecodeError of a half-read metadata file,
+    # CI 2026-12-07): then the traceback's frames tell whether orbax or TensorStore raised it.
+    err = record.exc_info[1] if record.exc_info else None
+    tb = getattr(err, "__traceback__", None)
+    while tb is not None:
+      if any(k in tb.tb_frame.f_code.co_filename for k in _READ_FILES):
+        return False
+      tb = tb.tb_next
+    return True
 
 
 _READ_MARKS = ("orbax", "tensorstore", "OCDBT")
+_READ_FILES = ("orbax", "tensorstore")  # in the source path of a frame that raised
 _QUIET = []
 
 

@@ -523,3 +523,31 @@ def test_batch_fetcher_wait_survives_a_stream_of_signals():
     signal.signal(signal.SIGUSR1, previous)
     it.release.set()
     fetch.close()
+
+
+def test_abandoned_read_filter_knows_an_orbax_error_by_its_traceback():
+  """asyncio's never-retrieved record of an abandoned read may name only the error (CI,
+  2026-12-07: a JSONDecodeError of a half-read array metadata file, the test above then failed):
+  the frames of its traceback in orbax / TensorStore mark it; other records pass through."""
+  import json
+  import logging
+  from sparse_lm.train.checkpoint import _AbandonedReadFilter
+
+  def record(path):
+    code = compile("def read():\n  json.loads('{\"a\": 1 \"b\"}')\n", path, "exec")
+    scope = {"json": json}
+    exec(code, scope)  # pylint: disable=exec-used
+    try:
+      scope["read"]()
+    except json.JSONDecodeError as e:
+      exc_info = (type(e), e, e.__traceback__)
+    return logging.LogRecord(
+        "asyncio", logging.ERROR, "x.py", 1,
+        "_GatheringFuture exception was never retrieved\nfuture: <_GatheringFuture finished "
+        "exception=JSONDecodeError(\"Expecting ',' delimiter\")>", None, exc_info)
+
+  f = _AbandonedReadFilter()
+  assert not f.filter(record("/venv/site-packages/orbax/checkpoint/_src/metadata/store.py"))
+  assert f.filter(record("/home/user/my_code.py"))  # a user's own lost future: kept
+  plain = logging.LogRecord("asyncio", logging.ERROR, "x.py", 1, "Task was destroyed", None, None)
+  assert f.filter(plain)
