@@ -26,11 +26,12 @@ import jax
 
 from sparse_lm.config import ModelConfig
 from sparse_lm.data import DataConfig
+from sparse_lm.fs import write_failure
 from sparse_lm.sharding import MeshLayout
 from sparse_lm.train import metrics as metrics_lib
 from sparse_lm.train.config import StageConfig
 from sparse_lm.train.optimizer import OptimizerConfig
-from sparse_lm.train.workdir import local_workdir, write_failure
+from sparse_lm.train.workdir import local_workdir
 
 __all__ = ["StageConfig", "OptimizerConfig", "DataConfig", "MeshLayout", "apply_overrides",
            "main", "valid_keys"]

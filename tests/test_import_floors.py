@@ -4,7 +4,7 @@ Walks every `import` / `from ... import` statement (module level and inside func
 project's packages with `ast`, without importing anything. A module may import its own floor
 or lower ones. Floors, bottom to top:
 
-  0  sparse_lm.config, sparse_lm.nn, sparse_lm.sharding, sparse_lm.distributed, sparse_lm.data
+  0  sparse_lm.config, sparse_lm.fs, sparse_lm.nn, sparse_lm.sharding, sparse_lm.distributed, sparse_lm.data
   1  pallas_kernels (never imports sparse_lm)
   2  sparse_lm.moe
   3  sparse_lm.vision (the image encoder the decoder composes, like its embedding table)
@@ -29,7 +29,7 @@ TOP_PACKAGES = ("sparse_lm", "pallas_kernels", "experiments", "launch", "benchma
                 "notebooks")
 
 FLOORS = {
-    "sparse_lm.config": 0, "sparse_lm.nn": 0, "sparse_lm.sharding": 0,
+    "sparse_lm.config": 0, "sparse_lm.fs": 0, "sparse_lm.nn": 0, "sparse_lm.sharding": 0,
     "sparse_lm.distributed": 0, "sparse_lm.data": 0,
     "pallas_kernels": 1,
     "sparse_lm.moe": 2,

@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import errno
 import itertools
 import json
 import math
@@ -35,6 +34,7 @@ from flax import nnx
 
 from sparse_lm import sharding as shd
 from sparse_lm.config import ModelConfig
+from sparse_lm.fs import write_failure
 from sparse_lm.interop import hf_config, hf_names, mxfp4, workdir
 from sparse_lm.interop.safetensors_io import CheckpointReader, ShardWriter, write_text_atomic
 from sparse_lm.model.transformer import Transformer
@@ -374,14 +374,10 @@ def main(argv=None) -> None:
   except (FileNotFoundError, ValueError) as e:
     (a if args.cmd == "import" else b).error(str(e))
   except OSError as e:  # a full disk, a read-only directory: one line, not a traceback
-    # (the same errnos and words as sparse_lm.train.workdir.write_failure; train imports interop)
-    if e.errno not in (errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM):
+    message = write_failure(e, args.workdir if args.cmd == "import" else args.out)
+    if message is None:
       raise
-    where = args.workdir if args.cmd == "import" else args.out
-    verb = "access" if e.errno in (errno.EACCES, errno.EPERM) else "write"  # may be a read
-    (a if args.cmd == "import" else b).error(
-        f"cannot {verb} {e.filename or f'a file under {where}'}: {e.strerror or e}; free space "
-        "or fix the permissions and run the same command again, or give another directory")
+    (a if args.cmd == "import" else b).error(message)
 
 
 if __name__ == "__main__":

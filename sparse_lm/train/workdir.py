@@ -9,7 +9,6 @@ and checkpoints.
 
 from __future__ import annotations
 
-import errno
 import fcntl
 import os
 import pathlib
@@ -60,23 +59,6 @@ def local_workdir(path: str | os.PathLike, flag: str = "--workdir", *, existing:
       raise ValueError(f"{flag}={text}: cannot create it ({type(e).__name__}: {e.strerror or e}); "
                        "give a directory you can write") from e
   return p
-
-
-# The errors of a write the user must fix outside the program (a full disk or quota, a read-only
-# filesystem, no permission): reported as one line by the CLIs, not a traceback.
-WRITE_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
-
-
-def write_failure(e: OSError, where: str | os.PathLike) -> str | None:
-  """A one-line message for `e` when it is a write failure of `WRITE_ERRNOS` under `where`
-  (the workdir or output directory), else None (an unexpected error: let it raise)."""
-  if e.errno not in WRITE_ERRNOS:
-    return None
-  what = f"{e.filename}" if e.filename else f"a file under {where}"
-  verb = "access" if e.errno in (errno.EACCES, errno.EPERM) else "write"  # may be a read
-  return (f"cannot {verb} {what}: {e.strerror or e} (errno {errno.errorcode.get(e.errno, e.errno)}"
-          "); free space or fix the permissions and run the same command again, or give "
-          "another directory")
 
 
 class WorkdirLockedError(RuntimeError):
