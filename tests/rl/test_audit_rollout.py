@@ -3,54 +3,19 @@ and the length limit at their exact boundaries (no observation is appended when 
 an episode never exceeds max_length), and `found_answer` staying set once a tool returned the
 answer."""
 
-import dataclasses
-
 import numpy as np
 import pytest
 
-from sparse_lm.data.tokenizer import train_bpe
 from sparse_lm.rl import envs, rollout
 from sparse_lm.rl.format import format_call
+from tests.rl.rollout_testlib import Sampling, ScriptedEngine, arithmetic_tokenizer
 
 SEED = 21
 
 
 @pytest.fixture(scope="module")
 def tok():
-  rng = np.random.default_rng(SEED)
-  texts = []
-  for _ in range(300):
-    t = envs.ArithmeticEnv().sample(rng)
-    texts.append(t.prompt + format_call("calculator", {"expression": t.prompt[:-2]}) + t.answer)
-  return train_bpe(iter(texts), 400)
-
-
-@dataclasses.dataclass
-class _Out:
-  tokens: list
-  logprobs: list
-  state: object
-
-
-@dataclasses.dataclass(frozen=True)
-class _Sampling:
-  temperature: float = 1.0
-  top_p: float = 1.0
-  stop_tokens: tuple = ()
-
-
-class _Engine:
-  """Plays fixed turns (text) for every row; records each call's seed and row count."""
-
-  def __init__(self, tok, turns):
-    self.tok, self.turns, self.seeds, self.rows = tok, turns, [], []
-
-  def generate(self, prompts, *, max_new_tokens, sampling, seed, states=None):
-    del sampling, states
-    self.seeds.append(seed)
-    self.rows.append(len(prompts))
-    ids = self.tok.encode(self.turns[len(self.seeds) - 1], allow_special=True)[:max_new_tokens]
-    return [_Out(ids, [-0.25] * len(ids), len(self.seeds)) for _ in prompts]
+  return arithmetic_tokenizer(SEED)
 
 
 def _task(seed):
@@ -58,8 +23,8 @@ def _task(seed):
 
 
 def _run(tok, task, turns, **kw):
-  engine = _Engine(tok, turns)
-  (ep,) = rollout.run_episodes(engine, tok, [task], sampling_cls=_Sampling, **kw)
+  engine = ScriptedEngine(tok, turns)
+  (ep,) = rollout.run_episodes(engine, tok, [task], sampling_cls=Sampling, **kw)
   return ep, engine
 
 

@@ -1,55 +1,22 @@
 """Episodes: the turn protocol on a scripted engine, SFT transcripts, and engine vs trainer
 log-probs on real rollouts (fp32, tiny preset, random weights)."""
 
-import dataclasses
-
 import jax.numpy as jnp
 import numpy as np
 import pytest
 from flax import nnx
 
-from sparse_lm.data.tokenizer import train_bpe
 from sparse_lm.rl import envs, grpo, rollout
 from sparse_lm.rl.format import format_call
+from tests.rl.rollout_testlib import (SCRIPTED_LOGPROB, Sampling, ScriptedEngine,
+                                     arithmetic_tokenizer)
 
 SEED = 0
 
 
 @pytest.fixture(scope="module")
 def tok():
-  rng = np.random.default_rng(SEED)
-  texts = []
-  for _ in range(300):
-    t = envs.ArithmeticEnv().sample(rng)
-    texts.append(t.prompt + format_call("calculator", {"expression": t.prompt[:-2]}) + t.answer)
-  return train_bpe(iter(texts), 400)
-
-
-@dataclasses.dataclass
-class _Out:
-  tokens: list
-  logprobs: list
-  state: object
-
-
-class ScriptedEngine:
-  """Plays fixed turns (text) for every row; records what it was fed."""
-
-  def __init__(self, tok, turns):
-    self.tok, self.turns, self.calls = tok, turns, []
-
-  def generate(self, prompts, *, max_new_tokens, sampling, seed, states=None):
-    self.calls.append((prompts, states, sampling))
-    turn = self.turns[len(self.calls) - 1]
-    ids = self.tok.encode(turn, allow_special=True)[:max_new_tokens]
-    return [_Out(ids, [-0.5] * len(ids), ("state", len(self.calls))) for _ in prompts]
-
-
-@dataclasses.dataclass(frozen=True)
-class _Sampling:
-  temperature: float = 1.0
-  top_p: float = 1.0
-  stop_tokens: tuple = ()
+  return arithmetic_tokenizer(SEED)
 
 
 def test_episode_turns_rewards_and_masks(tok):
@@ -59,7 +26,7 @@ def test_episode_turns_rewards_and_masks(tok):
                                 format_call("calculator", {"expression": expr}),
                                 f"{task.answer}<eos>"])
   (ep,) = rollout.run_episodes(engine, tok, [task], max_steps=3, max_turn_tokens=40,
-                               max_length=200, sampling_cls=_Sampling)
+                               max_length=200, sampling_cls=Sampling)
   assert ep.reward == 1.0 and ep.answer == task.answer and ep.steps == 3
   assert ep.num_calls == 2 and ep.num_errors == 1
   assert ep.found_answer  # the second call returned the answer
@@ -69,7 +36,7 @@ def test_episode_turns_rewards_and_masks(tok):
   # observations and the prompt are not model-written; every engine token is
   gen_text = tok.decode([t for t, g in zip(ep.tokens, ep.generated) if g])
   assert "<tool_result>" not in gen_text and task.prompt not in gen_text
-  assert sum(ep.generated) == sum(1 for lp in ep.logprobs if lp == -0.5)
+  assert sum(ep.generated) == sum(1 for lp in ep.logprobs if lp == SCRIPTED_LOGPROB)
   # later turns feed only the new observation and continue the kept state
   prompts, states, sampling = engine.calls[1]
   assert tok.decode(prompts[0]).startswith("<tool_result>error:") and states == [("state", 1)]
@@ -80,17 +47,17 @@ def test_step_budget_and_wrong_answer(tok):
   task = envs.ArithmeticEnv().sample(np.random.default_rng(4))
   engine = ScriptedEngine(tok, ["no format here"] * 2)
   (ep,) = rollout.run_episodes(engine, tok, [task], max_steps=2, max_turn_tokens=8,
-                               max_length=200, sampling_cls=_Sampling)
+                               max_length=200, sampling_cls=Sampling)
   assert ep.reward == 0.0 and ep.answer is None and ep.steps == 2 and ep.num_errors == 2
   engine = ScriptedEngine(tok, [f"{task.answer}1<eos>"])
   (ep,) = rollout.run_episodes(engine, tok, [task], max_steps=2, max_turn_tokens=16,
-                               max_length=200, sampling_cls=_Sampling)
+                               max_length=200, sampling_cls=Sampling)
   assert ep.reward == 0.0 and ep.answer == task.answer + "1" and not ep.found_answer
   # a right call and a wrong final answer: partial credit only for GRPO, no success
   engine = ScriptedEngine(tok, [format_call("calculator", {"expression": task.prompt[:-2]}),
                                 f"{task.answer}1<eos>"])
   (right_call,) = rollout.run_episodes(engine, tok, [task], max_steps=2, max_turn_tokens=40,
-                                       max_length=200, sampling_cls=_Sampling)
+                                       max_length=200, sampling_cls=Sampling)
   assert right_call.found_answer and right_call.reward == 0.0 and not right_call.success
   assert grpo.episode_rewards([ep, right_call], partial_credit=0.25) == [0.0, 0.25]
   assert grpo.episode_rewards([right_call], partial_credit=0.0) == [0.0]
