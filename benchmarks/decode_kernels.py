@@ -20,7 +20,6 @@ import tempfile
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 from flax import nnx
 
 from pallas_kernels.decode import attnres_mix, moe_experts

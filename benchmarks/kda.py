@@ -197,7 +197,6 @@ def profile_jax(backend, shape, trace_dir, warmup, repeats) -> str:
 def check_jax(backends, against, shape) -> str:
   """Relative RMSE of each JAX backend's output and five input gradients against `against`'s
   (same inputs and output cotangent as the timing), one line per backend."""
-  import jax
   import jax.numpy as jnp
   args = _jax_inputs(*shape)
   f32 = lambda x: jnp.asarray(x, jnp.float32)

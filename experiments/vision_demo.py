@@ -23,7 +23,6 @@ import time
 import numpy as np
 
 from sparse_lm import vision
-from sparse_lm.config import get_preset
 from sparse_lm.data import DataConfig, load_or_train_tokenizer, make_train_iterator
 from sparse_lm.data import image_sources, images as image_data
 from sparse_lm.train.optimizer import OptimizerConfig

@@ -32,7 +32,6 @@ one does not, 1 on errors.
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import importlib
 import json

@@ -177,7 +177,7 @@ def _gate_verdict(v: dict[str, Any]) -> str:
   if len(uc) >= 2:
     first, last = min(uc), max(uc)
     grows = uc[last] > uc[first]
-    text += (f"The unbounded gate's exponent (worst layer, mean over seeds) "
+    text += ("The unbounded gate's exponent (worst layer, mean over seeds) "
              + ("grows" if grows else "does not grow") + f" over training: {uc[first]:.1f} "
              f"nats at step {first}, {uc[last]:.1f} at step {last}"
              + (f" (bounded: {bc[min(bc)]:.1f} -> {bc[max(bc)]:.1f})" if bc else "") + ". ")
@@ -189,7 +189,7 @@ def _gate_verdict(v: dict[str, Any]) -> str:
 
 def verdict(record: dict[str, Any]) -> str:
   """What the numbers say about the claim, plainly (computed, never hand-written)."""
-  from experiments.ablations.run import _final_loss, _mean_spread, _tail_mean  # pylint: disable=g-import-not-at-top
+  from experiments.ablations.run import _final_loss, _mean_spread  # pylint: disable=g-import-not-at-top
   v = record["variants"]
   if record["name"] == "balancing":
     return _balancing_verdict(v)

@@ -23,11 +23,15 @@ import dataclasses
 import json
 import pathlib
 import re
+from typing import TYPE_CHECKING
 
 from flax import nnx  # the model is imported only where one is built (StageConfig reads this)
 
 from sparse_lm.config import ModelConfig, model_config_from_json
 from sparse_lm.interop import hf_config
+
+if TYPE_CHECKING:
+  from sparse_lm.data import Tokenizer
 
 IMPORT_DIR = "hf_import"
 META = "sparse_lm_model.json"
@@ -192,7 +196,7 @@ def restore_variables(workdir, abstract_params: nnx.State, abstract_model_vars: 
       if bad:
         raise ValueError(
             f"{d}: the model to restore is not the import's architecture ({'; '.join(bad[:3])}"
-            + (f"; {len(bad) - 3} more" if len(bad) > 3 else "") + f"). A stage with "
+            + (f"; {len(bad) - 3} more" if len(bad) > 3 else "") + "). A stage with "
             "init_from=<import> takes the import's ModelConfig (sparse_lm_model.json): drop "
             "the --set model.* overrides that change the architecture (num_experts, d_model, "
             "num_layers, ...); non-architecture ones (remat_policy, kda_chunk_size, balancer, "

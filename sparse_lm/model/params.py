@@ -16,9 +16,6 @@ Counting conventions (ARCHITECTURE.md §1):
 
 from __future__ import annotations
 
-import functools
-
-import jax
 from flax import nnx
 
 from sparse_lm.config import ModelConfig

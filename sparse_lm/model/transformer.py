@@ -27,7 +27,6 @@ mla_every, so a block always opens at the first layer of a group).
 
 from __future__ import annotations
 
-import functools
 
 import jax
 import jax.numpy as jnp

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import functools
 import math
-from typing import Any, Callable, Mapping
+from typing import Any, Mapping
 
 import jax
 import jax.numpy as jnp

@@ -18,7 +18,6 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from sparse_lm import sharding as shd
 from sparse_lm.model.loss import loss_fn
 from sparse_lm.model.transformer import Transformer
-from sparse_lm.moe import expert_parallel
 from sparse_lm.moe.balancing import update_balancers
 from sparse_lm.train.config import StageConfig
 from sparse_lm.train.optimizer import make_optimizer, qk_clip, wsd_schedule

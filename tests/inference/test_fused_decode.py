@@ -9,7 +9,6 @@ Reference for each kernel: the path the engine takes without it (`kda_cached`,
 model's full forward pass in test_engine.py / test_moe_decode.py. The whole decode step
 through the kernels: test_decode_padding.py."""
 
-import dataclasses
 import types
 
 import jax

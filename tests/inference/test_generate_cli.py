@@ -2,7 +2,6 @@
 and the end-of-stage sample (train/sample.py) through the engine."""
 
 import io
-import os
 import re
 import shutil
 import sys

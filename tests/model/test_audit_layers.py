@@ -19,7 +19,6 @@ existing tests could not see:
 
 import dataclasses
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
@@ -27,10 +26,10 @@ from flax import nnx
 from sparse_lm.config import get_preset
 from sparse_lm.model.kda import KDA
 from sparse_lm.model.mla import MLA, max_attention_logit
-from sparse_lm.model.transformer import Transformer
 from tests.model import numpy_layers as npl
 from tests.model.test_independent_references import CFG as WIRING_CFG
-from tests.model.test_independent_references import _np_decoder, _unstack
+from tests.model.test_independent_references import (_unstack, decoder_against_numpy,
+                                                      randomised_model)
 
 SEED = 1234
 
@@ -42,6 +41,17 @@ def _rel(ref, out):
 
 def _f64(v):
   return np.asarray(v[...], np.float64)
+
+
+def _prefill_then_decode(layer, x, cache, prefill):
+  """The layer's decode path over x [B, T, D]: the first `prefill` tokens in one call, then one
+  token a call; (outputs [B, T, D], the final cache)."""
+  decode = nnx.jit(lambda m, x, c: m.decode(x, c))
+  outs = []
+  for a, b in [(0, prefill)] + [(t, t + 1) for t in range(prefill, x.shape[1])]:
+    y, cache = decode(layer, x[:, a:b], cache)
+    outs.append(y)
+  return jnp.concatenate(outs, 1), cache
 
 
 KDA_NAMES = ("w_q", "w_k", "w_v", "conv_q", "conv_k", "conv_v", "w_g_down", "w_g_up", "A_log",
@@ -76,14 +86,7 @@ def test_kda_k_ne_v_small_activations_forward_and_decode():
   # decode: one document per row
   ref1 = npl.kda_layer(p, np.asarray(x, np.float64), np.ones((B, T), np.int32),
                        gate_lower_bound=cfg.kda_gate_lower_bound, eps=cfg.norm_eps)
-  decode = nnx.jit(lambda m, x, c: m.decode(x, c))
-  cache = layer.init_cache(B)
-  y1, cache = decode(layer, x[:, :5], cache)
-  outs = [y1]
-  for t in range(5, T):
-    yt, cache = decode(layer, x[:, t:t + 1], cache)
-    outs.append(yt)
-  out = jnp.concatenate(outs, 1)
+  out, _ = _prefill_then_decode(layer, x, layer.init_cache(B), prefill=5)
   assert _rel(ref1, out) < 1e-5, _rel(ref1, out)
 
 
@@ -105,14 +108,7 @@ def test_mla_decode_with_latent_width_not_equal_to_qk_width():
   ref = npl.mla_layer(p, np.asarray(x, np.float64), np.ones((B, T), np.int32),
                       kv_lora_rank=cfg.kv_lora_rank, nope=cfg.qk_nope_head_dim, eps=cfg.norm_eps)
   assert _rel(ref, nnx.jit(lambda m, x: m(x))(layer, x)) < 1e-5
-  decode = nnx.jit(lambda m, x, c: m.decode(x, c))
-  cache = layer.init_cache(B, T + 2)
-  y1, cache = decode(layer, x[:, :7], cache)
-  outs = [y1]
-  for t in range(7, T):
-    yt, cache = decode(layer, x[:, t:t + 1], cache)
-    outs.append(yt)
-  out = jnp.concatenate(outs, 1)
+  out, cache = _prefill_then_decode(layer, x, layer.init_cache(B, T + 2), prefill=7)
   assert int(cache.length) == T
   assert _rel(ref, out) < 1e-5, _rel(ref, out)
 
@@ -147,36 +143,10 @@ def test_decoder_with_kda_tail_matches_numpy_forward():
   cfg = dataclasses.replace(WIRING_CFG, num_layers=6)
   assert cfg.layer_types == ("kda", "mla", "kda", "mla", "kda", "mla")
   rng = np.random.default_rng(SEED)
-  model = Transformer(cfg, rngs=nnx.Rngs(SEED))
+  model = randomised_model(cfg, SEED, rng)
   assert model.tail is not None and len(model.tail) == 1
-  graphdef, state = nnx.split(model)
-
-  def randomise(path, x):
-    name = jax.tree_util.keystr(path)
-    if "query" in name:
-      return jnp.asarray(rng.standard_normal(x.shape) * 0.3, x.dtype)
-    if "scale" in name or "o_norm" in name or "latent_norm" in name:
-      return jnp.asarray(rng.uniform(0.5, 1.5, x.shape), x.dtype)
-    if any(n in name for n in ("w_og", "A_log", "dt_bias")):
-      return x + jnp.asarray(rng.standard_normal(x.shape) * 0.5, x.dtype)
-    if "balancer_bias" in name:
-      return jnp.asarray(rng.standard_normal(x.shape) * 0.1, x.dtype)
-    return x
-
-  model = nnx.merge(graphdef, jax.tree.map_with_path(randomise, state))
   layers = (list(model.head.layers) + list(_unstack(model.groups, 0).layers)
             + list(model.tail) + [model.last])
-  assert [l.mixer_kind for l in layers] == list(cfg.layer_types)
-  B, T = 2, 9
-  for _ in range(5):  # fresh inputs until no token sits on a top-k near-tie
-    tokens = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
-    seg = np.ones((B, T), np.int32)
-    seg[0, rng.integers(3, T - 3):] = 2
-    min_gap = []
-    ref = _np_decoder(layers, model, tokens, seg, cfg, min_gap)
-    if min(min_gap) > 1e-4:
-      break
-  logits = nnx.jit(lambda m, t, s: m(t, segment_ids=s))(model, jnp.asarray(tokens),
-                                                          jnp.asarray(seg))
+  ref, logits, _ = decoder_against_numpy(model, layers, cfg, rng, B=2, T=9)
   assert np.std(ref) > 0.1
   assert _rel(ref, logits) < 1e-4, _rel(ref, logits)

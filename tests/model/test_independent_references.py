@@ -16,7 +16,6 @@ per-layer forwards come from tests/model/numpy_layers.py (itself independent).
 import jax
 import jax.numpy as jnp
 import numpy as np
-import pytest
 from flax import nnx
 
 from sparse_lm.config import get_preset
@@ -116,6 +115,46 @@ def _unstack(module, g):
   return nnx.merge(graphdef, jax.tree.map(lambda a: a[g], state))
 
 
+def randomised_model(cfg, seed, rng):
+  """A Transformer whose zero- or one-initialised parameters (pseudo-queries, norm scales, KDA
+  gate and output gate, routing bias) are drawn at random from `rng`, so that a mix that reads
+  the wrong sources or query, a pre-norm in the wrong place or a skipped final norm is visible."""
+  model = Transformer(cfg, rngs=nnx.Rngs(seed))
+  graphdef, state = nnx.split(model)
+
+  def randomise(path, x):
+    name = jax.tree_util.keystr(path)
+    if "query" in name:
+      return jnp.asarray(rng.standard_normal(x.shape) * 0.3, x.dtype)
+    if "scale" in name or "o_norm" in name or "latent_norm" in name:
+      return jnp.asarray(rng.uniform(0.5, 1.5, x.shape), x.dtype)
+    if any(n in name for n in ("w_og", "A_log", "dt_bias")):
+      return x + jnp.asarray(rng.standard_normal(x.shape) * 0.5, x.dtype)
+    if "balancer_bias" in name:
+      return jnp.asarray(rng.standard_normal(x.shape) * 0.1, x.dtype)
+    return x
+
+  return nnx.merge(graphdef, jax.tree.map_with_path(randomise, state))
+
+
+def decoder_against_numpy(model, layers, cfg, rng, *, B, T):
+  """(fp64 NumPy logits, the model's logits, the top-k gaps) on random tokens, two packed
+  documents in row 0; inputs are redrawn (up to 5 times) until no token sits on a top-k
+  near-tie, where fp32 and fp64 could route differently."""
+  assert [l.mixer_kind for l in layers] == list(cfg.layer_types)
+  for _ in range(5):
+    tokens = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
+    seg = np.ones((B, T), np.int32)
+    seg[0, rng.integers(3, T - 3):] = 2
+    min_gap = []
+    ref = _np_decoder(layers, model, tokens, seg, cfg, min_gap)
+    if min(min_gap) > 1e-4:
+      break
+  logits = nnx.jit(lambda m, t, s: m(t, segment_ids=s))(model, jnp.asarray(tokens),
+                                                          jnp.asarray(seg))
+  return ref, logits, min_gap
+
+
 def test_decoder_wiring_matches_numpy_forward():
   """Logits of a 5-layer model (KDA/MLA mixers, dense and LatentMoE FFNs, Block AttnRes over
   three blocks, packed documents) against the fp64 NumPy forward of ARCHITECTURE §2-§5 built
@@ -125,36 +164,9 @@ def test_decoder_wiring_matches_numpy_forward():
   cfg = CFG
   seed = _seed()
   rng = np.random.default_rng(seed)
-  model = Transformer(cfg, rngs=nnx.Rngs(seed))
-  graphdef, state = nnx.split(model)
-
-  def randomise(path, x):
-    name = jax.tree_util.keystr(path)
-    shape = x.shape
-    if "query" in name:
-      return jnp.asarray(rng.standard_normal(shape) * 0.3, x.dtype)
-    if "scale" in name or "o_norm" in name or "latent_norm" in name:
-      return jnp.asarray(rng.uniform(0.5, 1.5, shape), x.dtype)
-    if any(n in name for n in ("w_og", "A_log", "dt_bias")):
-      return x + jnp.asarray(rng.standard_normal(shape) * 0.5, x.dtype)
-    if "balancer_bias" in name:
-      return jnp.asarray(rng.standard_normal(shape) * 0.1, x.dtype)
-    return x
-
-  model = nnx.merge(graphdef, jax.tree.map_with_path(randomise, state))
+  model = randomised_model(cfg, seed, rng)
   layers = (list(model.head.layers) + list(_unstack(model.groups, 0).layers) + [model.last])
-  assert [l.mixer_kind for l in layers] == list(cfg.layer_types)
-  B, T = 2, 13
-  for _ in range(5):  # fresh inputs until no token sits on a top-k near-tie
-    tokens = rng.integers(0, cfg.vocab_size, (B, T)).astype(np.int32)
-    seg = np.ones((B, T), np.int32)
-    seg[0, rng.integers(3, T - 3):] = 2  # two packed documents in row 0
-    min_gap = []
-    ref = _np_decoder(layers, model, tokens, seg, cfg, min_gap)
-    if min(min_gap) > 1e-4:
-      break
-  logits = nnx.jit(lambda m, t, s: m(t, segment_ids=s))(model, jnp.asarray(tokens),
-                                                          jnp.asarray(seg))
+  ref, logits, min_gap = decoder_against_numpy(model, layers, cfg, rng, B=2, T=13)
   assert len(min_gap) == cfg.num_layers - cfg.num_dense_layers
   assert np.std(ref) > 0.1
   assert _rel(ref, logits) < 1e-4, _rel(ref, logits)

@@ -13,8 +13,7 @@ from sparse_lm.config import get_preset
 from sparse_lm.model.transformer import Transformer
 from sparse_lm.rl import grpo
 from sparse_lm.rl.rollout import Episode
-from sparse_lm.train.optimizer import OptimizerConfig, make_optimizer, wsd_schedule
-from sparse_lm.train.state import TrainState, split_model
+from sparse_lm.train.state import split_model
 
 SEED = 0
 # 3 layers (KDA, MLA, MLA), one MoE, the standard residual: the quickest model to compile (the

@@ -14,7 +14,7 @@ from experiments.agentic_rl import PRESETS
 from sparse_lm.config import get_preset
 from sparse_lm.inference import Engine
 from sparse_lm.model.transformer import Transformer
-from sparse_lm.rl import grpo, trainer
+from sparse_lm.rl import trainer
 from sparse_lm.train import checkpoint as ckpt_lib
 
 # 3 layers (KDA, MLA, MLA; one MoE), the standard residual: what is checked is the resume, and

@@ -116,7 +116,7 @@ def _np_mla_logits(mla, x, cfg):
   c_kv = rms(ckv[..., :cfg.kv_lora_rank], P(mla.kv_norm.scale), eps)
   k_rope = ckv[..., cfg.kv_lora_rank:]
   k_nope = np.einsum("btc,chd->bthd", c_kv, P(mla.w_ukv)[..., :cfg.qk_nope_head_dim])
-  H, T = q.shape[2], q.shape[1]
+  T = q.shape[1]
   k = np.concatenate([k_nope, np.broadcast_to(k_rope[:, :, None], k_nope.shape[:3] +
                                               (cfg.qk_rope_head_dim,))], -1)
   s = np.einsum("bqhd,bkhd->hbqk", q, k) / np.sqrt(cfg.qk_head_dim)

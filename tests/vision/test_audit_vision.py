@@ -19,7 +19,6 @@ the wrong order, the 2x2 merge in column-major order, RoPE row / column tables s
 exact-vs-tanh GELU swapped, a skipped final norm. Runs each image alone on its own grid (so
 the padding handling of the encoder is checked too)."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx

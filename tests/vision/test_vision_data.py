@@ -3,7 +3,6 @@ packing of several images with their text per row; exact resume (ARCHITECTURE §
 
 import io
 import json
-import os
 import tarfile
 import warnings
 
