@@ -23,7 +23,7 @@ Per chunk (C tokens, G the in-chunk cumulative log-decay, Γ = e^G, S the state 
 
     A_kk[i, j] = β_i Σ_d k_id k_jd e^(G_id − G_jd)     j < i, same document
     A_qk[i, j] = scale Σ_d q_id k_jd e^(G_id − G_jd)   j ≤ i, same document
-    X = (I + A_kk)^(−1)   (doubling product (I − A)(I + A²)(I + A⁴)…, exact: A is nilpotent)
+    X = (I + A_kk)^(−1)   (block recursion M_2s = M_s − M_s (A ∘ B_s) M_s: no cancellation)
     U = X (β ⊙ V),  W = X (β ⊙ K ⊙ Γ),  V' = U − m0 ⊙ (W S)
     O = scale m0 ⊙ ((Q ⊙ Γ) S) + A_qk V'
     S' = m0_C e^(G_C) ⊙ S + (K ⊙ e^(G_C − G) ⊙ m_C)ᵀ V'

@@ -164,17 +164,26 @@ def _cumsum(g):
 
 
 def _unit_lower_inverse(A):
-  """(I + A)^(−1) for strictly lower-triangular A [C, C] (C a power of two): exact product
-  (I − A)(I + A²)(I + A⁴)… (A^C = 0); every factor is lower-triangular with exact zeros above
-  the diagonal, so row i only ever combines rows ≤ i (causal bit for bit)."""
+  """(I + A)^(−1) for strictly lower-triangular A [C, C] (C a power of two), by block recursion.
+
+  The diagonal blocks of a triangular matrix's inverse are the inverses of its diagonal blocks,
+  so with M_s the inverse's block-diagonal part of block size s (M_1 = I):
+      M_2s = M_s − M_s (A ∘ B_s) M_s,
+  B_s selecting the entries of A inside a 2s-block and outside every s-block (block row 2 of
+  [[X, 0], [Y, Z]]⁻¹ is −Z⁻¹ Y X⁻¹). Two matmuls per level, as many as the doubling product
+  (I − A)(I + A²)(I + A⁴)… that this replaces, but every intermediate is a block of the true
+  inverse: with correlated keys and a near-zero gate the powers of A grow large and cancel in
+  fp32 (relative error 4e-3 at key cosine 0.6, C = 64), while this stays at the row-serial
+  solve's accuracy (`xla._unit_lower_inverse`). Every factor is lower-triangular with exact
+  zeros above the diagonal, so row i only combines rows ≤ i (causal bit for bit)."""
   C = A.shape[0]
-  eye = (_iota((C, C), 0) == _iota((C, C), 1)).astype(jnp.float32)
-  X, P, n = eye - A, A, 2
-  while n < C:
-    P = _dot(P, P)
-    X = _dot(X, eye + P)
-    n *= 2
-  return X
+  x = _iota((C, C), 0) ^ _iota((C, C), 1)  # < 2s: one 2s-block; >= s: two s-blocks
+  M = (x == 0).astype(jnp.float32) - jnp.where(x == 1, A, 0.0)  # M_2 (A is zero above)
+  s = 2
+  while s < C:
+    M = M - _dot(M, _dot(jnp.where((x >= s) & (x < 2 * s), A, 0.0), M))
+    s *= 2
+  return M
 
 
 class _Chunk:
