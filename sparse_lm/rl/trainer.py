@@ -348,6 +348,11 @@ def pretraining_stages(init_from: str, log=None) -> list[pathlib.Path]:
       what to give instead).
   """
   root = pathlib.Path(init_from)
+  if not root.exists():
+    raise FileNotFoundError(
+        f"init_from={init_from!r} does not exist: give the workdir of a pretraining run (e.g. "
+        "runs/tiny after python -m experiments.stage_8k --preset=tiny), or leave init_from "
+        "unset to start from scratch")
   stages = [d / "checkpoints" for d in stage_dirs_with_checkpoints(root)] if root.is_dir() \
       else []
   empty = sorted(d for d in root.glob("*/checkpoints") if d.is_dir() and d not in stages)
@@ -368,6 +373,44 @@ def pretraining_stages(init_from: str, log=None) -> list[pathlib.Path]:
   return stages
 
 
+def _same_model(meta: dict, model_cfg, stage: pathlib.Path) -> None:
+  """Raise ConfigMismatchError when the init_from checkpoint `meta` (of `stage`) holds another
+  model than `model_cfg`, naming the fields and the --preset / --set that match."""
+  try:
+    check_model(meta, model_cfg, f"init_from {stage.parent}")
+  except ConfigMismatchError as e:
+    raise ConfigMismatchError(
+        f"{str(e).split('. A checkpoint cannot')[0]}. The RL model must be the pretrained "
+        "one: build it with the checkpoint's settings (--preset, and --set "
+        "model_overrides='[[\"field\", value], ...]' for the fields listed), or leave "
+        "init_from unset to start from scratch.") from None
+
+
+def check_init_from_model(cfg: RLConfig) -> None:
+  """`_same_model` on the meta of the newest readable checkpoint of init_from's newest stage,
+  before the model is built: `--preset=small --init_from` a tiny run built the 1.6B-parameter
+  model and its optimizer state before the restore refused it (7.8 GB resident when a 10 GB
+  limit stopped it, in a newcomer's run, 2026-12-07). Steps whose meta cannot be read are left to the restore.
+
+  Raises:
+    ConfigMismatchError: as `_same_model`.
+    FileNotFoundError: init_from holds no checkpoint (`pretraining_stages`).
+  """
+  stage = pretraining_stages(cfg.init_from)[-1]
+  model_cfg = get_preset(cfg.preset, **dict(cfg.model_overrides))
+  ckpt = Checkpointer(stage, async_save=False)
+  try:
+    for step in reversed(ckpt.all_steps()):
+      try:
+        meta = dict(ckpt.read_meta(step))
+      except Exception:  # pylint: disable=broad-except  (corrupt: the restore reports it)
+        continue
+      _same_model(meta, model_cfg, stage)
+      return
+  finally:
+    ckpt.close()
+
+
 def _init_from_pretraining(model, cfg: RLConfig, log=print):
   """Weights and balancer biases of the newest checkpoint in cfg.init_from (any stage, or an
   RL workdir's newest phase), with one log line naming the stage or phase and the step.
@@ -381,20 +424,10 @@ def _init_from_pretraining(model, cfg: RLConfig, log=print):
   """
   stages = pretraining_stages(cfg.init_from, log)
   _, _, state = _fresh_state(model, OptimizerConfig(), 1, cfg.seed)
-
-  def same_model(meta):
-    try:
-      check_model(meta, model.cfg, f"init_from {stages[-1].parent}")
-    except ConfigMismatchError as e:
-      raise ConfigMismatchError(
-          f"{str(e).split('. A checkpoint cannot')[0]}. The RL model must be the pretrained "
-          "one: build it with the checkpoint's settings (--preset, and --set "
-          "model_overrides='[[\"field\", value], ...]' for the fields listed), or leave "
-          "init_from unset to start from scratch.") from None
-
   ckpt = Checkpointer(stages[-1], async_save=False)
   try:  # a reader: an unreadable step of another run is never moved aside
-    restored = _restore(ckpt, state, same_model, set_aside=False)
+    restored = _restore(ckpt, state, lambda meta: _same_model(meta, model.cfg, stages[-1]),
+                        set_aside=False)
   finally:
     ckpt.close()
   if restored is None:  # removed since it was listed
@@ -729,7 +762,8 @@ def run(cfg: RLConfig, workdir: str, log=print, progress: bool = False) -> dict:
     NotAnRLWorkdirError (a ConfigMismatchError): the workdir holds a pretraining stage's
       checkpoints (`check_rl_workdir`), before anything is written there.
     ConfigMismatchError: a phase checkpoint of the workdir was written under another config
-      (`check_saved_phases`, before the model is built), or init_from holds another model.
+      (`check_saved_phases`, before the model is built), or init_from holds another model
+      (`check_init_from_model`, before the tokenizer and the model are built).
     FileNotFoundError: init_from holds no checkpoint (`pretraining_stages`).
   """
   cfg.validate()
@@ -739,7 +773,7 @@ def run(cfg: RLConfig, workdir: str, log=print, progress: bool = False) -> dict:
   wd = local_workdir(workdir)
   if cfg.init_from:
     local_workdir(cfg.init_from, "init_from")
-    pretraining_stages(cfg.init_from)
+    check_init_from_model(cfg)  # before the model (and its optimizer state) is built
   check_rl_workdir(wd)  # before the lock: nothing is written into another run's workdir
   with WorkdirLock(wd):  # before the tokenizer: a second run stops before any work
     model_cfg = get_preset(cfg.preset, **dict(cfg.model_overrides))
