@@ -76,11 +76,26 @@ def test_causality_bit_for_bit(model):
   assert not np.array_equal(l1[:, P:], l2[:, P:])
   leaves1 = jax.tree.leaves_with_path(g1)
   leaves2 = jax.tree.leaves(g2)
-  nonzero = 0
+  nonzero = reassociated = 0
   for (path, a), b in zip(leaves1, leaves2):
-    np.testing.assert_array_equal(a, b, err_msg=jax.tree_util.keystr(path))
-    nonzero += int(np.any(np.asarray(a) != 0))
+    name = jax.tree_util.keystr(path)
+    a, b = np.asarray(a), np.asarray(b)
+    if name.endswith(("['expert_gate'].value", "['expert_up'].value")):
+      # The routed experts' first grouped matmul: dW_e = sum of x_t dh_t over the tokens
+      # sorted by expert, where a future token routed to e sits among the past ones (row 0's
+      # future before row 1's past) and moves the offsets at which XLA:CPU's vectorised
+      # reduction splits the sum. Its own term is an exact zero (its cotangent is 0), so only
+      # the association of the past terms may change: 1-4 ulp of |dW| ~ 3 seen on an AVX2
+      # host (2026-12-07), bit-equal on the AVX-512 hosts before. A leak of the future (a
+      # capacity drop, a routing or mask error) moves these by far more than 8 ulp of max|dW|.
+      bound = 8 * np.finfo(np.float32).eps * np.max(np.abs(a))
+      assert np.max(np.abs(a - b)) <= bound, (name, np.max(np.abs(a - b)), bound)
+      reassociated += 1
+    else:
+      np.testing.assert_array_equal(a, b, err_msg=name)
+    nonzero += int(np.any(a != 0))
   assert nonzero > 50
+  assert reassociated == 8  # head MoE layer, the 2 scanned groups (stacked leaves), last
 
 
 def test_packing_matches_separate_documents(model):
