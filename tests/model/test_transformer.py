@@ -86,7 +86,7 @@ def test_causality_bit_for_bit(model):
       # future before row 1's past) and moves the offsets at which XLA:CPU's vectorised
       # reduction splits the sum. Its own term is an exact zero (its cotangent is 0), so only
       # the association of the past terms may change: 1-4 ulp of |dW| ~ 3 seen on an AVX2
-      # host (2026-12-07), bit-equal on the AVX-512 hosts before. A leak of the future (a
+      # host (2026-12-07), bit-equal on the hosts of the CI runs before. A leak of the future (a
       # capacity drop, a routing or mask error) moves these by far more than 8 ulp of max|dW|.
       bound = 8 * np.finfo(np.float32).eps * np.max(np.abs(a))
       assert np.max(np.abs(a - b)) <= bound, (name, np.max(np.abs(a - b)), bound)
