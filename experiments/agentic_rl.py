@@ -188,7 +188,6 @@ _ALIASES = {"steps": ["sft_steps", "grpo_steps"],
 def nearest_keys(key: str, n: int = 4) -> list[str]:
   """The valid `--set` keys closest to an unknown `key` (aliases, then spelling, then the
   same field name in another group)."""
-  import difflib  # pylint: disable=import-outside-toplevel
   valid = [k for k, _ in valid_keys(PRESETS["tiny"])]
   bare = key.rpartition(".")[2].lower()
   out = list(_ALIASES.get(bare, []))

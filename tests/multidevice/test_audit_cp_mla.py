@@ -22,36 +22,8 @@ dropped segment mask that both paths share would pass; the latent form is CP-onl
 Tolerance: relative RMSE 1e-5 in fp32 (the layer tests' bound, tests/model/test_layers.py).
 """
 
-import os
-import pathlib
-import subprocess
-import sys
-import textwrap
-
-from tests._xla_flags import with_devices
-
-ROOT = pathlib.Path(__file__).resolve().parents[2]
-
-_PRELUDE = """
-import os
-os.environ["XLA_FLAGS"] = {flags!r}
-os.environ["JAX_PLATFORMS"] = "cpu"
-import jax
-import jax.numpy as jnp
-import numpy as np
-"""
-
-
-def _run(body: str, timeout: int = 300) -> str:
-  code = _PRELUDE.format(flags=with_devices(8)) + textwrap.dedent(body)
-  env = dict(os.environ, JAX_PLATFORMS="cpu", XLA_FLAGS=with_devices(8))
-  env["PYTHONPATH"] = str(ROOT) + os.pathsep + env.get("PYTHONPATH", "")
-  proc = subprocess.run([sys.executable, "-c", code], env=env, cwd=ROOT, capture_output=True,
-                        text=True, timeout=timeout)
-  out = proc.stdout + proc.stderr
-  print(proc.stdout)
-  assert proc.returncode == 0, out[-6000:]
-  return proc.stdout
+# the 8-device subprocess runner of the expert-parallel audit (its prelude imports jax, jnp, np)
+from tests.multidevice.test_audit_parallel import _run
 
 
 BODY = """
