@@ -188,16 +188,10 @@ _ALIASES = {"steps": ["sft_steps", "grpo_steps"],
 def nearest_keys(key: str, n: int = 4) -> list[str]:
   """The valid `--set` keys closest to an unknown `key` (aliases, then spelling, then the
   same field name in another group)."""
+  from experiments.base import closest_keys  # pylint: disable=import-outside-toplevel
   valid = [k for k, _ in valid_keys(PRESETS["tiny"])]
-  bare = key.rpartition(".")[2].lower()
-  out = list(_ALIASES.get(bare, []))
-  out += difflib.get_close_matches(key, valid, n=n, cutoff=0.6)
-  by_field = {}
-  for k in valid:
-    by_field.setdefault(k.rpartition(".")[2], []).append(k)
-  for name in difflib.get_close_matches(bare, list(by_field), n=n, cutoff=0.8):
-    out += by_field[name]
-  return [k for k in dict.fromkeys(out) if k != key][:n]
+  aliases = _ALIASES.get(key.rpartition(".")[2].lower(), [])
+  return closest_keys(key, valid, aliases, n=n, field_cutoff=0.8)
 
 
 def _shown(value) -> str:

@@ -60,20 +60,25 @@ def valid_keys() -> list[str]:
   return keys
 
 
-def nearest_keys(key: str, n: int = 5) -> list[str]:
-  """The valid `--set` keys closest to an unknown `key` (aliases, then spelling)."""
-  valid = valid_keys()
-  out = []
+def closest_keys(key: str, valid: list[str], aliases: list[str], *, n: int,
+                 field_cutoff: float = 0.6) -> list[str]:
+  """Up to n of `valid` for an unknown `--set` key: `aliases` first (the keys a name from other
+  trainers means), then keys spelled like `key`, then keys whose last part (after the group's
+  dot) is spelled like key's; each once, `key` itself left out. Shared by the stage and RL CLIs."""
   bare = key.rpartition(".")[2].lower()
-  if bare in _ALIASES:
-    out.append(_ALIASES[bare])
-  out += difflib.get_close_matches(key, valid, n=n, cutoff=0.6)
+  out = list(aliases) + difflib.get_close_matches(key, valid, n=n, cutoff=0.6)
   by_field = {}
   for k in valid:
     by_field.setdefault(k.rpartition(".")[2], []).append(k)
-  for field in difflib.get_close_matches(bare, list(by_field), n=n, cutoff=0.6):
+  for field in difflib.get_close_matches(bare, list(by_field), n=n, cutoff=field_cutoff):
     out += by_field[field]
-  return list(dict.fromkeys(out))[:n]
+  return [k for k in dict.fromkeys(out) if k != key][:n]
+
+
+def nearest_keys(key: str, n: int = 5) -> list[str]:
+  """The valid `--set` keys closest to an unknown `key` (aliases, then spelling)."""
+  alias = _ALIASES.get(key.rpartition(".")[2].lower())
+  return closest_keys(key, valid_keys(), [alias] if alias else [], n=n)
 
 
 def _parse(text: str, tp: Any, key: str) -> Any:
